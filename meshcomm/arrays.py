@@ -1,0 +1,90 @@
+"""Array kinds meshcomm accepts (NumPy, torch, JAX) and dtype normalisation."""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+__all__ = ["kind_of", "normalize_dtype", "dtype_of", "to_numpy", "from_numpy", "is_torch", "is_jax"]
+
+
+def is_torch(x) -> bool:
+    t = sys.modules.get("torch")
+    return t is not None and isinstance(x, t.Tensor)
+
+
+def is_jax(x) -> bool:
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(x, jax.Array)
+
+
+def kind_of(x) -> str:
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if is_torch(x):
+        return "torch"
+    if is_jax(x):
+        return "jax"
+    if isinstance(x, np.generic):
+        return "numpy"
+    raise TypeError(f"expected a NumPy array, torch.Tensor or jax.Array, got {type(x).__name__}")
+
+
+_TORCH_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float": "float32",
+                "double": "float64", "bool": "bool"}
+
+
+def normalize_dtype(dtype: Any) -> tuple[str, int]:
+    """(canonical name, itemsize) for anything numpy.dtype accepts, torch dtypes and
+    bfloat16/float8 names (via ml_dtypes when installed)."""
+    t = sys.modules.get("torch")
+    if t is not None and isinstance(dtype, t.dtype):
+        name = str(dtype).removeprefix("torch.")
+        name = _TORCH_NAMES.get(name, name)
+        itemsize = t.empty((), dtype=dtype).element_size()
+        return name, itemsize
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        if isinstance(dtype, str):
+            try:
+                import ml_dtypes
+                dt = np.dtype(getattr(ml_dtypes, dtype))
+            except (ImportError, AttributeError):
+                raise TypeError(f"unknown dtype {dtype!r}") from None
+        else:
+            raise TypeError(f"unknown dtype {dtype!r}") from None
+    if dt.kind in "OUSVM" or dt.fields is not None:
+        raise TypeError(f"dtype {dt} is not a numeric element type")
+    return dt.name, dt.itemsize
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes
+        return np.dtype(getattr(ml_dtypes, name))
+
+
+def dtype_of(x) -> tuple[str, int]:
+    return normalize_dtype(x.dtype)
+
+
+def to_numpy(x) -> np.ndarray:
+    k = kind_of(x)
+    if k == "numpy":
+        return np.asarray(x)
+    if k == "torch":
+        return x.detach().cpu().numpy() if x.dtype.is_floating_point is False or str(x.dtype) != "torch.bfloat16" \
+            else x.detach().cpu().view(dtype=__import__("torch").int16).numpy().view(numpy_dtype("bfloat16"))
+    return np.asarray(x)
+
+
+def jax_device(device_id: int):
+    import jax
+    for d in jax.devices():
+        if d.id == device_id:
+            return d
+    return jax.devices()[0]

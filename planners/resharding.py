@@ -1,0 +1,376 @@
+"""The resharding planner: two layouts -> pieces -> transfer graph -> senders -> schedule.
+
+1. Pieces. Src tiles partition the tensor, and so do dst tiles; each non-empty
+   (src tile, dst tile) intersection is a piece, found per dimension by merging intervals.
+2. Graph. A networkx DiGraph src device -> piece -> dst device, edges weighted by bytes
+   (``transfer_graph``), used for inspection and drawing; the planner works on its data.
+3. Senders. Needers that hold a piece copy it locally; a node that holds it feeds its own
+   devices. Every node that lacks a piece gets it once over its NIC, from a holder node
+   chosen by an exact min-max flow over NIC out-loads (binary search on the capacity,
+   integer max-flow in elements). Fractional splits are realised exactly by cutting pieces
+   at row-major element offsets.
+4. Primitives. One lacking node: a send (or a bcast into that node's needers). Several:
+   unicast from distinct senders where senders are plentiful, else one pipelined chain
+   broadcast through the lacking nodes; both are solved and the lower busiest link wins.
+5. Partial sums. With the same number of addends on both sides the pending sum is kept
+   (addend a goes to dst replica group a); otherwise each piece is reduced once, along a
+   chain ending at one needer on the node holding most addends, then fanned out.
+6. Coalescing and order. Everything between the same route in the same stage is one
+   message. Transfers get rounds by list scheduling and one deterministic global order.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import defaultdict
+from typing import Iterable
+
+import networkx as nx
+
+from .boxes import Box, box_size, interval_pairs, row_major_range
+from .schedule import Plan, Transfer
+from .topology import Topology
+
+__all__ = ["plan_reshard", "pieces", "transfer_graph"]
+
+
+def pieces(src, dst, shape) -> list[tuple[tuple[int, ...], tuple[int, ...], Box]]:
+    """(src shard class, dst shard class, global box) for every non-empty intersection."""
+    st, dt = src.tiles(shape), dst.tiles(shape)
+    per_dim = [interval_pairs(st.dim_bounds[i], dt.dim_bounds[i]) for i in range(len(shape))]
+    out = []
+    for combo in itertools.product(*per_dim):
+        out.append((tuple(c[0] for c in combo), tuple(c[1] for c in combo), tuple(c[2] for c in combo)))
+    return out
+
+
+def transfer_graph(src, dst, shape, itemsize: int = 1) -> nx.DiGraph:
+    """src devices -> pieces -> dst devices, edge weight = bytes of the piece."""
+    st, dt = src.tiles(shape), dst.tiles(shape)
+    g = nx.DiGraph()
+    for sc, dc, box in pieces(src, dst, shape):
+        nb = box_size(box) * itemsize
+        pnode = ("piece", sc, dc)
+        g.add_node(pnode, box=box, nbytes=nb)
+        for a, devs in st.classes[sc].items():
+            for d in devs:
+                g.add_edge(("src", d), pnode, weight=nb, addend=a)
+        for b, devs in dt.classes[dc].items():
+            for d in devs:
+                g.add_edge(pnode, ("dst", d), weight=nb, group=b)
+    return g
+
+
+class _Loads:
+    """Bytes (in elements) already placed on each link, for greedy tie-breaking."""
+
+    def __init__(self, topo: Topology):
+        self.topo = topo
+        self.nic_out = defaultdict(int)
+        self.nic_in = defaultdict(int)
+        self.dev_out = defaultdict(int)
+        self.dev_in = defaultdict(int)
+
+    def add_route(self, route: tuple[int, ...], n: int) -> None:
+        node = self.topo.node_of
+        for u, v in zip(route[:-1], route[1:]):
+            if node(u) != node(v):
+                self.nic_out[node(u)] += n
+                self.nic_in[node(v)] += n
+            else:
+                self.dev_out[u] += n
+                self.dev_in[v] += n
+
+
+class _Builder:
+    def __init__(self, topo: Topology):
+        self.topo = topo
+        self.loads = _Loads(topo)
+        self.items: dict[tuple, list[Box]] = defaultdict(list)
+
+    def emit(self, srcs: tuple[int, ...], dsts: tuple[int, ...], box: Box, *,
+             reduce: bool = False, stage: int = 0, src_buf: str = "src") -> None:
+        if reduce:
+            kind = "reduce"
+        elif len(dsts) == 1 and srcs == dsts:
+            kind = "copy"
+        elif len(dsts) == 1:
+            kind = "send"
+        else:
+            kind = "bcast"
+        self.items[(kind, srcs, dsts, stage, src_buf)].append(box)
+        if kind != "copy":
+            n = box_size(box)
+            route = srcs if (reduce and srcs[-1] == dsts[0]) else srcs + dsts
+            self.loads.add_route(route, n)
+
+    def pick(self, devices: Iterable[int], load: dict) -> int:
+        return min(devices, key=lambda d: (load[d], d))
+
+    def chain_order(self, root: int, needers: list[int]) -> tuple[int, ...]:
+        """Needers grouped by node: the root's node first, then nodes by rising NIC out-load
+        (the last node relays nothing, so the busiest goes last)."""
+        node = self.topo.node_of
+        by_node = defaultdict(list)
+        for d in needers:
+            by_node[node(d)].append(d)
+        rn = node(root)
+        nodes = sorted(by_node, key=lambda n: (n != rn, self.loads.nic_out[n], n))
+        return tuple(d for n in nodes for d in sorted(by_node[n]))
+
+
+def plan_reshard(shape: tuple[int, ...], dtype: str, itemsize: int, src, dst,
+                 topology: Topology) -> Plan:
+    t0 = time.perf_counter()
+    st, dt = src.tiles(shape), dst.tiles(shape)
+    b = _Builder(topology)
+    zero_fill: set[int] = set()
+    deliveries: list[tuple[Box, tuple[int, ...], tuple[int, ...]]] = []   # (box, holders, needers)
+    reductions = []
+    passthrough = src.num_addends == dst.num_addends and src.num_addends > 1
+    if dst.num_addends > 1 and not passthrough:
+        zero_fill = {d for d, a in dt.addend_of.items() if a != 0 and box_size(dt.boxes[d]) > 0}
+    for sc, dc, box in pieces(src, dst, shape):
+        sgroups, dgroups = st.classes[sc], dt.classes[dc]
+        if src.num_addends == 1:
+            deliveries.append((box, sgroups[0], dgroups[0]))
+        elif passthrough:
+            for a in sgroups:
+                deliveries.append((box, sgroups[a], dgroups[a]))
+        else:
+            reductions.append((box, sgroups, dgroups[0]))
+    for box, sgroups, needers in reductions:
+        _plan_reduction(b, box, sgroups, needers)
+    _plan_deliveries(b, deliveries)
+    transfers = _finish(b, itemsize)
+    return Plan(shape=shape, dtype=dtype, itemsize=itemsize, src=src, dst=dst, topology=topology,
+                transfers=transfers, zero_fill=tuple(sorted(zero_fill)),
+                plan_seconds=time.perf_counter() - t0)
+
+
+# -- partial sums ---------------------------------------------------------------------
+
+def _plan_reduction(b: _Builder, box: Box, sgroups: dict[int, tuple[int, ...]], needers: tuple[int, ...]) -> None:
+    node = b.topo.node_of
+    holder_nodes = defaultdict(set)           # node -> addends held there
+    holders = set()
+    for a, devs in sgroups.items():
+        for d in devs:
+            holder_nodes[node(d)].add(a)
+            holders.add(d)
+    # the root: a needer on the node with most addends, preferring one that holds an addend
+    root = min(needers, key=lambda d: (-len(holder_nodes.get(node(d), ())), d not in holders,
+                                       b.loads.nic_in[node(d)], b.loads.dev_in[d], d))
+    rn = node(root)
+    contributors = []
+    for a, devs in sgroups.items():
+        if root in devs:
+            contributors.append(root)
+            continue
+        local = [d for d in devs if node(d) == rn]
+        if local:
+            contributors.append(b.pick(local, b.loads.dev_out))
+        else:
+            contributors.append(min(devs, key=lambda d: (b.loads.nic_out[node(d)], b.loads.dev_out[d], d)))
+    # chain: remote nodes first (grouped), the root's node last, the root itself at the end
+    chain = sorted(contributors, key=lambda d: (node(d) == rn, d == root, node(d), d))
+    b.emit(tuple(chain), (root,), box, reduce=True)
+    rest = [d for d in needers if d != root]
+    if rest:
+        b.emit((root,), b.chain_order(root, rest), box, stage=1, src_buf="dst")
+
+
+# -- plain deliveries -------------------------------------------------------------------
+
+def _plan_deliveries(b: _Builder, deliveries) -> None:
+    node = b.topo.node_of
+    groups: dict[tuple, list] = defaultdict(list)   # (holder nodes, lacking nodes) -> pieces
+    for box, holders, needers in deliveries:
+        hset = set(holders)
+        rest = []
+        for d in needers:
+            if d in hset:
+                b.emit((d,), (d,), box)
+            else:
+                rest.append(d)
+        if not rest:
+            continue
+        h_by_node = defaultdict(list)
+        for h in holders:
+            h_by_node[node(h)].append(h)
+        r_by_node = defaultdict(list)
+        for d in rest:
+            r_by_node[node(d)].append(d)
+        lacking = {}
+        for n, devs in sorted(r_by_node.items()):
+            if n in h_by_node:
+                _deliver_in_node(b, box, h_by_node[n], devs)
+            else:
+                lacking[n] = devs
+        if lacking:
+            key = (tuple(sorted(h_by_node)), tuple(sorted(lacking)))
+            groups[key].append((box, dict(h_by_node), lacking))
+    if groups:
+        _assign_senders(b, groups)
+
+
+def _deliver_in_node(b: _Builder, box: Box, holders: list[int], needers: list[int]) -> None:
+    """Feed needers from holders on the same node: distinct senders where there are enough,
+    else the piece is split among the holders and each part broadcast to all needers."""
+    hs = sorted(holders, key=lambda d: (b.loads.dev_out[d], d))
+    if len(needers) <= len(hs):
+        for d, h in zip(sorted(needers), hs):
+            b.emit((h,), (d,), box)
+        return
+    n = box_size(box)
+    k = max(1, min(len(hs), n))
+    for i in range(k):
+        lo, hi = n * i // k, n * (i + 1) // k
+        for sub in row_major_range(box, lo, hi):
+            b.emit((hs[i],), b.chain_order(hs[i], needers), sub)
+
+
+def _assign_senders(b: _Builder, groups: dict[tuple, list]) -> None:
+    """Choose sender nodes for every (piece, lacking node) so the busiest NIC carries least."""
+    base_out = dict(b.loads.nic_out)
+    candidates = []
+    for mode in ("hybrid", "multicast"):
+        demands = []          # (key, lacking nodes served, senders, elements)
+        for key, plist in groups.items():
+            senders, lacking = key
+            elems = sum(box_size(p[0]) for p in plist)
+            if mode == "hybrid" and len(senders) >= len(lacking) > 1:
+                for ln in lacking:
+                    demands.append((key, (ln,), senders, elems))
+            else:
+                demands.append((key, lacking, senders, elems))
+        flows = _minmax_flow(demands, base_out)
+        cost = _mode_cost(demands, flows, base_out, b.loads.nic_in)
+        candidates.append((cost, mode == "multicast", demands, flows))
+    _, _, demands, flows = min(candidates, key=lambda c: (c[0], c[1]))
+    for (key, served, senders, elems), flow in zip(demands, flows):
+        plist = groups[key]
+        # cut the key's concatenated pieces into consecutive element ranges, one per sender
+        cursor = 0
+        offsets = []
+        for p in plist:
+            offsets.append(cursor)
+            cursor += box_size(p[0])
+        start = 0
+        for s in senders:
+            q = flow.get(s, 0)
+            if q <= 0:
+                continue
+            lo, hi = start, start + q
+            start = hi
+            for (box, h_by_node, lacking), off in zip(plist, offsets):
+                n = box_size(box)
+                a, z = max(lo, off), min(hi, off + n)
+                if z <= a:
+                    continue
+                needers = [d for ln in served for d in lacking[ln]]
+                for sub in row_major_range(box, a - off, z - off):
+                    root = b.pick(h_by_node[s], b.loads.dev_out)
+                    b.emit((root,), b.chain_order(root, needers), sub)
+
+
+def _minmax_flow(demands, base_out: dict) -> list[dict]:
+    """Split every demand among its senders minimising max(base_out + assigned) over senders.
+
+    Demands with one sender are forced. The rest: binary search on the capacity T with an
+    integer max-flow (source -> demand (its elements) -> sender -> sink (T - base)).
+    """
+    flows: list[dict] = [dict() for _ in demands]
+    load = defaultdict(int, base_out)
+    free = []
+    for i, (_, _, senders, elems) in enumerate(demands):
+        if len(senders) == 1:
+            flows[i][senders[0]] = elems
+            load[senders[0]] += elems
+        else:
+            free.append(i)
+    if not free:
+        return flows
+    senders_all = sorted({s for i in free for s in demands[i][2]})
+    total = sum(demands[i][3] for i in free)
+    g = nx.DiGraph()
+    for i in free:
+        g.add_edge("S", ("d", i), capacity=demands[i][3])
+        for s in demands[i][2]:
+            g.add_edge(("d", i), ("n", s))          # infinite capacity
+    for s in senders_all:
+        g.add_edge(("n", s), "T", capacity=0)
+
+    def feasible(cap: int):
+        for s in senders_all:
+            g[("n", s)]["T"]["capacity"] = max(0, cap - load[s])
+        value, fd = nx.maximum_flow(g, "S", "T")
+        return value >= total, fd
+
+    lo = max(max(load[s] for s in senders_all), -(-(total + sum(load[s] for s in senders_all)) // len(senders_all)))
+    hi = max(load[s] for s in senders_all) + total
+    ok, best = feasible(lo)
+    if not ok:
+        ok_hi, best = feasible(hi)
+        assert ok_hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            ok, fd = feasible(mid)
+            if ok:
+                hi, best = mid, fd
+            else:
+                lo = mid
+    for i in free:
+        for (_, s), v in best[("d", i)].items():
+            if v > 0:
+                flows[i][s] = v
+    return flows
+
+
+def _mode_cost(demands, flows, base_out: dict, base_in: dict) -> tuple[int, int]:
+    """(busiest NIC, total NIC bytes) for one candidate: senders' out, lacking nodes' in,
+    and relays of chains through several lacking nodes (all but the last relay)."""
+    out = defaultdict(int, base_out)
+    inn = defaultdict(int, base_in)
+    total = 0
+    for (key, served, senders, elems), flow in zip(demands, flows):
+        for s, q in flow.items():
+            out[s] += q
+        for ln in served:
+            inn[ln] += elems
+        for ln in served[:-1]:
+            out[ln] += elems
+        total += elems * len(served)
+    return (max(list(out.values()) + list(inn.values()) + [0]), total)
+
+
+# -- coalescing and order ----------------------------------------------------------------
+
+_KIND_ORDER = {"copy": 0, "reduce": 1, "send": 2, "bcast": 3}
+
+
+def _finish(b: _Builder, itemsize: int) -> tuple[Transfer, ...]:
+    ts = []
+    for (kind, srcs, dsts, stage, src_buf), boxes in b.items.items():
+        boxes = tuple(sorted(boxes))
+        ts.append(Transfer(kind, srcs, dsts, boxes, sum(box_size(x) for x in boxes) * itemsize,
+                           stage, src_buf))
+    # list scheduling into rounds: big messages first, each device in one transfer per round
+    ts.sort(key=lambda t: (t.stage, -t.nbytes, _KIND_ORDER[t.kind], t.srcs, t.dsts))
+    next_free: dict[int, int] = defaultdict(int)
+    stage_base = 0
+    rounds = []
+    cur_stage = None
+    for t in ts:
+        if t.stage != cur_stage:
+            cur_stage = t.stage
+            stage_base = max(next_free.values(), default=0)
+        parts = t.participants
+        r = max([stage_base] + [next_free[p] for p in parts])
+        for p in parts:
+            next_free[p] = r + 1
+        rounds.append(r)
+    order = sorted(range(len(ts)), key=lambda i: (ts[i].stage, rounds[i], _KIND_ORDER[ts[i].kind],
+                                                   ts[i].srcs, ts[i].dsts))
+    return tuple(ts[i] for i in order)
