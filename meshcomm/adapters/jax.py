@@ -1,0 +1,245 @@
+"""JAX adapter: reshard a `jax.Array` with a `NamedSharding` to another sharding or Layout.
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from meshcomm.adapters.jax import reshard_jax
+    y = reshard_jax(x, NamedSharding(other_mesh, P(None, "x")))   # any device set, any count
+    y.sharding                                                       # the new NamedSharding
+
+meshcomm device ids are JAX device ids (`jax.Device.id`). `reshard_jax` reads the shards of
+`x` this process can address, runs `meshcomm.reshard` (in memory in one process, or SPMD
+across processes after `meshcomm.init(...)`), and assembles the result with
+`jax.make_array_from_single_device_arrays`. Unlike `jax.device_put`, the source and target
+device sets may differ in size and overlap arbitrarily.
+
+When the target is a Layout JAX cannot express (Blocks, an uneven split, a pending sum),
+`reshard_jax` returns a dict {device id: jax.Array} with the tiles this process owns, each
+committed to its device.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import numpy as np
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ..layout import Blocks, Layout, normalize_shape
+from ..mesh import Mesh
+
+__all__ = ["layout_from_sharding", "sharding_from_layout", "reshard_jax", "jax_device_by_id"]
+
+
+def _mesh_from_jax(jmesh) -> Mesh:
+    devs = getattr(jmesh, "devices", None)
+    if devs is None or not isinstance(devs, np.ndarray):
+        raise TypeError(f"need a concrete jax.sharding.Mesh (with devices), got {type(jmesh).__name__}")
+    ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(devs)
+    return Mesh(ids, tuple(jmesh.axis_names))
+
+
+def layout_from_sharding(sharding, shape=None) -> Layout:
+    """The meshcomm Layout equal to a JAX `NamedSharding`.
+
+    PartitionSpec entries map one to one (None, an axis name, a tuple of axis names, major
+    to minor); mesh axes the spec leaves unused are replicas; `unreduced` axes become
+    `partial` (pending sums). With `shape` given, it is checked against the sharding.
+    """
+    if not isinstance(sharding, NamedSharding):
+        raise TypeError(f"layout_from_sharding needs a jax.sharding.NamedSharding, got "
+                        f"{type(sharding).__name__}")
+    mesh = _mesh_from_jax(sharding.mesh)
+    spec = []
+    for dim, e in enumerate(tuple(sharding.spec)):
+        if e is PartitionSpec.UNCONSTRAINED:
+            raise ValueError(f"dimension {dim} of {sharding.spec} is UNCONSTRAINED; meshcomm needs "
+                             "a concrete sharding")
+        spec.append(e)
+    partial = tuple(sorted(getattr(sharding.spec, "unreduced", ()) or ()))
+    layout = Layout(mesh, tuple(spec), partial=partial)
+    if shape is not None:
+        shape = normalize_shape(shape)
+        layout.check_shape(shape)
+        _check_even(layout, shape, what="sharding")
+    return layout
+
+
+def _uneven_dims(layout: Layout, shape) -> list[tuple[int, int, int]]:
+    out = []
+    for dim, e in enumerate(layout.spec):
+        if e is None or isinstance(e, Blocks):
+            continue
+        k = math.prod(layout.mesh.axis_size(a) for a in e)
+        if shape[dim] % k:
+            out.append((dim, shape[dim], k))
+    return out
+
+
+def _check_even(layout, shape, what):
+    bad = _uneven_dims(layout, shape)
+    if bad:
+        dim, n, k = bad[0]
+        raise ValueError(f"{what}: dimension {dim} of size {n} is split {k} ways, which JAX "
+                         "cannot express (NamedSharding needs even splits)")
+
+
+def jax_device_by_id(device_id: int):
+    """The `jax.Device` with this id (across all processes), or ValueError."""
+    table = _device_table()
+    try:
+        return table[int(device_id)]
+    except KeyError:
+        raise ValueError(f"device {device_id} is not a JAX device; JAX device ids are "
+                         f"{sorted(table)[:16]}{' ...' if len(table) > 16 else ''}") from None
+
+
+def _device_table() -> dict[int, Any]:
+    return {d.id: d for d in jax.devices()}
+
+
+def expressible(layout: Layout, shape=None) -> str | None:
+    """None when JAX can express `layout` (for `shape`, if given), else the reason."""
+    for dim, e in enumerate(layout.spec):
+        if isinstance(e, Blocks):
+            return f"dimension {dim} uses explicit Blocks {e}"
+    if layout.is_partial:
+        return f"the layout is partial (pending sum over {', '.join(layout.partial)})"
+    if shape is not None:
+        bad = _uneven_dims(layout, normalize_shape(shape))
+        if bad:
+            dim, n, k = bad[0]
+            return f"dimension {dim} of size {n} is split {k} ways (uneven)"
+    table = _device_table()
+    missing = [d for d in layout.mesh.device_ids if d not in table]
+    if missing:
+        return f"device(s) {missing[:8]} are not JAX devices"
+    return None
+
+
+def sharding_from_layout(layout: Layout, shape=None) -> NamedSharding:
+    """The JAX `NamedSharding` equal to a meshcomm Layout.
+
+    Raises ValueError for what JAX cannot express: Blocks, pending sums (partial), uneven
+    splits (when `shape` is given), or device ids that are not JAX devices.
+    """
+    if not isinstance(layout, Layout):
+        raise TypeError(f"sharding_from_layout needs a meshcomm.Layout, got {type(layout).__name__}")
+    why = expressible(layout, shape)
+    if why is not None:
+        raise ValueError(f"JAX cannot express layout {layout}: {why}")
+    table = _device_table()
+    devs = np.vectorize(lambda i: table[int(i)], otypes=[object])(layout.mesh.devices)
+    jmesh = jax.sharding.Mesh(devs, layout.mesh.axis_names)
+    spec = []
+    for e in layout.spec:
+        if e is None:
+            spec.append(None)
+        elif len(e) == 1:
+            spec.append(e[0])
+        else:
+            spec.append(tuple(e))
+    return NamedSharding(jmesh, PartitionSpec(*spec))
+
+
+def _local_shards(x) -> dict[int, Any]:
+    out = {}
+    for s in x.addressable_shards:
+        out[s.device.id] = s.data
+    return out
+
+
+def _owned_devices() -> set[int] | None:
+    """Device ids this process owns under meshcomm's runtime, or None (owns all)."""
+    from .. import runtime
+    ctx = runtime.current()
+    if ctx is None:
+        return None
+    for attr in ("owned", "devices", "owned_devices"):
+        v = getattr(ctx, attr, None)
+        if callable(v):
+            try:
+                v = v()
+            except TypeError:
+                continue
+        if v is not None and not isinstance(v, (str, bytes)):
+            try:
+                return set(int(d) for d in v)
+            except TypeError:
+                continue
+    return None
+
+
+def reshard_jax(x, dst, *, backend: str | None = None):
+    """Reshard `x` (a jax.Array with a NamedSharding) to `dst`.
+
+    `dst` is a `NamedSharding` or a meshcomm `Layout`. Returns a jax.Array with sharding
+    `dst` (or `sharding_from_layout(dst)`); where a Layout is not expressible in JAX, a
+    dict {device id: jax.Array} of the tiles this process owns.
+
+    In one process (no `meshcomm.init`) every device is local. Under a launcher, every
+    process calls `reshard_jax` with its own jax.Array; meshcomm device d belongs to rank
+    d // devices_per_process, and the JAX devices a process addresses must be the ones
+    meshcomm gives it.
+    """
+    if not isinstance(x, jax.Array):
+        raise TypeError(f"reshard_jax needs a jax.Array, got {type(x).__name__}")
+    src_sharding = x.sharding
+    if isinstance(src_sharding, jax.sharding.SingleDeviceSharding):
+        (d,) = tuple(src_sharding.device_set)
+        src = Layout(Mesh([d.id], ("_single",)), ())
+    elif isinstance(src_sharding, NamedSharding):
+        src = layout_from_sharding(src_sharding, x.shape)
+    else:
+        raise TypeError(f"reshard_jax needs x with a NamedSharding (or a single device), got "
+                        f"{type(src_sharding).__name__}")
+    shape = tuple(x.shape)
+    if isinstance(dst, NamedSharding):
+        dst_sharding = dst
+        dst_layout = layout_from_sharding(dst, shape)
+    elif isinstance(dst, Layout):
+        dst_layout = dst
+        dst_layout.check_shape(shape)
+        dst_sharding = None if expressible(dst, shape) else sharding_from_layout(dst, shape)
+        table = _device_table()
+        missing = [d for d in dst.mesh.device_ids if d not in table]
+        if missing:
+            raise ValueError(f"dst layout device(s) {missing[:8]} are not JAX devices")
+    else:
+        raise TypeError(f"dst must be a NamedSharding or a meshcomm.Layout, got {type(dst).__name__}")
+
+    from .. import api, runtime
+    shards = _local_shards(x)
+    owned = _owned_devices()
+    if owned is not None:
+        extra = [d for d in shards if d not in owned]
+        if extra:
+            raise ValueError(f"this process addresses JAX device(s) {sorted(extra)} that meshcomm "
+                             f"does not give it (it owns {sorted(owned)})")
+    if runtime.current() is None:
+        # One process: JAX arrays go to the local backend as NumPy views (zero-copy on CPU).
+        np_shards = {d: np.asarray(v) for d, v in shards.items()}
+        out = api.reshard(np_shards, src, dst_layout, shape=shape, dtype=x.dtype, backend=backend)
+    else:
+        np_shards = {d: np.asarray(v) for d, v in shards.items()}
+        out = api.reshard(np_shards, src, dst_layout, shape=shape, dtype=x.dtype, backend=backend)
+        if out is None:
+            out = {}
+        elif not isinstance(out, Mapping):
+            mine = [d for d in dst_layout.mesh.device_ids if owned is None or d in owned]
+            out = {mine[0]: out}
+    tiles = {d: jax.device_put(np.asarray(v), jax_device_by_id(d)) for d, v in out.items()}
+    if dst_sharding is None:
+        return tiles
+    arrays = []
+    for dev in _addressable_in_order(dst_sharding):
+        if dev.id not in tiles:
+            raise ValueError(f"dst device {dev.id} is addressable by this process but meshcomm did "
+                             "not give it a tile (device ownership differs between JAX and meshcomm)")
+        arrays.append(tiles[dev.id])
+    return jax.make_array_from_single_device_arrays(shape, dst_sharding, arrays, dtype=x.dtype)
+
+
+def _addressable_in_order(sharding: NamedSharding):
+    addressable = sharding.addressable_devices
+    return [d for d in sharding.mesh.devices.flat if d in addressable]

@@ -1,0 +1,195 @@
+"""Single-process adapter tests: JAX arrays over many CPU devices (XLA_FLAGS is set in
+conftest.py), and the DTensor placement translation (no process group needed)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import meshcomm as mc
+
+jax = pytest.importorskip("jax")
+from jax.sharding import Mesh as JMesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from meshcomm.adapters.jax import (layout_from_sharding, reshard_jax,  # noqa: E402
+                                   sharding_from_layout)
+
+NDEV = 8
+needs_devices = pytest.mark.skipif(len(jax.devices()) < NDEV,
+                                   reason=f"needs {NDEV} JAX CPU devices (XLA_FLAGS in conftest.py)")
+
+FACTORS = {1: [(1,)], 2: [(2,), (1, 2), (2, 1)], 3: [(3,)], 4: [(4,), (2, 2), (1, 4)],
+           6: [(6,), (2, 3), (3, 2)], 8: [(8,), (2, 4), (4, 2), (2, 2, 2)]}
+
+
+def _random_sharding(rng, pool, shape):
+    """A random NamedSharding over a random subset of `pool` that divides `shape` evenly."""
+    n = int(rng.choice([k for k in FACTORS if k <= len(pool)]))
+    devs = list(rng.permutation(pool)[:n])
+    mshape = FACTORS[n][rng.integers(len(FACTORS[n]))]
+    names = ("a", "b", "c")[:len(mshape)]
+    jmesh = JMesh(np.array(devs, dtype=object).reshape(mshape), names)
+    spec = [None] * len(shape)
+    for name, k in zip(names, mshape):
+        choice = rng.integers(len(shape) + 1)
+        if choice == len(shape):
+            continue                      # replica axis
+        used = spec[choice]
+        cur = () if used is None else ((used,) if isinstance(used, str) else used)
+        ways = math.prod(dict(zip(names, mshape))[a] for a in cur) * k
+        if shape[choice] % ways == 0:
+            new = cur + (name,)
+            spec[choice] = new[0] if len(new) == 1 else new
+    return NamedSharding(jmesh, P(*spec))
+
+
+def _global(shape, dtype=np.float32):
+    return (np.arange(math.prod(shape)) % 251).astype(dtype).reshape(shape)
+
+
+def _check_array(y, want, sharding):
+    assert isinstance(y, jax.Array)
+    assert y.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(y), want)
+    imap = sharding.devices_indices_map(want.shape)
+    for s in y.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(s.data), want[imap[s.device]])
+        assert s.data.devices() == {s.device}
+
+
+@needs_devices
+def test_layout_matches_jax_index_map():
+    rng = np.random.default_rng(0)
+    devs = jax.devices()[:NDEV]
+    for _ in range(40):
+        shape = tuple(int(s) for s in rng.choice([2, 4, 6, 8, 12], size=rng.integers(1, 4)))
+        s = _random_sharding(rng, devs, shape)
+        lay = layout_from_sharding(s, shape)
+        jmap = {d.id: idx for d, idx in s.devices_indices_map(shape).items()}
+        mmap = lay.index_map(shape)
+        assert set(jmap) == set(mmap)
+        for d, idx in jmap.items():
+            want = tuple(sl.indices(n)[:2] for sl, n in zip(idx, shape))
+            got = tuple((sl.start, sl.stop) for sl in mmap[d])
+            assert got == want, (s, d)
+        assert sharding_from_layout(lay, shape).is_equivalent_to(s, len(shape))
+
+
+@needs_devices
+def test_reshard_random_named_shardings():
+    rng = np.random.default_rng(1)
+    devs = jax.devices()[:NDEV]
+    for i in range(30):
+        shape = tuple(int(s) for s in rng.choice([2, 4, 6, 8, 12], size=rng.integers(1, 4)))
+        want = _global(shape, np.float32 if i % 2 else np.int32)
+        s1 = _random_sharding(rng, devs, shape)
+        s2 = _random_sharding(rng, devs, shape)
+        x = jax.device_put(want, s1)
+        y = reshard_jax(x, s2)
+        _check_array(y, want, s2)
+
+
+@needs_devices
+def test_disjoint_and_different_device_counts():
+    devs = jax.devices()[:NDEV]
+    shape = (12, 8)
+    want = _global(shape)
+    s1 = NamedSharding(JMesh(np.array(devs[:4], dtype=object).reshape(2, 2), ("x", "y")), P("x", "y"))
+    cases = [
+        NamedSharding(JMesh(np.array(devs[4:], dtype=object).reshape(2, 2), ("x", "y")), P("y", "x")),
+        NamedSharding(JMesh(np.array(devs[5:8], dtype=object), ("z",)), P("z")),
+        NamedSharding(JMesh(np.array(devs[2:8], dtype=object).reshape(3, 2), ("p", "q")), P("p", None)),
+        NamedSharding(JMesh(np.array([devs[7]], dtype=object), ("one",)), P()),
+    ]
+    x = jax.device_put(want, s1)
+    for s2 in cases:
+        _check_array(reshard_jax(x, s2), want, s2)
+
+
+@needs_devices
+def test_to_layout_expressible_and_not():
+    devs = jax.devices()[:NDEV]
+    shape = (10, 6)
+    want = _global(shape)
+    s1 = NamedSharding(JMesh(np.array(devs[:4], dtype=object).reshape(4), ("x",)), P(None, None))
+    x = jax.device_put(want, s1)
+    m = mc.Mesh([[4, 5], [6, 7]], ("a", "b"))
+    # expressible: a jax.Array with the equivalent NamedSharding comes back
+    lay = mc.Layout(m, ("a", "b"))
+    y = reshard_jax(x, lay)
+    _check_array(y, want, sharding_from_layout(lay, shape))
+    # not expressible: Blocks, uneven chunks -> dict of committed single-device arrays
+    for lay in [mc.Layout(m, (mc.Blocks("a", [7, 3]), "b")),
+                mc.Layout(m, (("a", "b"), None)),                  # 10 split 4 ways
+                mc.Layout(mc.Mesh([1, 3, 5, 7], "x"), (None, "x"))]:  # 6 split 4 ways
+        out = reshard_jax(x, lay)
+        assert isinstance(out, dict) and set(out) == set(lay.mesh.device_ids)
+        ref = mc.shard(want, lay)
+        for d, v in out.items():
+            assert isinstance(v, jax.Array) and v.devices() == {devs[d]}
+            np.testing.assert_array_equal(np.asarray(v), ref[d])
+        # ... and from that layout back to a NamedSharding
+        back = NamedSharding(JMesh(np.array(devs[:2], dtype=object), ("k",)), P("k"))
+        z = mc.reshard({d: np.asarray(v) for d, v in out.items()}, lay,
+                       layout_from_sharding(back, shape))
+        np.testing.assert_array_equal(mc.unshard(z, layout_from_sharding(back, shape)), want)
+
+
+@needs_devices
+def test_partial_unreduced_and_dtypes():
+    devs = jax.devices()[:NDEV]
+    shape = (4, 8)
+    m = mc.Mesh([[0, 1], [2, 3]], ("x", "y"))
+    src = mc.Layout(m, (None, "y"), partial=("x",))
+    dst = NamedSharding(JMesh(np.array(devs[4:8], dtype=object), ("z",)), P(None, "z"))
+    for dt in (np.float32, np.int16, np.float16, jax.numpy.bfloat16):
+        dt = np.dtype(dt)
+        want = _global(shape, dt)
+        tiles = mc.shard(want, src, seed=3)
+        z = mc.reshard(tiles, src, layout_from_sharding(dst, shape))
+        arrs = [jax.device_put(z[d.id], d) for d in dst.mesh.devices.flat]
+        x = jax.make_array_from_single_device_arrays(shape, dst, arrs)
+        y = reshard_jax(x, NamedSharding(JMesh(np.array(devs[:3], dtype=object), ("w",)), P()))
+        assert y.dtype == dt
+        np.testing.assert_allclose(np.asarray(y, dtype=np.float64), want.astype(np.float64),
+                                   rtol=1e-2 if dt.itemsize == 2 else 1e-6)
+
+
+@needs_devices
+def test_errors_name_the_problem():
+    devs = jax.devices()[:NDEV]
+    m = mc.Mesh([0, 1, 2, 3], "x")
+    with pytest.raises(ValueError, match="Blocks"):
+        sharding_from_layout(mc.Layout(m, (mc.Blocks("x", [1, 1, 1, 1]),)))
+    with pytest.raises(ValueError, match="partial"):
+        sharding_from_layout(mc.Layout(m, (None,), partial=("x",)))
+    with pytest.raises(ValueError, match="dimension 0 of size 6 is split 4 ways"):
+        sharding_from_layout(mc.Layout(m, ("x",)), shape=(6,))
+    with pytest.raises(ValueError, match="device.*10000"):
+        sharding_from_layout(mc.Layout(mc.Mesh([0, 10000], "x"), ("x",)))
+    with pytest.raises(TypeError, match="NamedSharding"):
+        layout_from_sharding("nope")
+    with pytest.raises(TypeError, match="jax.Array"):
+        reshard_jax(np.zeros(4), NamedSharding(JMesh(np.array(devs[:2], dtype=object), ("k",)), P()))
+    x = jax.device_put(np.zeros((4,)), NamedSharding(JMesh(np.array(devs[:2], dtype=object), ("k",)), P("k")))
+    with pytest.raises(ValueError, match="not JAX devices"):
+        reshard_jax(x, mc.Layout(mc.Mesh([0, 99999], "x"), ("x",)))
+
+
+@needs_devices
+def test_single_device_source():
+    want = _global((6, 4))
+    x = jax.device_put(want, jax.devices()[3])
+    s2 = NamedSharding(JMesh(np.array(jax.devices()[:6], dtype=object).reshape(3, 2), ("x", "y")), P("x", "y"))
+    _check_array(reshard_jax(x, s2), want, s2)
+
+
+def test_adapters_import_lazily():
+    import subprocess
+    import sys
+    code = ("import sys, meshcomm, meshcomm.adapters as A; "
+            "assert 'jax' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules); "
+            "A.reshard_jax; assert 'jax' in sys.modules; print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
