@@ -193,3 +193,64 @@ def test_adapters_import_lazily():
             "A.reshard_jax; assert 'jax' in sys.modules; print('ok')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+# -- DTensor placements <-> Layout (no process group needed) ------------------------------
+
+def _dtensor_local(full, ranks, placements, coord):
+    """What DTensor puts on the rank at `coord`: nested torch.chunk in mesh-dim order."""
+    import torch
+    from torch.distributed.tensor import Shard
+    t = full
+    for mdim, p in enumerate(placements):
+        if isinstance(p, Shard):
+            parts = torch.chunk(t, ranks.shape[mdim], dim=p.dim)
+            i = coord[mdim]
+            if i < len(parts):
+                t = parts[i]
+            else:
+                shp = list(t.shape)
+                shp[p.dim] = 0
+                t = t.new_empty(shp)
+    return t
+
+
+def test_layout_from_placements_matches_nested_chunk():
+    torch = pytest.importorskip("torch")
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from meshcomm.adapters.dtensor import layout_from_placements, placements_from_layout
+    rng = np.random.default_rng(5)
+    kinds = [lambda d: Shard(d), lambda d: Replicate(), lambda d: Partial()]
+    n_blocks = 0
+    for _ in range(200):
+        mshape = [(2,), (3,), (2, 2), (2, 3), (3, 2), (2, 2, 2)][rng.integers(6)]
+        ranks = rng.permutation(16)[:math.prod(mshape)].reshape(mshape)
+        shape = tuple(int(s) for s in rng.integers(0, 8, size=rng.integers(1, 4)))
+        placements = [kinds[rng.integers(3)](int(rng.integers(len(shape)))) for _ in mshape]
+        lay = layout_from_placements(ranks, placements, shape)
+        n_blocks += any(isinstance(e, mc.Blocks) for e in lay.spec)
+        full = torch.arange(math.prod(shape)).reshape(shape)
+        imap = lay.index_map(shape)
+        for coord in np.ndindex(*mshape):
+            want = _dtensor_local(full, ranks, placements, coord)
+            got = full[imap[int(ranks[coord])]]
+            assert tuple(got.shape) == tuple(want.shape) and torch.equal(got, want), \
+                (mshape, shape, placements, coord)
+        if not any(isinstance(e, mc.Blocks) for e in lay.spec):
+            back = placements_from_layout(lay)
+            assert [type(p) for p in back] == [type(p) for p in placements]
+    assert n_blocks > 0       # uneven nested splits were exercised
+
+
+def test_placement_errors():
+    pytest.importorskip("torch")
+    from torch.distributed.tensor import Partial, Shard
+    from meshcomm.adapters.dtensor import layout_from_placements, placements_from_layout
+    with pytest.raises(ValueError, match="2 placement"):
+        layout_from_placements(np.arange(4), [Shard(0), Shard(0)], (4,))
+    with pytest.raises(ValueError, match="Shard\\(dim=3\\)|tensor has 2"):
+        layout_from_placements(np.arange(4), [Shard(3)], (4, 4))
+    with pytest.raises(ValueError, match="Partial"):
+        layout_from_placements(np.arange(4), [Partial("max")], (4,))
+    with pytest.raises(ValueError, match="Blocks"):
+        placements_from_layout(mc.Layout(mc.Mesh([0, 1], "x"), (mc.Blocks("x", [1, 2]),)))

@@ -1,0 +1,204 @@
+"""torch DTensor adapter: move a DTensor to a *different* DeviceMesh.
+
+    from torch.distributed.tensor import Shard, Replicate
+    from meshcomm.adapters.dtensor import reshard_dtensor
+    mc.init(backend="torch")                          # under torchrun or mpiexec
+    y = reshard_dtensor(x, other_mesh, [Shard(1), Replicate()])
+
+DTensor's own `redistribute` refuses a different mesh ("Cross device mesh comm not
+supported yet"). Here the DeviceMesh and placements on both sides become meshcomm Layouts
+(DeviceMesh.mesh holds global ranks; meshcomm device id = rank * devices_per_process, i.e.
+the rank itself with one device per process), meshcomm plans and runs the transfer, and
+the local result is wrapped with `DTensor.from_local(..., run_check=False)` with the global
+shape and a contiguous global stride.
+
+* Every rank of the world calls `reshard_dtensor` (SPMD), with the DTensor it holds on the
+  source mesh (ranks outside the source mesh hold DTensor's empty local tensor).
+* Ranks outside the target mesh get a DTensor on the target mesh whose local tensor is
+  empty (`torch.empty(0)`), which is DTensor's own convention for non-participating ranks
+  (see `DTensor.from_local` and `distribute_tensor`).
+* Placements: `Shard(d)`, `Replicate()`, `Partial()` (sum only). Several mesh dimensions
+  sharding the same tensor dimension follow DTensor's nested `torch.chunk` rule (mesh dim
+  order, or the spec's `shard_order`); uneven nested splits become meshcomm `Blocks`.
+  `_StridedShard` is not supported.
+* The result does not carry autograd history (resharding is a data movement here).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+from ..layout import Blocks, Layout, chunk_bounds, normalize_shape
+from ..mesh import Mesh
+
+__all__ = ["layout_from_placements", "placements_from_layout", "reshard_dtensor", "nested_chunk_sizes"]
+
+
+def _mesh_ranks_and_names(device_mesh) -> tuple[np.ndarray, tuple[str, ...]]:
+    ranks = getattr(device_mesh, "mesh", device_mesh)
+    if isinstance(ranks, torch.Tensor):
+        ranks = ranks.cpu().numpy()
+    ranks = np.asarray(ranks, dtype=np.int64)
+    names = getattr(device_mesh, "mesh_dim_names", None)
+    if not names:
+        names = tuple(f"d{i}" for i in range(ranks.ndim))
+    return ranks, tuple(names)
+
+
+def nested_chunk_sizes(n: int, ways: Sequence[int]) -> tuple[int, ...]:
+    """Sizes DTensor gives one tensor dimension of size n sharded over mesh dims of sizes
+    `ways` (outer first): torch.chunk over the first, then each piece over the next, ..."""
+    sizes = [n]
+    for k in ways:
+        nxt = []
+        for s in sizes:
+            nxt.extend(b - a for a, b in chunk_bounds(s, k))
+        sizes = nxt
+    return tuple(sizes)
+
+
+def _shard_order(placements, shard_order=None) -> dict[int, list[int]]:
+    """tensor dim -> mesh dims sharding it, outer first."""
+    order: dict[int, list[int]] = {}
+    if shard_order:
+        for entry in shard_order:
+            order[int(entry.tensor_dim)] = [int(m) for m in entry.mesh_dims]
+        return order
+    for mdim, p in enumerate(placements):
+        if isinstance(p, Shard):
+            order.setdefault(int(p.dim), []).append(mdim)
+    return order
+
+
+def layout_from_placements(device_mesh, placements: Sequence[Placement], shape, *,
+                           devices_per_process: int = 1, shard_order=None) -> Layout:
+    """The meshcomm Layout of a DTensor with these placements on `device_mesh`.
+
+    `device_mesh` is a DeviceMesh (or an array of global ranks, for planning without a
+    process group). Device id of rank r is r * devices_per_process.
+    """
+    shape = normalize_shape(shape)
+    ranks, names = _mesh_ranks_and_names(device_mesh)
+    placements = tuple(placements)
+    if len(placements) != ranks.ndim:
+        raise ValueError(f"{len(placements)} placement(s) {placements} for a {ranks.ndim}-d device "
+                         f"mesh of shape {tuple(ranks.shape)}; give one per mesh dimension")
+    partial = []
+    for mdim, p in enumerate(placements):
+        if type(p).__name__ == "_StridedShard":
+            raise ValueError(f"mesh dimension {mdim} ({names[mdim]}): _StridedShard is not supported")
+        if isinstance(p, Shard):
+            d = p.dim + len(shape) if p.dim < 0 else p.dim
+            if not 0 <= d < len(shape):
+                raise ValueError(f"mesh dimension {mdim} ({names[mdim]}): {p} but the tensor has "
+                                 f"{len(shape)} dimension(s) (shape {shape})")
+        elif isinstance(p, Partial):
+            op = str(getattr(p, "reduce_op", "sum"))
+            if op != "sum":
+                raise ValueError(f"mesh dimension {mdim} ({names[mdim]}): Partial({op!r}) is not "
+                                 "supported; only Partial('sum')")
+            partial.append(names[mdim])
+        elif not isinstance(p, Replicate):
+            raise TypeError(f"mesh dimension {mdim} ({names[mdim]}): unsupported placement {p!r}")
+    norm = tuple(Shard(p.dim + len(shape)) if isinstance(p, Shard) and p.dim < 0 else p
+                 for p in placements)
+    order = _shard_order(norm, shard_order)
+    spec: list[Any] = [None] * len(shape)
+    for tdim, mdims in order.items():
+        axes = tuple(names[m] for m in mdims)
+        ways = [int(ranks.shape[m]) for m in mdims]
+        sizes = nested_chunk_sizes(shape[tdim], ways)
+        flat = tuple(b - a for a, b in chunk_bounds(shape[tdim], math.prod(ways)))
+        spec[tdim] = axes if sizes == flat else Blocks(axes, sizes)
+    mesh = Mesh(ranks * int(devices_per_process), names)
+    return Layout(mesh, tuple(spec), partial=tuple(partial))
+
+
+def placements_from_layout(layout: Layout) -> tuple[Placement, ...]:
+    """DTensor placements for a Layout whose splits DTensor can express (one entry per mesh
+    axis: Shard, Replicate or Partial). Raises ValueError otherwise."""
+    out: list[Placement] = []
+    for axis in layout.mesh.axis_names:
+        if axis in layout.partial:
+            out.append(Partial())
+            continue
+        found = None
+        for dim, e in enumerate(layout.spec):
+            axes = () if e is None else (e.axes if isinstance(e, Blocks) else e)
+            if axis in axes:
+                if isinstance(e, Blocks):
+                    raise ValueError(f"dimension {dim} uses explicit Blocks {e}; DTensor placements "
+                                     "cannot express it")
+                found = Shard(dim)
+        out.append(found or Replicate())
+    # DTensor applies shardings of one tensor dim in mesh-dim order: that must match the spec.
+    for dim, e in enumerate(layout.spec):
+        if e is not None and not isinstance(e, Blocks) and len(e) > 1:
+            pos = [layout.mesh.axis_names.index(a) for a in e]
+            if pos != sorted(pos):
+                raise ValueError(f"dimension {dim} is split over {e} (major to minor), which is not "
+                                 f"the mesh order {layout.mesh.axis_names}; DTensor cannot express it")
+    return tuple(out)
+
+
+def _ctx_info() -> tuple[Any, int]:
+    from .. import runtime
+    ctx = runtime.current()
+    dpp = int(getattr(ctx, "devices_per_process", 1) or 1) if ctx is not None else 1
+    return ctx, dpp
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def reshard_dtensor(dt: DTensor, device_mesh, placements: Sequence[Placement], *,
+                    backend: str | None = None) -> DTensor:
+    """Move `dt` to `device_mesh` (any DeviceMesh of the same world, overlapping or not)
+    with `placements`. Every rank calls it; see the module docstring for the conventions."""
+    if not isinstance(dt, DTensor):
+        raise TypeError(f"reshard_dtensor needs a DTensor, got {type(dt).__name__}")
+    import torch.distributed as dist
+    from .. import api
+    ctx, dpp = _ctx_info()
+    shape = tuple(dt.shape)
+    spec = getattr(dt, "_spec", None)
+    order = getattr(spec, "shard_order", None) if spec is not None else None
+    src = layout_from_placements(dt.device_mesh, dt.placements, shape, devices_per_process=dpp,
+                                 shard_order=order)
+    dst = layout_from_placements(device_mesh, placements, shape, devices_per_process=dpp)
+    if ctx is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError("reshard_dtensor across processes needs meshcomm.init(backend=...) first")
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    ctx_rank = getattr(ctx, "rank", rank)
+    if ctx is not None and ctx_rank != rank:
+        raise RuntimeError(f"meshcomm rank {ctx_rank} differs from torch.distributed rank {rank}")
+    me = rank * dpp
+    x = {}
+    if me in src.mesh:
+        local = dt.to_local().detach()
+        want = tuple(b - a for a, b in src.box(me, shape))
+        if tuple(local.shape) != want:
+            raise ValueError(f"rank {rank}: local tensor of shape {tuple(local.shape)} but placements "
+                             f"{tuple(dt.placements)} give it {want} of global shape {shape}")
+        x[me] = local.contiguous()
+    if ctx is None:
+        # One process: it must own every source device (a one-rank world).
+        out = api.reshard(x, src, dst, shape=shape, dtype=dt.dtype, backend=backend)
+    else:
+        out = api.reshard(x, src, dst, shape=shape, dtype=dt.dtype, backend=backend)
+    if out is None:
+        out = {}
+    local = out.get(me) if isinstance(out, dict) else out
+    if local is None:
+        local = torch.empty(0, dtype=dt.dtype, device=dt.to_local().device)
+    return DTensor.from_local(local, device_mesh, tuple(placements), run_check=False,
+                              shape=torch.Size(shape), stride=_contiguous_stride(shape))
