@@ -55,9 +55,19 @@ def normalize_dtype(dtype: Any) -> tuple[str, int]:
                 raise TypeError(f"unknown dtype {dtype!r}") from None
         else:
             raise TypeError(f"unknown dtype {dtype!r}") from None
-    if dt.kind in "OUSVM" or dt.fields is not None:
+    if dt.kind in "OUSM" or dt.fields is not None or (dt.kind == "V" and not _is_ml_dtype(dt)):
         raise TypeError(f"dtype {dt} is not a numeric element type")
     return dt.name, dt.itemsize
+
+
+def _is_ml_dtype(dt: np.dtype) -> bool:
+    """bfloat16, float8_* and friends: NumPy reports them as kind 'V' (ml_dtypes)."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return False
+    t = getattr(ml_dtypes, dt.name, None)
+    return t is not None and np.dtype(t) == dt
 
 
 def numpy_dtype(name: str) -> np.dtype:
