@@ -1,30 +1,232 @@
-"""Cost model: seconds for a plan on a topology.
+"""Flow-level cost model: seconds for a plan on a topology.
 
-First-order model: every directed link (a node's NIC each way, a device's intra-node link
-each way) carries its bytes at its bandwidth; links run in parallel; the busiest decides,
-plus one latency per round of messages a device takes part in.
+Links. Every device has an intra-node link each way (NVLink-class, ``intra_node_gbps``) and
+every node a NIC each way (``inter_node_gbps``); all full duplex. A hop between two devices
+of one node loads the sender's ``dev_out`` and the receiver's ``dev_in``; a hop between
+nodes loads the sending node's ``nic_out`` and the receiving node's ``nic_in`` (the same
+accounting as ``Plan.link_loads``). Local copies cost nothing.
+
+Flows. Every non-copy transfer is one flow along its route: a send is one hop; a broadcast
+or reduction is a pipelined chain (NCCL's ring/chain), all its hops streaming at once, so
+its rate is that of its slowest hop. Concurrent flows share link bandwidth max-min fairly
+(progressive filling, recomputed whenever a flow starts or ends). A chain that crosses the
+same link twice uses it twice.
+
+Latency. A transfer costs each participant one message latency to post (the intra- or
+inter-node latency of its slowest hop class); a device posts its transfers one after the
+other, in the plan's global order. A chain of h hops adds (h - 1) further hop latencies
+of pipeline fill before its bytes flow. So many small messages cost many latencies, and
+one coalesced message one.
+
+Order. A device runs its transfers in the plan's global order with non-blocking semantics
+inside a stage: it posts all its stage-k transfers once it has finished every transfer it
+takes part in of earlier stages; a transfer starts when all its participants have posted
+it. The plan ends when the last transfer completes.
 """
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
+
+import numpy as np
 
 from .topology import Topology
 
+__all__ = ["simulate", "SimResult", "simulate_detailed", "max_min_rates", "transfer_resources"]
+
+
+def transfer_resources(t, topology: Topology) -> dict[tuple[str, int], int]:
+    """Links a transfer's route uses, with multiplicity: {("nic_out", node): uses, ...}."""
+    node = topology.node_of
+    use: dict[tuple[str, int], int] = defaultdict(int)
+    for u, v in t.hops:
+        nu, nv = node(u), node(v)
+        if nu != nv:
+            use[("nic_out", nu)] += 1
+            use[("nic_in", nv)] += 1
+        else:
+            use[("dev_out", u)] += 1
+            use[("dev_in", v)] += 1
+    return dict(use)
+
+
+def _latencies(t, topology: Topology) -> tuple[float, float]:
+    """(post latency, pipeline fill) of a transfer: one latency of its slowest hop class
+    per participant, plus one hop latency per further hop of a chain."""
+    node = topology.node_of
+    lats = [topology.inter_node_latency_s if node(u) != node(v) else topology.intra_node_latency_s
+            for u, v in t.hops]
+    if not lats:
+        return 0.0, 0.0
+    post = max(lats)
+    return post, sum(lats) - post
+
+
+def max_min_rates(usage: np.ndarray, capacity: np.ndarray) -> np.ndarray:
+    """Max-min fair rates by progressive filling.
+
+    usage[f, r]: how many times flow f crosses resource r (0 if not at all); capacity[r]:
+    bytes/s. Every flow's rate rises at the same pace until a resource it uses saturates;
+    then it is frozen and the rest go on. Returns rates[f].
+    """
+    nf, nr = usage.shape
+    rates = np.zeros(nf)
+    if nf == 0:
+        return rates
+    free = np.ones(nf, dtype=bool)
+    used = np.zeros(nr)
+    live = usage.sum(axis=0) > 0
+    while free.any():
+        demand = usage[free].sum(axis=0)           # per resource: sum of usage of free flows
+        act = (demand > 0) & live
+        if not act.any():                          # free flows that use no resource
+            rates[free] = np.inf
+            break
+        head = np.full(nr, np.inf)
+        head[act] = (capacity[act] - used[act]) / demand[act]
+        delta = max(0.0, float(head.min()))
+        rates[free] += delta
+        used += delta * demand
+        sat = act & (head <= delta * (1 + 1e-12) + 1e-300)
+        hit = free & (usage[:, sat].sum(axis=1) > 0)
+        if not hit.any():                          # numerical corner: freeze the tightest
+            hit = free & (usage[:, int(np.argmin(head))] > 0)
+        free &= ~hit
+        live &= ~sat
+    return rates
+
+
+class SimResult:
+    """Timeline of one simulation: start/end of every transfer and the makespan."""
+
+    def __init__(self, seconds: float, start: list[float], end: list[float]):
+        self.seconds = seconds
+        self.start = start
+        self.end = end
+
+    def __float__(self) -> float:
+        return self.seconds
+
+    def __repr__(self) -> str:
+        return f"SimResult({self.seconds:.6g} s, {len(self.end)} transfers)"
+
 
 def simulate(plan, topology: Topology) -> float:
-    loads = plan.link_loads(topology)
-    t_bw = 0.0
-    for (kind, _), nbytes in loads.items():
-        bw = topology.inter_bytes_per_s if kind.startswith("nic") else topology.intra_bytes_per_s
-        t_bw = max(t_bw, nbytes / bw)
-    per_dev = defaultdict(int)
-    lat = 0.0
-    for t in plan.transfers:
-        if t.kind == "copy":
-            continue
-        cross = any(topology.node_of(u) != topology.node_of(v) for u, v in t.hops)
-        l = topology.inter_node_latency_s if cross else topology.intra_node_latency_s
+    """Seconds the plan takes on `topology` under the flow-level model (module docstring)."""
+    return simulate_detailed(plan, topology).seconds
+
+
+def simulate_detailed(plan, topology: Topology) -> SimResult:
+    transfers = list(plan.transfers)
+    n = len(transfers)
+    start = [0.0] * n
+    end = [0.0] * n
+    if n == 0:
+        return SimResult(0.0, start, end)
+    intra, inter = topology.intra_bytes_per_s, topology.inter_bytes_per_s
+
+    # static facts per transfer
+    res_index: dict[tuple[str, int], int] = {}
+    uses: list[dict[int, int]] = []
+    post_lat, fill_lat = [], []
+    for t in transfers:
+        u = {}
+        if t.kind != "copy":
+            for key, c in transfer_resources(t, topology).items():
+                u[res_index.setdefault(key, len(res_index))] = c
+        uses.append(u)
+        p, f = _latencies(t, topology) if t.kind != "copy" else (0.0, 0.0)
+        post_lat.append(p)
+        fill_lat.append(f)
+    cap = np.array([inter if k.startswith("nic") else intra for k, _ in res_index], dtype=float)
+
+    # per device: its transfers in global order, and unfinished counts per stage
+    queue: dict[int, list[int]] = defaultdict(list)
+    for i, t in enumerate(transfers):
         for d in t.participants:
-            per_dev[d] += 1
-        lat = max(lat, l)
-    return t_bw + lat * max(per_dev.values(), default=0)
+            queue[d].append(i)
+    unfinished: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    for d, q in queue.items():
+        for i in q:
+            unfinished[d][transfers[i].stage] += 1
+    ptr = {d: 0 for d in queue}
+    post_clock = defaultdict(float)
+    post_end: list[float] = [0.0] * n
+    posted_by = [0] * n
+    nparts = [len(t.participants) for t in transfers]
+
+    pending: list[tuple[float, int]] = []     # (data start time, transfer) heap
+    active: dict[int, float] = {}             # transfer -> bytes left
+    done = 0
+    now = 0.0
+
+    def earlier_unfinished(d: int, stage: int) -> bool:
+        return any(c > 0 for s, c in unfinished[d].items() if s < stage)
+
+    def post(d: int) -> None:
+        q = queue[d]
+        while ptr[d] < len(q):
+            i = q[ptr[d]]
+            if earlier_unfinished(d, transfers[i].stage):
+                return
+            ptr[d] += 1
+            t_end = max(post_clock[d], now) + post_lat[i]
+            post_clock[d] = t_end
+            post_end[i] = max(post_end[i], t_end)
+            posted_by[i] += 1
+            if posted_by[i] == nparts[i]:
+                heapq.heappush(pending, (post_end[i] + fill_lat[i], i))
+
+    for d in list(queue):
+        post(d)
+
+    rates: dict[int, float] = {}
+    dirty = True
+    while done < n:
+        if dirty:
+            ids = list(active)
+            if ids:
+                usage = np.zeros((len(ids), len(cap)))
+                for row, i in enumerate(ids):
+                    for r, c in uses[i].items():
+                        usage[row, r] = c
+                rv = max_min_rates(usage, cap)
+                rates = dict(zip(ids, rv))
+            else:
+                rates = {}
+            dirty = False
+        # next event: a flow finishing or a transfer starting
+        t_fin = min((now + left / rates[i] for i, left in active.items() if rates[i] > 0),
+                    default=np.inf)
+        t_start = pending[0][0] if pending else np.inf
+        t_next = min(t_fin, t_start)
+        if t_next == np.inf:
+            raise RuntimeError("simulation stalled: transfers can never start "
+                               "(a plan whose order deadlocks?)")
+        dt = t_next - now
+        for i in active:
+            active[i] -= rates[i] * dt
+        now = t_next
+        finished = [i for i, left in active.items()
+                    if left <= 1e-9 * max(1.0, transfers[i].nbytes) or
+                    (rates[i] > 0 and now + left / rates[i] <= now * (1 + 1e-12))]
+        while pending and pending[0][0] <= now:
+            _, i = heapq.heappop(pending)
+            start[i] = now
+            if uses[i] and transfers[i].nbytes > 0:
+                active[i] = float(transfers[i].nbytes)
+                dirty = True
+            else:
+                finished.append(i)
+        touched = set()
+        for i in finished:
+            active.pop(i, None)
+            end[i] = now
+            done += 1
+            dirty = True
+            for d in transfers[i].participants:
+                unfinished[d][transfers[i].stage] -= 1
+                touched.add(d)
+        for d in sorted(touched):
+            post(d)
+    return SimResult(max(end), start, end)
