@@ -40,7 +40,14 @@ class Blocks:
     sizes: tuple[int, ...]
 
     def __post_init__(self):
-        axes = (self.axes,) if isinstance(self.axes, str) else tuple(self.axes)
+        if isinstance(self.axes, str):
+            axes = (self.axes,)
+        else:
+            try:
+                axes = tuple(self.axes)
+            except TypeError:
+                raise TypeError(f"Blocks axes must be a mesh axis name or a tuple of them, "
+                                f"got {self.axes!r}") from None
         if not axes:
             raise ValueError("Blocks needs at least one mesh axis")
         for a in axes:

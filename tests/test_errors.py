@@ -1,0 +1,339 @@
+"""Every bad input raises ValueError or TypeError with a message that names the offending
+axis, dimension, device, shape or name."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import meshcomm as mc
+from meshcomm import notation
+from meshcomm.api import infer_shape
+
+M22 = mc.Mesh([[0, 1], [2, 3]], ("x", "y"))
+M4 = mc.Mesh([0, 1, 2, 3], "x")
+
+
+def raises(exc, pattern):
+    return pytest.raises(exc, match=pattern)
+
+
+# -- meshes -------------------------------------------------------------------------------
+
+def test_mesh_duplicate_device_ids():
+    with raises(ValueError, r"device 1 appears more than once"):
+        mc.Mesh([[0, 1], [1, 2]], ("x", "y"))
+
+
+def test_mesh_negative_device_ids():
+    with raises(ValueError, r"non-negative.*-3"):
+        mc.Mesh([0, -3], "x")
+
+
+def test_mesh_axis_name_arity():
+    with raises(ValueError, r"shape \(2, 2\).*2 dimension.*1 axis name.*'x'"):
+        mc.Mesh([[0, 1], [2, 3]], ("x",))
+    with raises(ValueError, r"1 dimension.*3 axis name"):
+        mc.Mesh([0, 1], ("x", "y", "z"))
+
+
+def test_mesh_duplicate_axis_names():
+    with raises(ValueError, r"distinct.*'x'"):
+        mc.Mesh([[0, 1], [2, 3]], ("x", "x"))
+
+
+def test_mesh_bad_devices():
+    with raises(ValueError, r"empty"):
+        mc.Mesh([], "x")
+    with raises(ValueError, r"scalar 3"):
+        mc.Mesh(3, ())
+    with raises(TypeError, r"integers.*dtype"):
+        mc.Mesh(["a", "b"], "x")
+    with raises(TypeError, r"axis names.*1"):
+        mc.Mesh([0, 1], (1,))
+
+
+def test_mesh_unknown_device():
+    with raises(ValueError, r"device 9 is not in mesh"):
+        M22.coords(9)
+
+
+# -- layouts ------------------------------------------------------------------------------
+
+def test_layout_unknown_axis():
+    with raises(ValueError, r"unknown mesh axis 'z'.*\('x', 'y'\)"):
+        mc.Layout(M22, ("z",))
+    with raises(ValueError, r"unknown mesh axis 'q'"):
+        mc.Layout(M22, (None,), partial=("q",))
+    with raises(ValueError, r"unknown mesh axis 'w'"):
+        mc.Layout(M22, (mc.Blocks("w", [1, 1]),))
+
+
+def test_layout_axis_used_twice():
+    with raises(ValueError, r"axis 'x' is used twice.*dimension 0.*dimension 1"):
+        mc.Layout(M22, ("x", "x"))
+    with raises(ValueError, r"axis 'y' is used twice.*dimension 0.*dimension 1"):
+        mc.Layout(M22, (("x", "y"), "y"))
+    with raises(ValueError, r"axis 'x' is used twice.*dimension 0.*partial"):
+        mc.Layout(M22, ("x",), partial=("x",))
+    with raises(ValueError, r"axis 'y' is used twice.*dimension 1.*partial"):
+        mc.Layout(M22, (None, mc.Blocks("y", [1, 1])), partial={"y": "sum"})
+    with raises(ValueError, r"axis 'x' is used twice"):
+        mc.Layout(M22, (("x", "x"),))
+
+
+def test_blocks_not_summing_to_dimension():
+    lay = mc.Layout(M22, (None, mc.Blocks("x", [3, 5])))
+    with raises(ValueError, r"B\(x:3/5\).*dimension 1.*sum to 8.*size 7"):
+        lay.index_map((2, 7))
+    with raises(ValueError, r"dimension 1.*sum to 8.*size 9"):
+        mc.plan((2, 9), "float32", lay, lay)
+    with raises(ValueError, r"dimension 1"):
+        mc.shard(np.zeros((2, 6)), lay)
+
+
+def test_blocks_wrong_count():
+    with raises(ValueError, r"dimension 0.*\('x',\).*needs 2 sizes.*got 3"):
+        mc.Layout(M22, (mc.Blocks("x", [1, 2, 3]),))
+    with raises(ValueError, r"dimension 1.*\('x', 'y'\).*needs 4 sizes.*got 2"):
+        mc.Layout(M22, (None, mc.Blocks(("x", "y"), [1, 2])))
+
+
+def test_blocks_bad_sizes():
+    with raises(ValueError, r"non-negative.*-1"):
+        mc.Blocks("x", [-1, 2])
+    with raises(TypeError, r"sizes.*ints"):
+        mc.Blocks("x", 5)
+    with raises(TypeError, r"axis name.*got 3"):
+        mc.Blocks(3, [1])
+    with raises(TypeError, r"axis names.*None"):
+        mc.Blocks(("x", None), [1, 1])
+    with raises(ValueError, r"at least one mesh axis"):
+        mc.Blocks((), [1])
+
+
+def test_spec_longer_than_tensor():
+    lay = mc.Layout(M22, ("x", None, "y"))
+    with raises(ValueError, r"3 entries.*2 dimension.*\(4, 4\)"):
+        lay.index_map((4, 4))
+    with raises(ValueError, r"3 entries.*1 dimension"):
+        mc.shard(np.zeros(4), lay)
+    with raises(ValueError, r"3 entries"):
+        mc.plan((4, 4), "float32", lay, mc.Layout(M22, ()))
+
+
+def test_bad_spec_entries():
+    with raises(TypeError, r"dimension 0.*3"):
+        mc.Layout(M22, (3,))
+    with raises(TypeError, r"dimension 1.*\{'x'\}"):
+        mc.Layout(M22, (None, {"x"}))
+    with raises(TypeError, r"dimension 0.*axis names.*7"):
+        mc.Layout(M22, (("x", 7),))
+    with raises(TypeError, r"partial axes.*5"):
+        mc.Layout(M22, (), partial=(5,))
+    with raises(ValueError, r"'x'.*'sum'.*'max'"):
+        mc.Layout(M22, (), partial={"x": "max"})
+
+
+def test_non_layout_arguments():
+    lay = mc.Layout(M22, ("x",))
+    with raises(TypeError, r"meshcomm.Mesh.*str"):
+        mc.Layout("2x2", ("x",))
+    with raises(TypeError, r"src must be a meshcomm.Layout.*str"):
+        mc.plan((4,), "float32", "2x2:x", lay)
+    with raises(TypeError, r"dst must be a meshcomm.Layout.*Mesh"):
+        mc.plan((4,), "float32", lay, M22)
+    with raises(TypeError, r"src must be a meshcomm.Layout"):
+        mc.reshard({}, None, lay)
+    with raises(TypeError, r"layout must be a meshcomm.Layout.*tuple"):
+        mc.shard(np.zeros(4), ("x",))
+    with raises(TypeError, r"layout must be a meshcomm.Layout"):
+        mc.unshard({}, M22)
+
+
+def test_bad_shapes():
+    lay = mc.Layout(M22, ("x",))
+    with raises(ValueError, r"non-negative.*-1"):
+        lay.index_map((-1,))
+    with raises(TypeError, r"shape.*ints"):
+        mc.plan(4, "float32", lay, lay)
+
+
+# -- dtypes and topologies ------------------------------------------------------------------
+
+def test_unknown_dtype():
+    lay = mc.Layout(M22, ("x",))
+    with raises(TypeError, r"unknown dtype 'float17'"):
+        mc.plan((4,), "float17", lay, lay)
+    with raises(TypeError, r"not a numeric element type"):
+        mc.plan((4,), "U3", lay, lay)
+    with raises(TypeError, r"not a numeric element type"):
+        mc.plan((4,), object, lay, lay)
+
+
+def test_unknown_topology_preset():
+    lay = mc.Layout(M22, ("x",))
+    with raises(ValueError, r"unknown topology preset 'p4d'.*p3\.8xlarge"):
+        mc.plan((4,), "float32", lay, lay, topology="p4d")
+    with raises(ValueError, r"unknown topology preset 'nope'"):
+        mc.Topology.preset("nope")
+    with raises(TypeError, r"topology must be.*int"):
+        mc.plan((4,), "float32", lay, lay, topology=4)
+    with raises(ValueError, r"devices_per_node.*0"):
+        mc.Topology(devices_per_node=0)
+    with raises(ValueError, r"inter_node_gbps.*-1"):
+        mc.Topology(inter_node_gbps=-1)
+
+
+# -- reshard inputs ------------------------------------------------------------------------
+
+SRC = mc.Layout(M22, ("x", "y"))
+DST = mc.Layout(mc.Mesh([4, 5], "x"), ("x",))
+X = np.arange(20, dtype=np.float64).reshape(4, 5)
+
+
+def shards():
+    return mc.shard(X, SRC)
+
+
+def test_wrong_shard_shape():
+    s = shards()
+    s[3] = np.zeros((2, 1))
+    with raises(ValueError, r"dimension 1.*sizes 2 and 1.*device 3"):
+        mc.reshard(s, SRC, DST)
+    # with shape= given the check names the device, its shape and the box it should hold
+    with raises(ValueError, r"device 3 has shape \(2, 1\).*box.*\(2, 2\).*global shape \(4, 5\)"):
+        mc.reshard(s, SRC, DST, shape=(4, 5))
+    s = shards()
+    with raises(ValueError, r"device 0 has shape \(2, 3\).*\(3, 3\).*global shape \(6, 5\)"):
+        mc.reshard(s, SRC, DST, shape=(6, 5))
+    with raises(ValueError, r"rank|dimension"):
+        mc.reshard({d: v[..., None] if d == 2 else v for d, v in shards().items()}, SRC, DST)
+
+
+def test_missing_shards():
+    s = shards()
+    del s[2]
+    with raises(ValueError, r"missing device\(s\) \[2\]"):
+        mc.reshard(s, SRC, DST)
+    out = mc.reshard(shards(), SRC, DST)
+    del out[5]
+    with raises(ValueError, r"missing device\(s\) \[5\]"):
+        mc.unshard(out, DST)
+
+
+def test_shard_keys_not_in_mesh():
+    s = shards()
+    s[9] = s[0]
+    with raises(ValueError, r"device 9 is not in the src mesh"):
+        mc.reshard(s, SRC, DST)
+    with raises(ValueError, r"device 0 is not in the layout mesh"):
+        mc.unshard({0: X, 4: X}, DST)
+    with raises(TypeError, r"device ids.*'a'"):
+        mc.reshard({"a": X, **shards()}, SRC, DST)
+
+
+def test_mixed_dtypes_and_kinds():
+    s = shards()
+    s[1] = s[1].astype(np.float32)
+    with raises(TypeError, r"different dtypes.*float32.*float64"):
+        mc.reshard(s, SRC, DST)
+    with raises(TypeError, r"dtype=int32.*float64"):
+        mc.reshard(shards(), SRC, DST, dtype="int32")
+    s = shards()
+    s[1] = torch.from_numpy(s[1])
+    with raises(TypeError, r"mix array kinds.*numpy.*torch"):
+        mc.reshard(s, SRC, DST)
+    s = shards()
+    s[1] = s[1].tolist()
+    with raises(TypeError, r"NumPy array, torch.Tensor or jax.Array.*list"):
+        mc.reshard(s, SRC, DST)
+
+
+def test_bare_array_needs_one_device():
+    with raises(TypeError, r"exactly one src device.*owns 4"):
+        mc.reshard(X, SRC, DST)
+    one = mc.Layout(mc.Mesh([7], "x"), ())
+    with raises(ValueError, r"dst mesh has 2"):
+        mc.reshard(X, one, DST)
+
+
+def test_unknown_backend_without_launcher():
+    with raises(ValueError, r"backend 'mpi'.*meshcomm.init"):
+        mc.reshard(shards(), SRC, DST, backend="mpi")
+
+
+def test_partial_bool_refused():
+    lay = mc.Layout(M22, (), partial=("x",))
+    with raises(ValueError, r"bool"):
+        mc.shard(np.ones(4, dtype=bool), lay, seed=1)
+
+
+# -- shape inference -----------------------------------------------------------------------
+
+def test_infer_shape_unambiguous():
+    lay = mc.Layout(M4, ("x", None))
+    assert infer_shape(lay, {0: (2, 3), 1: (2, 3), 2: (2, 3), 3: (1, 3)}) == (7, 3)
+    assert infer_shape(lay, {0: (1, 3), 3: (1, 3)}) == (4, 3)      # only n = 4 gives that
+    blocks = mc.Layout(M4, (mc.Blocks("x", [0, 5, 1, 0]),))
+    assert infer_shape(blocks, {2: (1,)}) == (6,)
+    assert infer_shape(mc.Layout(M4, ()), {1: (3, 2)}) == (3, 2)
+
+
+@pytest.mark.parametrize("tiles", [
+    {0: (2,), 1: (2,)},          # n = 5..8
+    {2: (1,)},                   # n = 3 or 5
+    {3: (0,)},                   # trailing shard empty: many n
+    {0: (3,)},                   # n = 9..12
+])
+def test_infer_shape_ambiguous(tiles):
+    lay = mc.Layout(M4, ("x",))
+    assert infer_shape(lay, tiles) is None
+    src_shards = {d: np.zeros(s) for d, s in tiles.items()}
+    with raises(ValueError, r"cannot infer the global shape.*shape="):
+        mc.api._reshard_local(src_shards, lay, mc.Layout(mc.Mesh([9], "x"), ()), None, None)
+
+
+def test_infer_shape_inconsistent():
+    lay = mc.Layout(M22, ("x",))
+    with raises(ValueError, r"different ranks"):
+        infer_shape(lay, {0: (2,), 1: (2, 2)})
+    with raises(ValueError, r"dimension 0.*sizes 2 and 3.*device 1"):
+        infer_shape(lay, {0: (2,), 1: (3,)})
+    with raises(ValueError, r"dimension 0.*shard 1 has size 2.*gives it 3"):
+        infer_shape(mc.Layout(M22, (mc.Blocks("x", [1, 3]),)), {2: (2,)})
+
+
+# -- CLI notation ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,pattern", [
+    ("2x4", r"expected MESH:SPEC"),
+    ("2y4:x", r"bad mesh '2y4'"),
+    ("2x4:x{3/5", r"bad spec entry 'x\{3/5'"),
+    ("2x4:x;color=red", r"bad option 'color=red'"),
+    ("2x4:q", r"unknown mesh axis 'q'"),
+    ("2x4:x,x", r"axis 'x' is used twice"),
+    ("2x4:x{1/2/3}", r"needs 2 sizes"),
+    ("2x4(a):a", r"2 dimension.*1 axis name"),
+    ("4:x;partial=x", r"axis 'x' is used twice.*partial"),
+    ("2x4:x$", r"bad spec entry 'x\$'"),
+])
+def test_bad_cli_notation(text, pattern):
+    with raises(ValueError, pattern):
+        notation.parse_layout(text)
+
+
+def test_bad_cli_shape():
+    with raises(ValueError, r"bad shape 'a,b'"):
+        notation.parse_shape("a,b")
+
+
+def test_every_message_names_something():
+    """A spot check that messages are specific: no bare 'invalid input'."""
+    for f in (lambda: mc.Layout(M22, ("z",)), lambda: mc.Mesh([0, 0], "x"),
+              lambda: mc.Layout(M22, ("x", "x"))):
+        with pytest.raises((ValueError, TypeError)) as ei:
+            f()
+        assert re.search(r"'[xz]'|device \d", str(ei.value)), str(ei.value)
