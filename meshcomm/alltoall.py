@@ -1,0 +1,346 @@
+"""all_to_all_v: uneven row exchange along one mesh axis (MoE token dispatch and combine).
+
+    # dispatch: device d sends send_counts[d][j] of its rows to the j-th device along "ep"
+    y = mc.all_to_all_v(x, send_counts, mesh, "ep")
+    # combine: the same call with the counts swapped restores the original rows and order
+    x2 = mc.all_to_all_v(y, recv_counts, mesh, "ep")
+
+Rows of the result are what the devices along the axis sent, concatenated in axis order.
+The planner (meshcomm.planners.alltoall) decides the message order and routing; this
+module validates input, exchanges counts when they are not given, and runs the plan.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from . import arrays, runtime
+from .api import Handle
+from .mesh import Mesh
+from .planners import Topology
+from .planners.alltoall import AllToAllPlan, plan_alltoall
+
+__all__ = ["all_to_all_v", "axis_groups", "alltoall_plan"]
+
+# Tags of all-to-all messages: a base plus a per-group call counter, so concurrent async
+# calls on the same group cannot be confused (processes of a group call in the same order).
+_TAG_BASE = 20000
+_TAG_SPAN = 4096
+_calls: dict[tuple[int, ...], itertools.count] = {}
+
+
+def axis_groups(mesh: Mesh, axis: str) -> list[tuple[int, ...]]:
+    """Device tuples along `axis`, one per combination of the other axes' coordinates."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a meshcomm.Mesh, got {type(mesh).__name__}")
+    if not isinstance(axis, str):
+        raise TypeError(f"axis must be a mesh axis name (str), got {axis!r}")
+    a = mesh.axis_index(axis)
+    devs = np.moveaxis(mesh.devices, a, -1).reshape(-1, mesh.shape[a])
+    return [tuple(int(d) for d in row) for row in devs]
+
+
+def alltoall_plan(send_counts: Mapping[int, Sequence[int]], mesh: Mesh, axis: str, row_bytes: int = 1,
+                  topology=None, algorithm: str = "auto") -> dict[tuple[int, ...], AllToAllPlan]:
+    """The plans (one per group along `axis`) for a full {device: send counts} map."""
+    out = {}
+    for g in axis_groups(mesh, axis):
+        out[g] = plan_alltoall(g, [send_counts[d] for d in g], row_bytes, topology, algorithm)
+    return out
+
+
+def _counts(c, device: int, n: int, axis: str) -> tuple[int, ...]:
+    if arrays.is_torch(c):
+        c = c.tolist()
+    try:
+        row = tuple(int(v) for v in np.asarray(c).reshape(-1))
+    except (TypeError, ValueError):
+        raise TypeError(f"counts of device {device} must be a sequence of ints, got {c!r}") from None
+    if len(row) != n:
+        raise ValueError(f"counts of device {device} have {len(row)} entries but mesh axis {axis!r} "
+                         f"has {n} devices")
+    if any(v < 0 for v in row):
+        raise ValueError(f"counts of device {device} must be non-negative, got {list(row)}")
+    return row
+
+
+def _per_device(v, owned: Sequence[int], what: str) -> dict[int, Any]:
+    if isinstance(v, Mapping):
+        extra = [d for d in v if d not in owned]
+        if extra:
+            raise ValueError(f"{what} given for device(s) {extra} that this process does not own "
+                             f"(it owns {list(owned)})")
+        return dict(v)
+    if len(owned) != 1:
+        raise TypeError(f"{what} must be a dict {{device id: value}} when this process owns "
+                        f"{len(owned)} devices of the mesh")
+    return {owned[0]: v}
+
+
+def _rows_like(x, n_rows: int):
+    """An empty buffer of n_rows rows shaped and typed like x (same device for torch)."""
+    shape = (n_rows,) + tuple(x.shape[1:])
+    if arrays.is_torch(x):
+        import torch
+        return torch.empty(shape, dtype=x.dtype, device=x.device)
+    return np.empty(shape, dtype=x.dtype)
+
+
+def _cat(parts, like):
+    if not parts:
+        return like[:0]
+    if len(parts) == 1:
+        return parts[0]
+    if arrays.is_torch(like):
+        import torch
+        return torch.cat(parts)
+    return np.concatenate(parts)
+
+
+def all_to_all_v(x, send_counts, mesh: Mesh, axis: str, recv_counts=None, backend: str | None = None,
+                 async_op: bool = False, topology=None, algorithm: str = "auto"):
+    """Exchange rows along mesh axis `axis`: device i sends send_counts[i][j] rows (taken in
+    order from x[i]) to the j-th device along the axis; each device gets the rows sent to
+    it, concatenated in axis order of the senders.
+
+    Without a launcher `x`, `send_counts` (and `recv_counts`) are dicts {device: value} for
+    every device of `mesh`; under a launcher each process passes its own devices' (or bare
+    values when it owns one device). `recv_counts` saves the count exchange; the inverse
+    (combine) is the same call with the counts swapped. NumPy or torch rows (any trailing
+    shape). Returns the same structure, or a Handle when `async_op`.
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a meshcomm.Mesh, got {type(mesh).__name__}")
+    groups = axis_groups(mesh, axis)
+    n = mesh.axis_size(axis)
+    ctx = runtime.current()
+    local = ctx is None or backend == "local"
+    if local and backend not in (None, "local"):
+        raise ValueError(f"backend {backend!r} needs meshcomm.init(backend={backend!r}) under a launcher")
+    if local:
+        owned = list(mesh.device_ids)
+    else:
+        dpp = ctx.devices_per_process
+        owned = [d for d in mesh.device_ids if d // dpp == ctx.rank]
+    if not owned:
+        return Handle(result=None) if async_op else None
+    bare = not isinstance(x, Mapping)
+    xs = _per_device(x, owned, "x")
+    scs = _per_device(send_counts, owned, "send_counts")
+    missing = [d for d in owned if d not in xs or d not in scs]
+    if missing:
+        where = "without a launcher this process owns every device" if local else \
+            f"process {ctx.rank} owns devices {owned}"
+        raise ValueError(f"x and send_counts need an entry for device(s) {missing[:8]} ({where})")
+    kinds = {arrays.kind_of(v) for v in xs.values()}
+    if "jax" in kinds or len(kinds) > 1:
+        raise TypeError(f"all_to_all_v takes NumPy arrays or torch tensors of one kind, got {sorted(kinds)}")
+    scs = {d: _counts(scs[d], d, n, axis) for d in owned}
+    like = xs[owned[0]]
+    for d in owned:
+        v = xs[d]
+        if v.ndim < 1:
+            raise ValueError(f"x of device {d} must have a row dimension, got shape {tuple(v.shape)}")
+        if sum(scs[d]) != v.shape[0]:
+            raise ValueError(f"send counts of device {d} sum to {sum(scs[d])} but x of device {d} has "
+                             f"{v.shape[0]} rows")
+        if tuple(v.shape[1:]) != tuple(like.shape[1:]) or v.dtype != like.dtype:
+            raise ValueError(f"x of device {d} has rows {tuple(v.shape[1:])} {v.dtype}, device {owned[0]} "
+                             f"has {tuple(like.shape[1:])} {like.dtype}; all rows must match")
+    rcs = None
+    if recv_counts is not None:
+        rcs = _per_device(recv_counts, owned, "recv_counts")
+        rcs = {d: _counts(rcs[d], d, n, axis) for d in owned if d in rcs}
+        if len(rcs) != len(owned):
+            raise ValueError(f"recv_counts needs an entry for every device this process owns {owned}")
+    row_elems = int(np.prod(like.shape[1:], dtype=np.int64))
+    row_bytes = row_elems * arrays.dtype_of(like)[1]
+    topo = Topology.coerce(topology)
+
+    if local:
+        out = {}
+        for g in groups:
+            counts = [scs[d] for d in g]
+            if rcs is not None:
+                for j, f in enumerate(g):
+                    want = tuple(counts[i][j] for i in range(n))
+                    if rcs[f] != want:
+                        raise ValueError(f"recv_counts of device {f} are {list(rcs[f])} but the senders "
+                                         f"along axis {axis!r} send it {list(want)}")
+            p = plan_alltoall(g, counts, row_bytes, topo, algorithm)
+            out.update(_run_local(p, xs))
+        result = out[owned[0]] if bare and len(owned) == 1 else out
+        return Handle(result=result) if async_op else result
+
+    run = _DistRun(ctx, groups, owned, xs, scs, rcs, row_bytes, row_elems, topo, algorithm, backend, like)
+    if async_op:
+        return Handle(wait_fn=lambda: run.finish(bare))
+    return run.finish(bare)
+
+
+# -- execution --------------------------------------------------------------------------------
+
+def _split(x, counts, origin, devices):
+    """{(origin, final): rows} for the non-empty blocks of one device's input."""
+    out, off = {}, 0
+    for f, c in zip(devices, counts):
+        if c:
+            out[(origin, f)] = x[off:off + c]
+        off += c
+    return out
+
+
+def _assemble(holdings, device, devices, like):
+    return _cat([holdings[(o, device)] for o in devices if (o, device) in holdings], like)
+
+
+def _run_local(p: AllToAllPlan, xs) -> dict[int, Any]:
+    """Run a plan in one process: messages move blocks between per-device holdings."""
+    hold = {d: _split(xs[d], p.counts[i], d, p.devices) for i, d in enumerate(p.devices)}
+    for msg in p.messages:
+        for o, f, _ in msg.blocks:
+            hold[msg.dst][(o, f)] = hold[msg.src].pop((o, f))
+    return {d: _assemble(hold[d], d, p.devices, xs[d]) for d in p.devices}
+
+
+class _DistRun:
+    """One all_to_all_v under a launcher: counts exchange (if needed), then the plan's
+    stages; messages of a stage are all posted (non-blocking) in global order, then waited."""
+
+    def __init__(self, ctx, groups, owned, xs, scs, rcs, row_bytes, row_elems, topo, algorithm, backend, like):
+        self.ctx, self.owned, self.like = ctx, set(owned), like
+        self.dpp = ctx.devices_per_process
+        self.prim = _primitives(ctx, backend)
+        self.row_elems = row_elems
+        self.plans, self.tags = [], []
+        multi_node = topo.devices_per_node > 1
+        for g in groups:
+            if not self.owned.intersection(g):
+                continue
+            tag = _TAG_BASE + (next(_calls.setdefault(g, itertools.count())) % _TAG_SPAN) * 4
+            mine = [d for d in g if d in self.owned]
+            need_matrix = multi_node and algorithm != "pairwise" and \
+                len({topo.node_of(d) for d in g}) > 1
+            if rcs is not None and not need_matrix:
+                counts = _partial_matrix(g, scs, rcs)
+                algo = "pairwise"
+            else:
+                counts = self._exchange_counts(g, mine, scs, tag)
+                algo = algorithm
+            p = plan_alltoall(g, counts, row_bytes, topo, algo)
+            if rcs is not None:
+                for f in mine:
+                    if p.recv_counts(f) != rcs[f]:
+                        raise ValueError(f"recv_counts of device {f} are {list(rcs[f])} but the senders "
+                                         f"send it {list(p.recv_counts(f))}")
+            self.plans.append((p, tag + 1))
+        self.hold = {d: _split(xs[d], scs[d], d, p.devices) for p, _ in self.plans
+                     for d in p.devices if d in self.owned}
+        self._stage = 0
+        self._pending = self._post(0)
+
+    def _owner(self, d):
+        return d // self.dpp
+
+    def _exchange_counts(self, g, mine, scs, tag):
+        """Each owned device sends its whole row to every peer (one small message each)."""
+        n = len(g)
+        rows = {d: np.asarray(scs[d], dtype=np.int64) for d in mine}
+        got = {d: dict() for d in mine}
+        works = []
+        for r in range(1, n):
+            for i, s in enumerate(g):
+                t = g[(i + r) % n]
+                so, to = s in self.owned, t in self.owned
+                if so and to:
+                    continue
+                if so:
+                    works.append(self.prim.isend(rows[s], self._owner(t), tag))
+                elif to:
+                    buf = np.empty(n, dtype=np.int64)
+                    got[t][s] = buf
+                    works.append(self.prim.irecv(buf, self._owner(s), tag))
+        for w in works:
+            w.wait()
+        known = dict(rows)
+        for d in mine:
+            known.update(got[d])
+        missing = [d for d in g if d not in known]
+        if missing:
+            raise RuntimeError(f"count exchange did not deliver the rows of device(s) {missing}")
+        return [tuple(int(v) for v in known[d]) for d in g]
+
+    def _post(self, k):
+        works, recvs = [], []
+        for p, tag in self.plans:
+            for msg in p.stage(k):
+                so, to = msg.src in self.owned, msg.dst in self.owned
+                if so and to:
+                    for o, f, _ in msg.blocks:
+                        self.hold[msg.dst][(o, f)] = self.hold[msg.src].pop((o, f))
+                elif so:
+                    buf = _flat_cat([self.hold[msg.src].pop((o, f)) for o, f, _ in msg.blocks], self.like)
+                    works.append(self.prim.isend(buf, self._owner(msg.dst), tag))
+                elif to:
+                    buf = _rows_like(self.like, msg.rows).reshape(-1)
+                    works.append(self.prim.irecv(buf, self._owner(msg.src), tag))
+                    recvs.append((msg, buf))
+        return works, recvs
+
+    def _complete(self, pending):
+        works, recvs = pending
+        for w in works:
+            w.wait()
+        rest = tuple(self.like.shape[1:])
+        for msg, buf in recvs:
+            off = 0
+            for o, f, r in msg.blocks:
+                k = r * self.row_elems
+                self.hold[msg.dst][(o, f)] = buf[off:off + k].reshape((r,) + rest)
+                off += k
+
+    def finish(self, bare):
+        nstages = max((p.num_stages for p, _ in self.plans), default=1)
+        self._complete(self._pending)
+        for k in range(1, nstages):
+            self._complete(self._post(k))
+        out = {}
+        for p, _ in self.plans:
+            for d in p.devices:
+                if d in self.owned:
+                    out[d] = _assemble(self.hold[d], d, p.devices, self.like)
+        if bare and len(out) == 1:
+            return next(iter(out.values()))
+        return out
+
+
+def _flat_cat(parts, like):
+    flat = [v.reshape(-1) for v in parts]
+    if len(flat) == 1:
+        v = flat[0]
+        return v.contiguous() if arrays.is_torch(v) else np.ascontiguousarray(v)
+    if arrays.is_torch(like):
+        import torch
+        return torch.cat(flat)
+    return np.concatenate(flat)
+
+
+def _partial_matrix(g, scs, rcs):
+    """Counts with the owned rows and columns filled (enough for pairwise), zeros elsewhere."""
+    n = len(g)
+    m = [[0] * n for _ in range(n)]
+    for i, d in enumerate(g):
+        if d in scs:
+            m[i] = list(scs[d])
+    for j, d in enumerate(g):
+        if d in rcs:
+            for i in range(n):
+                m[i][j] = rcs[d][i]
+    return m
+
+
+def _primitives(ctx, backend):
+    """The point-to-point primitives of the context's backend (isend/irecv -> Work)."""
+    return ctx.primitives(backend) if hasattr(ctx, "primitives") else ctx.backend

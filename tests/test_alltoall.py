@@ -1,0 +1,173 @@
+"""all_to_all_v: planner properties, single-process exactness, and real mpiexec runs."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import meshcomm as mc
+from meshcomm.alltoall import axis_groups
+from meshcomm.planners.alltoall import check_alltoall, estimate, plan_alltoall
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+def reference(xs, counts, groups):
+    out = {}
+    for g in groups:
+        for j, f in enumerate(g):
+            parts = []
+            for o in g:
+                off = int(sum(counts[o][:j]))
+                parts.append(xs[o][off:off + counts[o][j]])
+            out[f] = np.concatenate(parts)
+    return out
+
+
+def random_case(rng, mesh, axis, hi, width=3, dtype=np.float64):
+    n = mesh.axis_size(axis)
+    counts = {d: rng.integers(0, hi + 1, n) for d in mesh.device_ids}
+    xs = {d: (rng.standard_normal((int(counts[d].sum()), width)) * 100).astype(dtype)
+          for d in mesh.device_ids}
+    return counts, xs
+
+
+# -- planner ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,g", [(1, 1), (2, 1), (5, 1), (8, 4), (8, 2), (6, 4), (12, 3)])
+@pytest.mark.parametrize("algorithm", ["pairwise", "two_level", "auto"])
+def test_plan_delivers_every_block(n, g, algorithm):
+    rng = np.random.default_rng(n * 10 + g)
+    for _ in range(5):
+        counts = rng.integers(0, 4, (n, n)) * (rng.random((n, n)) < 0.7)
+        p = plan_alltoall(range(n), counts, 8, mc.Topology(g), algorithm)
+        check_alltoall(p)
+        assert all(m.src != m.dst and m.rows > 0 for m in p.messages)
+
+
+def test_pairwise_rounds_are_shifted_permutations():
+    n = 6
+    p = plan_alltoall(range(n), np.ones((n, n), int), 4, None, "pairwise")
+    for r in range(1, n):
+        msgs = [m for m in p.messages if m.round == r]
+        assert sorted((m.src, m.dst) for m in msgs) == [(i, (i + r) % n) for i in range(n)]
+
+
+def test_two_level_coalesces_cross_node_messages_and_wins_on_latency():
+    n, g = 16, 4
+    counts = np.ones((n, n), int)        # tiny messages: latency-bound
+    topo = mc.Topology(g, inter_node_latency_s=50e-6)
+    pw = plan_alltoall(range(n), counts, 64, topo, "pairwise")
+    tl = plan_alltoall(range(n), counts, 64, topo, "two_level")
+    cross = lambda p: sum(topo.node_of(m.src) != topo.node_of(m.dst) for m in p.messages)
+    assert cross(pw) == n * n - n * g           # one per (device, remote device)
+    assert cross(tl) == (n // g) * (n // g - 1)  # one per node pair
+    assert tl.estimate_s < pw.estimate_s
+    assert plan_alltoall(range(n), counts, 64, topo).algorithm == "two_level"
+    # huge rows on a fast NIC: the extra intra-node hops no longer pay off
+    big = mc.Topology(g, intra_node_gbps=10, inter_node_gbps=10_000)
+    assert plan_alltoall(range(n), counts, 1 << 24, big).algorithm == "pairwise"
+    # flat topology: always pairwise
+    assert plan_alltoall(range(n), counts, 64, None).algorithm == "pairwise"
+
+
+def test_estimate_is_alpha_beta():
+    topo = mc.Topology(1, inter_node_gbps=8, inter_node_latency_s=1e-3)   # 1 GB/s
+    p = plan_alltoall(range(2), [[0, 1000], [0, 0]], 1000, topo, "pairwise")
+    assert estimate(p.messages, topo, 1000) == pytest.approx(1e-3 + 1e6 / 1e9)
+
+
+def test_plan_rejects_bad_counts():
+    with pytest.raises(ValueError, match="device 1"):
+        plan_alltoall([0, 1], [[1, 1], [1, -1]])
+    with pytest.raises(ValueError, match="3 entries"):
+        plan_alltoall([0, 1], [[1, 1], [1, 1, 1]])
+    with pytest.raises(ValueError, match="unknown all-to-all algorithm"):
+        plan_alltoall([0, 1], [[1, 1], [1, 1]], algorithm="ring")
+
+
+# -- single process ---------------------------------------------------------------------------
+
+MESHES = [mc.Mesh([0, 1, 2, 3], ("ep",)), mc.Mesh([[0, 1, 2, 3], [4, 5, 6, 7]], ("dp", "ep")),
+          mc.Mesh([[7, 3], [5, 1], [0, 2]], ("ep", "dp")), mc.Mesh([9], ("ep",))]
+
+
+@pytest.mark.parametrize("mi", range(len(MESHES)))
+@pytest.mark.parametrize("topo", [None, mc.Topology(2), mc.Topology(4)])
+def test_local_matches_reference_both_directions(mi, topo):
+    mesh = MESHES[mi]
+    rng = np.random.default_rng(mi)
+    groups = axis_groups(mesh, "ep")
+    for hi in (0, 1, 5):
+        counts, xs = random_case(rng, mesh, "ep", hi)
+        counts[mesh.device_ids[0]][:] = 0        # an empty rank
+        xs[mesh.device_ids[0]] = xs[mesh.device_ids[0]][:0]
+        ref = reference(xs, counts, groups)
+        y = mc.all_to_all_v(xs, counts, mesh, "ep", topology=topo)
+        assert set(y) == set(mesh.device_ids)
+        for d in y:
+            np.testing.assert_array_equal(y[d], ref[d])
+        recv = {f: [int(counts[o][j]) for o in g] for g in groups for j, f in enumerate(g)}
+        back = mc.all_to_all_v(y, recv, mesh, "ep", recv_counts=counts, topology=topo)
+        for d in back:
+            np.testing.assert_array_equal(back[d], xs[d])
+
+
+def test_local_torch_keeps_kind_and_grad_free_values():
+    mesh = MESHES[1]
+    rng = np.random.default_rng(7)
+    counts, xs = random_case(rng, mesh, "ep", 3, dtype=np.float32)
+    ref = reference(xs, counts, axis_groups(mesh, "ep"))
+    y = mc.all_to_all_v({d: torch.from_numpy(v) for d, v in xs.items()}, counts, mesh, "ep", async_op=True).wait()
+    for d in y:
+        assert isinstance(y[d], torch.Tensor) and y[d].dtype == torch.float32
+        np.testing.assert_array_equal(y[d].numpy(), ref[d])
+
+
+def test_local_errors_name_the_device():
+    mesh = MESHES[0]
+    xs = {d: np.zeros((2, 1)) for d in mesh.device_ids}
+    counts = {d: [1, 1, 0, 0] for d in mesh.device_ids}
+    with pytest.raises(ValueError, match="device 2"):
+        mc.all_to_all_v(xs, {**counts, 2: [1, 1, 1, 0]}, mesh, "ep")
+    with pytest.raises(ValueError, match="axis 'ep' has 4"):
+        mc.all_to_all_v(xs, {**counts, 1: [1, 1]}, mesh, "ep")
+    with pytest.raises(ValueError, match="unknown mesh axis"):
+        mc.all_to_all_v(xs, counts, mesh, "tp")
+    with pytest.raises(ValueError, match="recv_counts of device 2"):
+        mc.all_to_all_v(xs, counts, mesh, "ep", recv_counts={d: [1, 1, 1, 1] for d in mesh.device_ids})
+    with pytest.raises(ValueError, match=r"missing|device\(s\) \[3\]"):
+        mc.all_to_all_v({d: xs[d] for d in (0, 1, 2)}, counts, mesh, "ep")
+    with pytest.raises(TypeError):
+        mc.all_to_all_v(xs, counts, "not a mesh", "ep")
+
+
+# -- under a launcher -------------------------------------------------------------------------
+
+def _launcher_ready():
+    try:
+        import meshcomm.backends.mpi  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"MPI backend not importable: {e}"
+    if not hasattr(mc, "init"):
+        return "meshcomm.init is not available"
+    return None
+
+
+@pytest.mark.parametrize("backend,nproc,dpp", [("mpi", 4, 1), ("mpi", 2, 2), ("torch", 4, 1)])
+def test_alltoall_under_mpiexec(backend, nproc, dpp):
+    why = _launcher_ready()
+    if why:
+        pytest.skip(why)
+    env = dict(os.environ, MESHCOMM_TIMEOUT="30", OMP_NUM_THREADS="1")
+    cmd = [str(VENV_BIN / "mpiexec"), "-n", str(nproc), sys.executable,
+           str(ROOT / "tests" / "workers_alltoall" / "a2a_worker.py"), backend, str(dpp), "1234"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    oks = [line for line in r.stdout.splitlines() if line.startswith("A2A OK")]
+    assert len(oks) == nproc, r.stdout
+    assert all(int(line.split()[3]) >= 18 for line in oks)
