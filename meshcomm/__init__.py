@@ -16,3 +16,4 @@ __version__ = "0.1.0"
 
 __all__ = ["Mesh", "Layout", "Blocks", "Topology", "Plan", "Transfer", "plan", "reshard",
            "shard", "unshard", "verify", "Handle", "planners"]
+from .planners.bounds import lower_bound; __all__ += ["lower_bound"]  # noqa: E402,E702
