@@ -1,8 +1,9 @@
 """Pack boxes of a tile into one contiguous message and unpack them back.
 
-One interface for every device: NumPy and CPU torch use slicing; CUDA tensors go to the
-batched kernels in meshcomm.cuda when CuPy is available (see cuda/), else torch slicing.
-`slices` are local slices into the tile, one tuple per box, in message order.
+One interface for every device: NumPy and CPU torch use slicing; CUDA tensors (torch CUDA
+tensors, CuPy arrays) go to the batched kernels in meshcomm.cuda (one launch for all boxes, on
+the current stream) when CuPy is available, else torch slicing. Set MESHCOMM_CUDA_KERNELS=0 to
+force slicing. `slices` are local slices into the tile, one tuple per box, in message order.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["message_elems", "pack", "unpack"]
+__all__ = ["message_elems", "pack", "unpack", "uses_kernels"]
 
 
 def message_elems(slices: Sequence[tuple[slice, ...]]) -> int:
@@ -22,8 +23,30 @@ def _is_torch(x) -> bool:
     return type(x).__module__.startswith("torch")
 
 
+def _is_cupy(x) -> bool:
+    return type(x).__module__.startswith("cupy")
+
+
+def _on_cuda(x) -> bool:
+    return (_is_torch(x) and x.is_cuda) or _is_cupy(x)
+
+
+def uses_kernels(tile) -> bool:
+    """True when pack/unpack of `tile` run the CUDA kernels (else slicing)."""
+    if not _on_cuda(tile):
+        return False
+    from meshcomm import cuda
+    return cuda.available()
+
+
 def pack(tile, slices: Sequence[tuple[slice, ...]], out=None):
     """Concatenate tile[sl] for each sl (row-major) into a 1-d buffer of tile's dtype."""
+    if uses_kernels(tile):
+        from meshcomm.cuda import KernelUnsupported, pack_cuda
+        try:
+            return pack_cuda(tile, slices, out=out)
+        except KernelUnsupported:
+            pass
     n = message_elems(slices)
     if _is_torch(tile):
         import torch
@@ -37,7 +60,11 @@ def pack(tile, slices: Sequence[tuple[slice, ...]], out=None):
             off += k
         return out
     if out is None:
-        out = np.empty(n, dtype=tile.dtype)
+        if _is_cupy(tile):
+            import cupy
+            out = cupy.empty(n, dtype=tile.dtype)
+        else:
+            out = np.empty(n, dtype=tile.dtype)
     off = 0
     for sl in slices:
         v = tile[sl]
@@ -49,6 +76,13 @@ def pack(tile, slices: Sequence[tuple[slice, ...]], out=None):
 
 def unpack(buf, tile, slices: Sequence[tuple[slice, ...]], accumulate: bool = False) -> None:
     """Scatter a packed 1-d buffer back into tile[sl] for each sl; add when `accumulate`."""
+    if uses_kernels(tile) and _on_cuda(buf):
+        from meshcomm.cuda import KernelUnsupported, unpack_cuda
+        try:
+            unpack_cuda(buf, tile, slices, accumulate=accumulate)
+            return
+        except KernelUnsupported:
+            pass
     off = 0
     for sl in slices:
         dst = tile[sl]
