@@ -16,4 +16,5 @@ __version__ = "0.1.0"
 
 __all__ = ["Mesh", "Layout", "Blocks", "Topology", "Plan", "Transfer", "plan", "reshard",
            "shard", "unshard", "verify", "Handle", "planners"]
+from .alltoall import all_to_all_v; __all__ += ["all_to_all_v"]  # noqa: E402,E702
 from .planners.bounds import lower_bound; __all__ += ["lower_bound"]  # noqa: E402,E702

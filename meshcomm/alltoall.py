@@ -12,6 +12,8 @@ module validates input, exchanges counts when they are not given, and runs the p
 from __future__ import annotations
 
 import itertools
+import os
+import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -21,6 +23,7 @@ from .api import Handle
 from .mesh import Mesh
 from .planners import Topology
 from .planners.alltoall import AllToAllPlan, plan_alltoall
+from .backends.base import empty_wire, from_wire, to_wire
 
 __all__ = ["all_to_all_v", "axis_groups", "alltoall_plan"]
 
@@ -213,7 +216,10 @@ class _DistRun:
         self.ctx, self.owned, self.like = ctx, set(owned), like
         self.dpp = ctx.devices_per_process
         self.prim = _primitives(ctx, backend)
-        self.row_elems = row_elems
+        timeout = getattr(self.prim, "timeout", None)
+        self.timeout = timeout if timeout is not None else float(os.environ.get("MESHCOMM_TIMEOUT", "60"))
+        self.keep = []          # send buffers stay alive until their wait
+        self.row_elems, self.row_bytes, self.sent_bytes = row_elems, row_bytes, 0
         self.plans, self.tags = [], []
         multi_node = topo.devices_per_node > 1
         for g in groups:
@@ -244,9 +250,14 @@ class _DistRun:
     def _owner(self, d):
         return d // self.dpp
 
+    def _wait(self, works):
+        self.prim.wait_all(works, time.monotonic() + self.timeout)
+        self.keep.clear()
+
     def _exchange_counts(self, g, mine, scs, tag):
         """Each owned device sends its whole row to every peer (one small message each)."""
         n = len(g)
+        wire = self.prim.wire
         rows = {d: np.asarray(scs[d], dtype=np.int64) for d in mine}
         got = {d: dict() for d in mine}
         works = []
@@ -257,23 +268,21 @@ class _DistRun:
                 if so and to:
                     continue
                 if so:
-                    works.append(self.prim.isend(rows[s], self._owner(t), tag))
+                    self.keep.append(to_wire(rows[s], wire))
+                    works.append(self.prim.isend(self.keep[-1], self._owner(t), tag))
                 elif to:
-                    buf = np.empty(n, dtype=np.int64)
+                    buf = empty_wire(8 * n, wire, rows[mine[0]])
                     got[t][s] = buf
                     works.append(self.prim.irecv(buf, self._owner(s), tag))
-        for w in works:
-            w.wait()
+        self._wait(works)
         known = dict(rows)
         for d in mine:
-            known.update(got[d])
-        missing = [d for d in g if d not in known]
-        if missing:
-            raise RuntimeError(f"count exchange did not deliver the rows of device(s) {missing}")
+            known.update({s: from_wire(b, rows[mine[0]]) for s, b in got[d].items()})
         return [tuple(int(v) for v in known[d]) for d in g]
 
     def _post(self, k):
         works, recvs = [], []
+        wire = self.prim.wire
         for p, tag in self.plans:
             for msg in p.stage(k):
                 so, to = msg.src in self.owned, msg.dst in self.owned
@@ -282,23 +291,26 @@ class _DistRun:
                         self.hold[msg.dst][(o, f)] = self.hold[msg.src].pop((o, f))
                 elif so:
                     buf = _flat_cat([self.hold[msg.src].pop((o, f)) for o, f, _ in msg.blocks], self.like)
-                    works.append(self.prim.isend(buf, self._owner(msg.dst), tag))
+                    self.sent_bytes += msg.rows * self.row_bytes
+                    self.keep.append(to_wire(buf, wire))
+                    works.append(self.prim.isend(self.keep[-1], self._owner(msg.dst), tag))
                 elif to:
-                    buf = _rows_like(self.like, msg.rows).reshape(-1)
+                    buf = empty_wire(msg.rows * self.row_bytes, wire, self.like)
                     works.append(self.prim.irecv(buf, self._owner(msg.src), tag))
                     recvs.append((msg, buf))
+        self.prim.flush()
         return works, recvs
 
     def _complete(self, pending):
         works, recvs = pending
-        for w in works:
-            w.wait()
+        self._wait(works)
         rest = tuple(self.like.shape[1:])
         for msg, buf in recvs:
+            flat = from_wire(buf, self.like)
             off = 0
             for o, f, r in msg.blocks:
                 k = r * self.row_elems
-                self.hold[msg.dst][(o, f)] = buf[off:off + k].reshape((r,) + rest)
+                self.hold[msg.dst][(o, f)] = flat[off:off + k].reshape((r,) + rest)
                 off += k
 
     def finish(self, bare):

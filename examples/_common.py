@@ -1,0 +1,179 @@
+"""Plumbing shared by the examples: start-up, autograd wrappers, timing, checks.
+
+Every example runs in two ways:
+* `python examples/X.py` (no launcher): one process, one device; meshcomm works in memory;
+* `mpiexec -n N python examples/X.py`: one process per device; `meshcomm.init` picks the
+  backend (MPI on CPU by default, torch.distributed with NCCL when CUDA is there).
+Device ids are ranks (devices_per_process=1).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+import meshcomm as mc
+
+_LAUNCHER_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "WORLD_SIZE")
+
+
+def launched_size() -> int:
+    for v in _LAUNCHER_SIZE_VARS:
+        if v in os.environ:
+            return int(os.environ[v])
+    return 1
+
+
+def base_parser(doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    p.add_argument("--steps", type=int, default=5, help="training steps")
+    p.add_argument("--check", action="store_true",
+                   help="compare loss and gradients with a single-process run of the same model")
+    p.add_argument("--backend", default=None, help="mpi | torch | mixed (default: torch on GPU, else mpi)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tol", type=float, default=1e-4, help="largest allowed difference in --check")
+    return p
+
+
+def setup(backend: str | None):
+    """(rank, world, torch device). Initialises meshcomm when started by a launcher."""
+    torch.set_num_threads(1)
+    cuda = torch.cuda.is_available()
+    world = launched_size()
+    rank = 0
+    if world > 1:
+        ctx = mc.init(backend=backend or ("torch" if cuda else "mpi"), devices_per_process=1)
+        rank, world = ctx.rank, ctx.world_size
+    dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    return rank, world, dev
+
+
+def sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+# -- communication accounting ------------------------------------------------------------------
+
+class CommStats:
+    """Seconds spent waiting on communication and bytes this process sent, per step."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.bytes = 0
+
+    @contextmanager
+    def timed(self, nbytes: int = 0):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - t
+            self.bytes += int(nbytes)
+
+    def reset(self):
+        self.seconds, self.bytes = 0.0, 0
+
+
+STATS = CommStats()
+
+
+def nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def sent_bytes(shape, dtype, src: mc.Layout, dst: mc.Layout, rank: int) -> int:
+    """Bytes device `rank` sends in the reshard plan (plans are cached: this is cheap)."""
+    p = mc.plan(shape, dtype, src, dst)
+    return sum(t.nbytes for t in p.transfers if t.kind != "copy" and t.srcs[0] == rank
+               and any(d != rank for d in t.dsts))
+
+
+# -- collectives built from reshard ------------------------------------------------------------
+
+def allreduce_(tensors, mesh: mc.Mesh, rank: int) -> None:
+    """Sum tensors over every device of `mesh` in place: one coalesced reshard from a
+    pending-sum layout (partial over all axes) to a replicated one."""
+    if mesh.size == 1:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    part = mc.Layout(mesh, (None,), partial=mesh.axis_names)
+    repl = mc.Layout(mesh, (None,))
+    with STATS.timed(sent_bytes(flat.shape, flat.dtype, part, repl, rank)):
+        out = mc.reshard({rank: flat}, part, repl, shape=flat.shape, dtype=flat.dtype)[rank]
+    off = 0
+    for t in tensors:
+        t.copy_(out[off:off + t.numel()].view_as(t))
+        off += t.numel()
+
+
+def max_over(values: list[float], mesh: mc.Mesh, rank: int) -> float:
+    """The largest of every process's values, known on device mesh.device_ids[0]."""
+    v = torch.tensor([max(values, default=0.0)], dtype=torch.float64)
+    if mesh.size == 1:
+        return float(v)
+    src = mc.Layout(mesh, (mesh.axis_names,))                  # one value per device
+    dst = mc.Layout(mc.Mesh([mesh.device_ids[0]], ("r",)), (None,))
+    out = mc.reshard({rank: v}, src, dst, shape=(mesh.size,), dtype=v.dtype)
+    return float(out[mesh.device_ids[0]].max()) if out else float("nan")
+
+
+class Reshard(torch.autograd.Function):
+    """Differentiable meshcomm.reshard of this process's tile (device id = rank): the
+    gradient goes back the reverse way (dst layout -> src layout)."""
+
+    @staticmethod
+    def forward(ctx, x, src, dst, shape, rank):
+        ctx.meta = (src, dst, shape, rank, x.dtype)
+        return _reshard(x, src, dst, shape, rank)
+
+    @staticmethod
+    def backward(ctx, g):
+        src, dst, shape, rank, dtype = ctx.meta
+        return _reshard(g.contiguous(), dst, src, shape, rank), None, None, None, None
+
+
+def _reshard(x, src, dst, shape, rank):
+    with STATS.timed(sent_bytes(shape, x.dtype, src, dst, rank)):
+        out = mc.reshard({rank: x} if rank in src.mesh else {}, src, dst, shape=shape, dtype=x.dtype)
+    return out[rank]
+
+
+# -- reporting -----------------------------------------------------------------------------------
+
+def report(name: str, rank: int, samples: int, step_times: list[float], comm_s: list[float],
+           comm_b: list[int]) -> None:
+    if rank != 0 or not step_times:
+        return
+    t = float(np.median(step_times))
+    print(f"[{name}] {samples / t:,.1f} samples/s | step {t * 1e3:.1f} ms | comm on rank 0: "
+          f"{np.median(comm_s) * 1e3:.1f} ms/step, {np.median(comm_b) / 1024:.1f} KiB/step sent",
+          flush=True)
+
+
+def finish_check(name: str, diffs: dict[str, float], mesh: mc.Mesh, rank: int, tol: float) -> None:
+    """Print the largest difference from the single-process reference; exit 1 beyond tol."""
+    worst = max_over(list(diffs.values()), mesh, rank)
+    mine = max(diffs.values(), default=0.0)
+    if mine > tol:
+        what = max(diffs, key=diffs.get)
+        print(f"[{name}] rank {rank}: {what} differs by {mine:.3g} > {tol:g}", file=sys.stderr, flush=True)
+    if rank == 0:
+        ok = worst <= tol
+        print(f"[{name}] check: largest difference vs single process {worst:.3g} "
+              f"(tolerance {tol:g}) {'OK' if ok else 'FAILED'}", flush=True)
+    sys.exit(0 if mine <= tol and (rank != 0 or worst <= tol) else 1)
+
+
+def maxdiff(a, b) -> float:
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    if a.shape != b.shape:
+        return float("inf")
+    return float((a - b).abs().max()) if a.numel() else 0.0
