@@ -11,10 +11,11 @@ from .layout import Blocks, Layout
 from . import planners
 from .planners import Plan, Transfer, Topology, verify
 from .api import plan, reshard, shard, unshard, Handle
+from .runtime import init, finalize
 
 __version__ = "0.1.0"
 
 __all__ = ["Mesh", "Layout", "Blocks", "Topology", "Plan", "Transfer", "plan", "reshard",
-           "shard", "unshard", "verify", "Handle", "planners"]
+           "shard", "unshard", "verify", "Handle", "planners", "init", "finalize"]
 from .alltoall import all_to_all_v; __all__ += ["all_to_all_v"]  # noqa: E402,E702
 from .planners.bounds import lower_bound; __all__ += ["lower_bound"]  # noqa: E402,E702

@@ -1,9 +1,45 @@
 """Process-wide state: which backend this process runs under and which devices it owns.
 
 Without `meshcomm.init(...)` there is no context and one process owns every device.
+Under a launcher (`mpiexec`, or `torchrun` for the torch backend)::
+
+    ctx = meshcomm.init(backend="mpi" | "torch" | "mixed", devices_per_process=1)
+    y = meshcomm.reshard(x, src, dst)       # SPMD: every process calls it with its own tiles
+    meshcomm.finalize()
+
+* Device d belongs to rank d // devices_per_process (`ctx.owned_devices(mesh)`).
+* "mpi" needs mpiexec; "torch" runs under torchrun or mpiexec (rank, world size and
+  MASTER_ADDR/MASTER_PORT then come from MPI); "mixed" needs mpiexec and runs both, picking
+  one per transfer from the tuning table (`MESHCOMM_TUNING`). Under "mixed",
+  `reshard(..., backend="mpi" | "torch")` forces one of them.
+* `reshard` validates locally, then (by default) all processes exchange a little metadata:
+  their shape/dtype/tile shapes (a process holding no src tile learns shape and dtype this
+  way), the array kind, the backend, and fingerprints of the layouts and of the plan
+  (`Plan.fingerprint`). Processes that disagree, or a process whose input is invalid, make
+  every process raise the same `ValueError` (`TypeError` on the faulty one) naming the
+  ranks. Set `MESHCOMM_CHECK=0` to skip the exchange when both `shape=` and `dtype=` are
+  given (pass them on every process or on none; a process without src tiles then gets
+  torch tensors when `dtype` is a torch dtype, NumPy arrays otherwise).
+* Timeouts: a peer that does not arrive (or dies) makes `reshard` raise
+  `meshcomm.errors.PeerTimeoutError` naming it, within `MESHCOMM_TIMEOUT` seconds
+  (default 300; `init(timeout=...)` overrides) of the call starting to communicate. After
+  such an error the context should be finalized.
+* Asynchronous use: `reshard(..., async_op=True)` returns a `meshcomm.Handle`; all
+  communication of a context runs on one background thread, in call order, so calls are
+  serialized the same way on every process and the caller can compute meanwhile.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import os
+import time
+from typing import Any, Mapping
+
+import numpy as np
+
+__all__ = ["init", "finalize", "current", "Context", "BACKEND_NAMES"]
+
+BACKEND_NAMES = ("mpi", "torch", "mixed")
 _CTX = None
 
 
@@ -15,3 +51,303 @@ def current():
 def _set(ctx) -> None:
     global _CTX
     _CTX = ctx
+
+
+def _timeout(timeout) -> float:
+    if timeout is None:
+        v = os.environ.get("MESHCOMM_TIMEOUT")
+        try:
+            timeout = float(v) if v else 300.0
+        except ValueError:
+            raise ValueError(f"MESHCOMM_TIMEOUT must be a number of seconds, got {v!r}") from None
+    timeout = float(timeout)
+    if not timeout > 0:
+        raise ValueError(f"timeout must be positive seconds, got {timeout}")
+    return timeout
+
+
+def init(backend: str = "mpi", devices_per_process: int = 1, timeout: float | None = None) -> "Context":
+    """Join the launcher's processes and set the process-wide context (see module doc)."""
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
+    if isinstance(devices_per_process, bool) or not isinstance(devices_per_process, (int, np.integer)) \
+            or devices_per_process < 1:
+        raise ValueError(f"devices_per_process must be a positive int, got {devices_per_process!r}")
+    timeout = _timeout(timeout)
+    if _CTX is not None:
+        if _CTX.backend_name == backend and _CTX.devices_per_process == devices_per_process:
+            return _CTX
+        raise RuntimeError(f"meshcomm is already initialised with backend={_CTX.backend_name!r}, "
+                           f"devices_per_process={_CTX.devices_per_process}; call "
+                           "meshcomm.finalize() first")
+    from meshcomm.backends.torch_dist import under_torchrun
+    backends: dict[str, Any] = {}
+    if backend in ("mpi", "mixed"):
+        from meshcomm.backends.mpi import MPIBackend
+        mpi = MPIBackend(timeout=timeout)
+        if under_torchrun() and mpi.world_size == 1 and int(os.environ["WORLD_SIZE"]) > 1:
+            mpi.close()
+            raise RuntimeError(f"backend {backend!r} needs MPI: launch with mpiexec (torchrun "
+                               "starts no MPI job); under torchrun use backend='torch'")
+        backends["mpi"] = mpi
+    if backend in ("torch", "mixed"):
+        from meshcomm.backends.torch_dist import TorchBackend
+        comm = None
+        if "mpi" in backends:
+            from mpi4py import MPI
+            comm = MPI.COMM_WORLD
+        backends["torch"] = TorchBackend.create(timeout, mpi_comm=comm)
+    if backend == "mixed":
+        from meshcomm.backends.mixed import MixedBackend
+        backends["mixed"] = MixedBackend(backends["mpi"], backends["torch"])
+    ctx = Context(backend, backends, int(devices_per_process), timeout)
+    _set(ctx)
+    return ctx
+
+
+def finalize() -> None:
+    """Wait for outstanding work, free communicators/process groups, clear the context."""
+    ctx = _CTX
+    if ctx is None:
+        return
+    try:
+        ctx.close()
+    finally:
+        _set(None)
+
+
+class Context:
+    """One process's view of a launched job; `meshcomm.reshard` delegates to `reshard`."""
+
+    def __init__(self, backend_name: str, backends: Mapping[str, Any], devices_per_process: int,
+                 timeout: float):
+        self.backend_name = backend_name
+        self._backends = dict(backends)
+        main = self._backends[backend_name]
+        self.rank, self.world_size = main.rank, main.world_size
+        self.devices_per_process = devices_per_process
+        self.timeout = timeout
+        for b in self._backends.values():
+            b.timeout = timeout
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshcomm-comm")
+
+    def __repr__(self) -> str:
+        return (f"Context(backend={self.backend_name!r}, rank={self.rank}/{self.world_size}, "
+                f"devices_per_process={self.devices_per_process})")
+
+    @property
+    def backend(self):
+        return self._backends[self.backend_name]
+
+    def get_backend(self, name: str | None):
+        if name is None:
+            return self.backend
+        if name not in self._backends:
+            raise ValueError(f"backend {name!r} is not available in this context (initialised with "
+                             f"backend={self.backend_name!r}; available: {sorted(self._backends)})")
+        return self._backends[name]
+
+    # -- ownership ---------------------------------------------------------------------
+    def rank_of(self, device: int) -> int:
+        return int(device) // self.devices_per_process
+
+    def owned_devices(self, mesh_or_devices) -> tuple[int, ...]:
+        """The devices of a Mesh, Layout or iterable of ids that this process owns."""
+        from .layout import Layout
+        from .mesh import Mesh
+        if isinstance(mesh_or_devices, Layout):
+            devs = mesh_or_devices.mesh.device_ids
+        elif isinstance(mesh_or_devices, Mesh):
+            devs = mesh_or_devices.device_ids
+        else:
+            devs = [int(d) for d in mesh_or_devices]
+        return tuple(d for d in devs if self.rank_of(d) == self.rank)
+
+    def _check_owners(self, layout, what):
+        n = self.world_size * self.devices_per_process
+        bad = [d for d in layout.mesh.device_ids if d >= n]
+        if bad:
+            raise ValueError(f"{what} mesh device(s) {bad[:8]} have no process: with {self.world_size} "
+                             f"processes and devices_per_process={self.devices_per_process}, device d "
+                             f"belongs to rank d // {self.devices_per_process}, so ids must be < {n}")
+
+    # -- reshard -----------------------------------------------------------------------
+    def reshard(self, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=False):
+        from . import api, arrays
+        from .api import Handle
+        from meshcomm.backends import streams
+        api._check_layouts(src, dst)
+        be = self.get_backend(backend)
+        check = os.environ.get("MESHCOMM_CHECK", "1") != "0"
+        owned_src, owned_dst = self.owned_devices(src), self.owned_devices(dst)
+        err, shards, bare, kind = None, {}, False, None
+        local_shape, name, itemsize, devtype = None, None, None, None
+        try:
+            self._check_owners(src, "src")
+            self._check_owners(dst, "dst")
+            shards, bare = api.normalize_input(x, src, owned=owned_src)
+            missing = [d for d in owned_src if d not in shards]
+            if missing:
+                raise ValueError(f"rank {self.rank} owns src device(s) {missing[:8]} but x holds no "
+                                 f"tile for them (every process passes the src tiles it owns)")
+            if bare and len(owned_dst) > 1:
+                raise ValueError(f"a bare array in gives a bare array out, but rank {self.rank} owns "
+                                 f"{len(owned_dst)} dst devices {list(owned_dst)}; pass a dict")
+            local_shape, name, itemsize = api.resolve_shape_dtype(shards, src, shape, dtype)
+            if local_shape is not None:
+                api._check_tile_shapes(shards, src.tiles(local_shape), "src")
+            if shards:
+                first = next(iter(shards.values()))
+                kind = arrays.kind_of(first)
+                dev = streams.device_of(first)
+                devtype = dev.type if dev is not None else "cpu"
+        except (ValueError, TypeError) as e:
+            err = e
+        need_exchange = check or shape is None or dtype is None
+        if err is not None and not need_exchange:
+            raise err
+        if kind == "jax":
+            shards = {d: np.asarray(v) for d, v in shards.items()}
+        fences = {}
+        for v in shards.values():
+            dev = streams.device_of(v)
+            if streams.is_cuda(dev) and dev not in fences:
+                fences[dev] = streams.fence_from_current(dev)
+        if not fences:
+            fences[None] = streams.fence_from_current(None)
+        job = dict(be=be, src=src, dst=dst, shards=shards, shape_kw=shape, dtype_kw=dtype,
+                   local=(err, local_shape, name, itemsize, kind, devtype),
+                   need_exchange=need_exchange, fences=tuple(fences.values()))
+        fut = self._pool.submit(self._run, **job)
+
+        def finish():
+            out, done, out_kind = fut.result()
+            for d, v in out.items():
+                done.wait_on(streams.current_stream(streams.device_of(v)))
+                break
+            if out_kind == "jax":
+                import jax
+                out = {d: jax.device_put(v, arrays.jax_device(d)) for d, v in out.items()}
+            if bare:
+                return next(iter(out.values())) if out else None
+            return out
+        if async_op:
+            return Handle(finish)
+        return finish()
+
+    def _run(self, be, src, dst, shards, shape_kw, dtype_kw, local, need_exchange, fences):
+        from . import api, arrays
+        from meshcomm.backends import base
+        err, shape, name, itemsize, kind, devtype = local
+        deadline = time.monotonic() + self.timeout
+        if need_exchange:
+            plan_fp = None
+            if err is None and shape is not None and name is not None:
+                plan_fp = api.plan(shape, name, src, dst).fingerprint
+            blob = {"err": None if err is None else (type(err).__name__, str(err)),
+                    "layouts": _layouts_fp(src, dst), "desc": f"src={src} dst={dst}",
+                    "backend": be.name, "shape": shape, "dtype": None if name is None else (name, itemsize),
+                    "tiles": {d: tuple(v.shape) for d, v in shards.items()},
+                    "kind": kind, "devtype": devtype, "plan": plan_fp}
+            blobs = be.allgather_obj(blob, deadline)
+            if err is not None:
+                raise err
+            shape, name, itemsize, kind, devtype = _agree(blobs, src, self.rank)
+        else:
+            shape = src.check_shape(api.normalize_shape(shape_kw))
+            name, itemsize = arrays.normalize_dtype(dtype_kw)
+            if kind is None:
+                kind = "torch" if type(dtype_kw).__module__.startswith("torch") else "numpy"
+                devtype = "cpu"
+        p = api.plan(shape, name, src, dst)
+        if shards:
+            like = next(iter(shards.values()))
+        else:
+            like = _empty_like(kind, name, devtype)
+        out, done = base.execute(p, shards, like, rank=self.rank,
+                                 devices_per_process=self.devices_per_process, backend=be,
+                                 deadline=deadline, device_kind=devtype or "cpu",
+                                 producer_fences=fences)
+        return out, done, kind
+
+    def close(self):
+        self._pool.shutdown(wait=True)
+        for name in ("mixed", "torch", "mpi"):
+            b = self._backends.get(name)
+            if b is not None:
+                b.close()
+
+
+def _layouts_fp(src, dst) -> str:
+    import hashlib
+    return hashlib.sha1(repr((src, dst)).encode()).hexdigest()[:16]
+
+
+def _empty_like(kind, name, devtype):
+    from .arrays import numpy_dtype
+    if kind == "torch":
+        import torch
+        dev = "cpu"
+        if devtype == "cuda":
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return torch.empty(0, dtype=getattr(torch, name), device=dev)
+    return np.empty(0, dtype=numpy_dtype(name))
+
+
+def _ranks_str(groups: Mapping[Any, list[int]], fmt=str) -> str:
+    return "; ".join(f"rank(s) {ranks}: {fmt(v)}" for v, ranks in groups.items())
+
+
+def _group_by(blobs, key):
+    out: dict = {}
+    for r, b in enumerate(blobs):
+        v = b[key]
+        if v is not None:
+            out.setdefault(v if not isinstance(v, list) else tuple(v), []).append(r)
+    return out
+
+
+def _agree(blobs, src, me):
+    """Every process runs this on the same gathered blobs, so all raise the same error."""
+    from . import api
+    errs = [(r, b["err"]) for r, b in enumerate(blobs) if b["err"] is not None]
+    if errs:
+        raise ValueError("reshard failed on other process(es): " +
+                         "; ".join(f"rank {r}: {t}: {m}" for r, (t, m) in errs[:4]))
+    for key, what in (("layouts", "the src/dst layouts"), ("backend", "the backend"),
+                      ("shape", "the global shape"), ("dtype", "the dtype"),
+                      ("kind", "the array kind"), ("devtype", "the device type"),
+                      ("plan", "the plan (Plan.fingerprint)")):
+        g = _group_by(blobs, key)
+        if len(g) > 1:
+            if key == "layouts":
+                desc = {v: blobs[rs[0]]["desc"] for v, rs in g.items()}
+                detail = _ranks_str(g, lambda v: desc[v])
+            else:
+                detail = _ranks_str(g)
+            raise ValueError(f"processes disagree on {what}: {detail}")
+    shapes = _group_by(blobs, "shape")
+    dtypes = _group_by(blobs, "dtype")
+    kinds = _group_by(blobs, "kind")
+    devtypes = _group_by(blobs, "devtype")
+    tiles = {}
+    for b in blobs:
+        tiles.update(b["tiles"])
+    shape = next(iter(shapes)) if shapes else api.infer_shape(src, tiles)
+    if shape is None:
+        raise ValueError("cannot infer the global shape from the src tiles of all processes "
+                         f"(devices {sorted(tiles)[:8]}); pass shape= to reshard")
+    if not dtypes:
+        raise ValueError("no process holds a src tile, so the dtype is unknown; pass dtype=")
+    name, itemsize = next(iter(dtypes))
+    tiling = src.tiles(tuple(shape))
+    for r, b in enumerate(blobs):
+        for d, s in b["tiles"].items():
+            want = tuple(e - a for a, e in tiling.boxes[d])
+            if tuple(s) != want:
+                raise ValueError(f"rank {r}: the tile for src device {d} has shape {tuple(s)} but the "
+                                 f"src layout gives device {d} the box {list(tiling.boxes[d])} of shape "
+                                 f"{want} (global shape {tuple(shape)})")
+    kind = next(iter(kinds)) if kinds else "numpy"
+    devtype = next(iter(devtypes)) if devtypes else "cpu"
+    return tuple(shape), name, itemsize, kind, devtype

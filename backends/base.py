@@ -1,0 +1,502 @@
+"""The shared executor: a Plan -> this process's part of it, over a small primitive interface.
+
+Every distributed backend implements `Backend`: non-blocking `isend`/`irecv(buf, peer, tag)`,
+`bcast(buf, root, ranks)` and `reduce(buf, root, ranks)` (sum into the root), each returning
+a `Work`; `wait_all(works, deadline)`; `barrier`; a small object `allgather_obj` for
+metadata; and `prepare_groups(groups, deadline)`.
+
+How a process runs a plan (`execute`):
+
+* Device d lives on rank `rank_of(d)`. A transfer whose devices all live on this rank runs
+  as local array copies/sums (no communication).
+* Otherwise, per transfer, in the plan's global order: pack the boxes of the sending tile
+  into one contiguous message (backends/pack.py), issue the primitive, and when it is done
+  unpack into the dst tiles this rank owns. send/bcast reaching 2 ranks use isend/irecv;
+  reaching 3 or more, `bcast` on the group of those ranks. A reduce sums the contributors
+  in the plan's order of `srcs` (bitwise the same as the local backend): each contributing
+  rank sends its packed tiles to the root rank, which adds them up in order. For integer
+  dtypes (exact in any order) a reduce over 3+ ranks uses the backend's `reduce` instead;
+  `MESHCOMM_REDUCE=collective` also uses it for float32/float64 (faster, not bitwise
+  reproducible), `MESHCOMM_REDUCE=ordered` never.
+* Stages: everything of stage k is issued non-blocking, in global order, then waited for,
+  then unpacked, before stage k+1 (which may read what stage k wrote).
+* Backends may differ per transfer (`Backend.choose`, used by `mixed`). Before issuing on a
+  backend other than the previous one, the executor waits for the previous backend's
+  outstanding work (a fence). So at any time only one backend has work in flight, and the
+  global order argument holds across backends: the globally first unfinished transfer has
+  every participant either issued on it or waiting on it, so it completes.
+* Groups: torch's `new_group` must be called by every rank in the same order, MPI's
+  `Create_group` by the members in the same order. `groups_needed(plan, ...)` lists the
+  groups of every collective in the plan (all of them, not only this rank's) in plan order;
+  every rank calls `prepare_groups` with that list for each backend before running the plan.
+  Since every rank runs the same sequence of plans, the caches agree and the missing groups
+  are created in the same order everywhere.
+* Deadlines: every wait polls with a deadline (`MESHCOMM_TIMEOUT` after the call started)
+  and raises `PeerTimeoutError` naming the peer ranks it waited for.
+* CUDA: packing, unpacking and communication run on the backend's stream
+  (backends/streams.py); an MPI-bound device buffer is synchronised and staged through the
+  host. On CPU the same calls are no-ops.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import sys
+import time
+from collections import Counter
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from meshcomm.errors import PeerTimeoutError
+from meshcomm.planners.boxes import box_size, local_slices
+
+from . import streams
+from .pack import pack, unpack
+
+__all__ = ["Work", "DoneWork", "Backend", "Step", "compile_steps", "groups_needed", "execute",
+           "wait_polling", "backoff", "issued", "to_wire", "empty_wire", "from_wire", "TAG_MOD"]
+
+TAG_MOD = 32768   # the MPI standard guarantees tags up to 32767
+
+issued: Counter = Counter()     # (backend name, primitive) -> operations issued (tests, stats)
+
+
+# -- works and waiting ----------------------------------------------------------------------
+
+class Work:
+    """A non-blocking operation in flight. `peers`: the ranks it waits for; `op`: a label."""
+
+    op: str = ""
+    peers: tuple[int, ...] = ()
+
+    def test(self) -> bool:
+        raise NotImplementedError
+
+    def wait(self, deadline: float | None = None) -> None:
+        wait_polling([self], deadline, rank=None)
+
+
+class DoneWork(Work):
+    def test(self) -> bool:
+        return True
+
+
+def backoff(spins: int) -> None:
+    """Politeness while polling: spin a little, then yield the core, then sleep briefly.
+    (The machines this runs on are often oversubscribed: a spinning rank would steal the
+    core its peer needs to make progress.)"""
+    if spins < 8:
+        return
+    if spins < 400:
+        os.sched_yield()
+        return
+    time.sleep(min(1e-3, 2e-5 * (spins - 399)))
+
+
+def timeout_error(rank, works: Sequence[Work], timeout: float | None) -> PeerTimeoutError:
+    peers = sorted({p for w in works for p in w.peers})
+    ops = sorted({w.op for w in works})
+    t = f"{timeout:g}s" if timeout is not None else "the timeout"
+    who = f"rank {rank}: " if rank is not None else ""
+    return PeerTimeoutError(
+        f"{who}{', '.join(ops)} with peer rank(s) {peers} did not complete within {t} "
+        f"(MESHCOMM_TIMEOUT); peer rank(s) {peers} did not arrive or died", peers, ", ".join(ops))
+
+
+def wait_polling(works: Sequence[Work], deadline: float | None, rank=None, timeout=None) -> None:
+    pending = list(works)
+    spins = 0
+    while pending:
+        still = [w for w in pending if not w.test()]
+        if len(still) < len(pending):
+            spins = 0
+        pending = still
+        if not pending:
+            return
+        if deadline is not None and time.monotonic() > deadline:
+            raise timeout_error(rank, pending, timeout)
+        spins += 1
+        backoff(spins)
+
+
+# -- the primitive interface -------------------------------------------------------------
+
+class Backend:
+    """What every distributed backend implements. Ranks are global (world) ranks; `ranks`
+    of a collective are sorted ascending and include the root."""
+
+    name = "?"
+    wire = "numpy"          # buffers the primitives take: "numpy" (host) or "torch"
+    rank = 0
+    world_size = 1
+    timeout: float | None = None
+
+    def isend(self, buf, peer: int, tag: int) -> Work: raise NotImplementedError
+    def irecv(self, buf, peer: int, tag: int) -> Work: raise NotImplementedError
+    def bcast(self, buf, root: int, ranks: tuple[int, ...]) -> Work: raise NotImplementedError
+    def reduce(self, buf, root: int, ranks: tuple[int, ...]) -> Work: raise NotImplementedError
+    def allgather_obj(self, obj, deadline: float | None) -> list: raise NotImplementedError
+
+    def barrier(self, deadline: float | None) -> None:
+        self.allgather_obj(None, deadline)
+
+    def prepare_groups(self, groups: Sequence[tuple[int, ...]], deadline: float | None) -> None:
+        """Create (collectively, in this order) the groups not cached yet."""
+
+    def flush(self) -> None:
+        """Issue any operations the backend batches (torch: batch_isend_irecv)."""
+
+    def wait_all(self, works: Sequence[Work], deadline: float | None) -> None:
+        self.flush()
+        wait_polling(works, deadline, self.rank, self.timeout)
+
+    def choose(self, op: str, nbytes: int, group_size: int, device: str) -> "Backend":
+        """The concrete backend for one operation (mixed overrides this)."""
+        return self
+
+    def members(self) -> tuple["Backend", ...]:
+        """The concrete backends this one may choose."""
+        return (self,)
+
+    def close(self) -> None:
+        pass
+
+
+# -- wire buffers ---------------------------------------------------------------------------
+
+def _is_torch(x) -> bool:
+    t = sys.modules.get("torch")
+    return t is not None and isinstance(x, t.Tensor)
+
+
+def _as_bytes(a):
+    if _is_torch(a):
+        import torch
+        return a.reshape(-1).view(torch.uint8)
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def to_wire(a, wire: str, stream=None, typed: bool = False):
+    """A packed 1-d array as the buffer a backend sends: raw bytes (any dtype, bfloat16
+    included) unless `typed` (reductions). A CUDA tensor bound for a host backend is
+    synchronised (host sync) and staged through host memory."""
+    b = a if typed else _as_bytes(a)
+    if wire == "numpy":
+        if _is_torch(b):
+            if b.device.type != "cpu":
+                streams.host_sync(stream)
+                b = b.cpu()
+            return b.numpy()
+        return b
+    if not _is_torch(b):
+        import torch
+        return torch.from_numpy(b)
+    return b
+
+
+def empty_wire(nbytes: int, wire: str, like, typed_elems: int | None = None):
+    if wire == "numpy":
+        if typed_elems is not None:
+            return np.empty(typed_elems, dtype=_np_dtype(like))
+        return np.empty(nbytes, dtype=np.uint8)
+    import torch
+    dev = like.device if _is_torch(like) else "cpu"
+    if typed_elems is not None:
+        dt = like.dtype if _is_torch(like) else torch.from_numpy(np.empty(0, like.dtype)).dtype
+        return torch.empty(typed_elems, dtype=dt, device=dev)
+    return torch.empty(nbytes, dtype=torch.uint8, device=dev)
+
+
+def _np_dtype(like):
+    if _is_torch(like):
+        import torch
+        return torch.empty(0, dtype=like.dtype).numpy().dtype
+    return like.dtype
+
+
+def from_wire(b, like, typed: bool = False):
+    """A received buffer as a 1-d array of `like`'s kind, dtype and device."""
+    if _is_torch(like):
+        import torch
+        if not _is_torch(b):
+            b = torch.from_numpy(b)
+        if b.device != like.device:
+            b = b.to(like.device)
+        return b if typed else b.view(like.dtype)
+    if _is_torch(b):
+        b = b.numpy()
+    return b if typed else b.view(like.dtype)
+
+
+# -- a rank's program -------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """This rank's part of transfer `index`.
+
+    prim: "local" (no communication), "p2p" (2 ranks: send/recv), "bcast" (3+ ranks),
+    "gather" (an ordered reduce: contributors send to the root rank, which sums in plan
+    order) or "reduce" (the backend's reduce over 3+ ranks). `ranks` are the ranks taking
+    part, sorted; `root` the sending rank (reduce: the receiving rank).
+    """
+
+    index: int
+    stage: int
+    prim: str
+    root: int
+    ranks: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def table_op(self) -> str:
+        return {"p2p": "send", "bcast": "bcast", "gather": "reduce", "reduce": "reduce"}.get(self.prim, "")
+
+
+def _unique(seq):
+    return tuple(dict.fromkeys(seq))
+
+
+def collective_reduce_ok(dtype: str) -> bool:
+    mode = os.environ.get("MESHCOMM_REDUCE", "auto")
+    if mode == "ordered":
+        return False
+    try:
+        kind = np.dtype(dtype).kind
+    except TypeError:
+        return False
+    if kind in "iu":
+        return True
+    return mode == "collective" and dtype in ("float32", "float64")
+
+
+def _step_for(i, t, rank_of, collective_reduce: bool) -> Step:
+    if t.kind == "reduce":
+        root = rank_of(t.dsts[0])
+        ranks = _unique([rank_of(s) for s in t.srcs] + [root])
+        if len(ranks) == 1:
+            prim = "local"
+        elif collective_reduce and len(ranks) >= 3:
+            prim = "reduce"
+        else:
+            prim = "gather"
+    else:
+        root = rank_of(t.srcs[0])
+        ranks = _unique([root] + [rank_of(d) for d in t.dsts])
+        prim = "local" if len(ranks) == 1 else ("p2p" if len(ranks) == 2 else "bcast")
+    return Step(i, t.stage, prim, root, tuple(sorted(ranks)), t.nbytes)
+
+
+@functools.lru_cache(maxsize=256)
+def _all_steps(plan, devices_per_process: int, collective_reduce: bool) -> tuple[Step, ...]:
+    rank_of = lambda d: d // devices_per_process  # noqa: E731
+    return tuple(_step_for(i, t, rank_of, collective_reduce) for i, t in enumerate(plan.transfers))
+
+
+@functools.lru_cache(maxsize=256)
+def compile_steps(plan, rank: int, devices_per_process: int, collective_reduce: bool) -> tuple[Step, ...]:
+    """The steps `rank` takes part in, in global order."""
+    return tuple(s for s in _all_steps(plan, devices_per_process, collective_reduce) if rank in s.ranks)
+
+
+def groups_needed(plan, devices_per_process: int, collective_reduce: bool,
+                  choose: Callable[[Step], "Backend"]) -> dict[str, list[tuple[int, ...]]]:
+    """{backend name: [rank tuples of every collective in the plan, in plan order]} (the
+    same on every rank: it depends on the plan only)."""
+    out: dict[str, list] = {}
+    for s in _all_steps(plan, devices_per_process, collective_reduce):
+        if s.prim in ("bcast", "reduce"):
+            lst = out.setdefault(choose(s).name, [])
+            if s.ranks not in lst:
+                lst.append(s.ranks)
+    return out
+
+
+# -- the executor ---------------------------------------------------------------------------
+
+def _alloc(like, shape, zero: bool):
+    from .local import alloc_like
+    return alloc_like(like, shape, zero)
+
+
+def execute(plan, shards: Mapping[int, object], like, *, rank: int, devices_per_process: int,
+            backend: Backend, deadline: float | None, device_kind: str = "cpu",
+            producer_fences=()) -> tuple[dict[int, object], "streams.Fence"]:
+    """Run this rank's part of `plan`. `shards`: {src device: tile} this rank owns; `like`:
+    an array giving kind/dtype/device of new tiles. Returns ({dst device: tile} this rank
+    owns, a fence the consumer waits on before using them)."""
+    dpp = devices_per_process
+    rank_of = lambda d: d // dpp  # noqa: E731
+    shape = plan.shape
+    st, dt = plan.src.tiles(shape), plan.dst.tiles(shape)
+    zero = set(plan.zero_fill)
+    out = {}
+    for d, box in dt.boxes.items():
+        if rank_of(d) == rank:
+            out[d] = _alloc(like, tuple(b - a for a, b in box), zero=d in zero or box_size(box) == 0)
+    coll = collective_reduce_ok(plan.dtype)
+    steps = compile_steps(plan, rank, dpp, coll)
+
+    def choose(s: Step) -> Backend:
+        return backend.choose(s.table_op, s.nbytes, len(s.ranks), device_kind)
+
+    need = groups_needed(plan, dpp, coll, choose)
+    for b in backend.members():
+        b.prepare_groups(need.get(b.name, []), deadline)
+
+    device = streams.device_of(like)
+    ex = _Run(plan, shards, out, like, rank, rank_of, st, dt, device)
+    cur: Backend | None = None
+    cur_stream = streams.comm_stream("local", device)
+    for f in producer_fences:       # compute -> comm: wait for the producers of the inputs
+        f.wait_on(cur_stream)
+    stage = None
+    pending: list = []
+
+    def drain():
+        if not pending:
+            return
+        works = [w for _, ws, _ in pending for w in ws]
+        cur.wait_all(works, deadline)
+        with streams.use(cur_stream):
+            for _, _, fin in pending:
+                if fin is not None:
+                    fin()
+        pending.clear()
+
+    for s in steps:
+        if s.stage != stage:
+            drain()                 # stage barrier
+            stage = s.stage
+        if s.prim == "local":
+            with streams.use(cur_stream):
+                ex.local(plan.transfers[s.index])
+            continue
+        b = choose(s)
+        if b is not cur:
+            drain()                 # fence before switching backends
+            new_stream = streams.comm_stream(b.name, device)
+            streams.record(cur_stream).wait_on(new_stream)
+            cur, cur_stream = b, new_stream
+        with streams.use(cur_stream):
+            works, fin = ex.issue(s, plan.transfers[s.index], b, cur_stream)
+        pending.append((s, works, fin))
+        issued[(b.name, s.prim)] += 1
+    drain()
+    # comm -> compute: the consumer waits on this before using the result
+    return out, streams.record(cur_stream)
+
+
+class _Run:
+    """The per-call state of `execute`: tiles, boxes and the issue/finish of one step."""
+
+    def __init__(self, plan, shards, out, like, rank, rank_of, st, dt, device):
+        self.plan, self.shards, self.out, self.like = plan, shards, out, like
+        self.rank, self.rank_of, self.st, self.dt = rank, rank_of, st, dt
+        self.device = device
+
+    def _src(self, t):
+        return (self.shards, self.st.boxes) if t.src_buf == "src" else (self.out, self.dt.boxes)
+
+    def _packed(self, t, s):
+        bufs, origin = self._src(t)
+        if s not in bufs:
+            raise ValueError(f"rank {self.rank} owns src device {s} but was given no tile for it")
+        return pack(bufs[s], [local_slices(b, origin[s]) for b in t.boxes])
+
+    def _unpack_to(self, t, d, value):
+        unpack(value, self.out[d], [local_slices(b, self.dt.boxes[d]) for b in t.boxes])
+
+    def local(self, t):
+        if t.kind == "reduce":
+            acc = None
+            for s in t.srcs:
+                v = self._packed(t, s)
+                if acc is None:
+                    acc = v
+                else:
+                    acc += v
+            self._unpack_to(t, t.dsts[0], acc)
+            return
+        v = self._packed(t, t.srcs[0])
+        for d in t.dsts:
+            self._unpack_to(t, d, v)
+
+    def issue(self, s: Step, t, b: Backend, stream):
+        me, rank_of = self.rank, self.rank_of
+        tag = s.index % TAG_MOD
+        if t.kind in ("send", "bcast"):
+            mine = [d for d in t.dsts if rank_of(d) == me]
+            if me == s.root:
+                v = self._packed(t, t.srcs[0])
+                for d in mine:
+                    self._unpack_to(t, d, v)
+                w = to_wire(v, b.wire, stream)
+                if s.prim == "p2p":
+                    peer = s.ranks[0] if s.ranks[1] == me else s.ranks[1]
+                    return [b.isend(w, peer, tag)], None
+                return [b.bcast(w, s.root, s.ranks)], None
+            buf = empty_wire(s.nbytes, b.wire, self.like)
+
+            def fin():
+                v = from_wire(buf, self.like)
+                for d in mine:
+                    self._unpack_to(t, d, v)
+            if s.prim == "p2p":
+                return [b.irecv(buf, s.root, tag)], fin
+            return [b.bcast(buf, s.root, s.ranks)], fin
+        # reduce
+        root_dev = t.dsts[0]
+        if s.prim == "reduce":              # the backend's reduction (order-free dtypes)
+            acc = None
+            for src in t.srcs:
+                if rank_of(src) == me:
+                    v = self._packed(t, src)
+                    acc = v if acc is None else acc.__iadd__(v)
+            n = s.nbytes // self.plan.itemsize
+            if acc is None:
+                acc = _alloc(self.like, (n,), zero=True)
+            w = to_wire(acc, b.wire, stream, typed=True)
+            if me != s.root:
+                return [b.reduce(w, s.root, s.ranks)], None
+
+            def fin():
+                self._unpack_to(t, root_dev, from_wire(w, self.like, typed=True))
+            return [b.reduce(w, s.root, s.ranks)], fin
+        # ordered gather-and-sum at the root rank
+        if me != s.root:
+            mine = [src for src in t.srcs if rank_of(src) == me]
+            parts = [self._packed(t, src) for src in mine]
+            v = parts[0] if len(parts) == 1 else _concat(parts)
+            return [b.isend(to_wire(v, b.wire, stream), s.root, tag)], None
+        own = {src: self._packed(t, src) for src in t.srcs if rank_of(src) == me}
+        bufs, works = {}, []
+        for q in s.ranks:
+            if q == me:
+                continue
+            k = sum(1 for src in t.srcs if rank_of(src) == q)
+            bufs[q] = empty_wire(k * s.nbytes, b.wire, self.like)
+            works.append(b.irecv(bufs[q], q, tag))
+
+        def fin():
+            n = s.nbytes // self.plan.itemsize
+            pieces = dict(own)
+            for q, buf in bufs.items():
+                v = from_wire(buf, self.like)
+                srcs_q = [src for src in t.srcs if rank_of(src) == q]
+                for j, src in enumerate(srcs_q):
+                    pieces[src] = v[j * n:(j + 1) * n]
+            acc = None
+            for src in t.srcs:
+                acc = pieces[src] if acc is None else acc.__iadd__(pieces[src])
+            self._unpack_to(t, root_dev, acc)
+        return works, fin
+
+
+def _concat(parts):
+    if _is_torch(parts[0]):
+        import torch
+        return torch.cat(parts)
+    return np.concatenate(parts)

@@ -1,0 +1,171 @@
+"""MPI backend (mpi4py): buffer-based Isend/Irecv, Ibcast/Ireduce on cached sub-communicators.
+
+* Messages are raw bytes (any dtype: bfloat16, float16, ...; the executor views packed
+  buffers as uint8). Reductions take typed NumPy buffers (integer dtypes, or floats with
+  MESHCOMM_REDUCE=collective).
+* The backend works on two duplicates of the world communicator (data and metadata), so
+  it never matches the user's own MPI traffic. Errors return as exceptions (not abort).
+* Sub-communicators for broadcasts/reductions come from `Comm.Create_group` (collective
+  over the members only), created in plan order and cached by rank tuple.
+* Every wait polls `Test` with a deadline instead of a blocking `Wait`, so a peer that
+  never arrives raises `PeerTimeoutError` naming it.
+* Threads: meshcomm runs all communication of a context on one background thread; MPI
+  must be initialised with at least MPI_THREAD_SERIALIZED (mpi4py asks for MULTIPLE).
+* Host buffers only: device data is staged through host memory by the executor (after a
+  host sync); a CUDA-aware MPI path is left to the GPU work.
+"""
+from __future__ import annotations
+
+import pickle
+import time
+from typing import Sequence
+
+import numpy as np
+
+from meshcomm.errors import PeerTimeoutError
+
+from .base import TAG_MOD, Backend, Work, backoff, timeout_error, wait_polling
+
+__all__ = ["MPIBackend"]
+
+
+def _mpi():
+    from mpi4py import MPI
+    return MPI
+
+
+class _MPIWork(Work):
+    __slots__ = ("req", "buf", "op", "peers", "rank")
+
+    def __init__(self, req, buf, op, peers, rank):
+        self.req, self.buf, self.op, self.peers, self.rank = req, buf, op, peers, rank
+
+    def test(self) -> bool:
+        try:
+            return self.req.Test()
+        except _mpi().Exception as e:
+            raise PeerTimeoutError(f"rank {self.rank}: {self.op} with peer rank(s) {list(self.peers)} "
+                                   f"failed: {e}", self.peers, self.op) from e
+
+
+class MPIBackend(Backend):
+    name = "mpi"
+    wire = "numpy"
+
+    def __init__(self, comm=None, timeout: float | None = None):
+        MPI = _mpi()
+        base = comm if comm is not None else MPI.COMM_WORLD
+        if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+            raise RuntimeError("meshcomm's MPI backend needs MPI initialised with at least "
+                               "MPI_THREAD_SERIALIZED (mpi4py.rc.thread_level); got "
+                               f"level {MPI.Query_thread()}")
+        self.comm = base.Dup()
+        self.meta = base.Dup()
+        for c in (self.comm, self.meta):
+            c.Set_errhandler(MPI.ERRORS_RETURN)
+        self.rank = self.comm.Get_rank()
+        self.world_size = self.comm.Get_size()
+        self.timeout = timeout
+        self._groups: dict[tuple[int, ...], object] = {}
+        self._meta_seq = 0
+
+    # -- point to point ----------------------------------------------------------------
+    def isend(self, buf, peer, tag):
+        req = self.comm.Isend(buf, dest=peer, tag=tag)
+        return _MPIWork(req, buf, "send", (peer,), self.rank)
+
+    def irecv(self, buf, peer, tag):
+        req = self.comm.Irecv(buf, source=peer, tag=tag)
+        return _MPIWork(req, buf, "recv", (peer,), self.rank)
+
+    # -- collectives on sub-communicators ----------------------------------------------
+    def _group(self, ranks):
+        if len(ranks) == self.world_size:
+            return self.comm
+        try:
+            return self._groups[ranks]
+        except KeyError:
+            raise RuntimeError(f"rank {self.rank}: no communicator for ranks {ranks}; "
+                               "prepare_groups was not called for this plan") from None
+
+    def bcast(self, buf, root, ranks):
+        sub = self._group(ranks)
+        req = sub.Ibcast(buf, root=ranks.index(root))
+        others = tuple(r for r in ranks if r != self.rank)
+        return _MPIWork(req, buf, "bcast", others if self.rank == root else (root,), self.rank)
+
+    def reduce(self, buf, root, ranks):
+        MPI = _mpi()
+        sub = self._group(ranks)
+        i = ranks.index(root)
+        if self.rank == root:
+            req = sub.Ireduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=i)
+        else:
+            req = sub.Ireduce(buf, None, op=MPI.SUM, root=i)
+        others = tuple(r for r in ranks if r != self.rank)
+        return _MPIWork(req, buf, "reduce", others, self.rank)
+
+    def prepare_groups(self, groups: Sequence[tuple[int, ...]], deadline):
+        new = [g for g in groups if g not in self._groups and len(g) < self.world_size]
+        if not new:
+            return
+        mine = [g for g in new if self.rank in g]
+        world = self.comm.Get_group()
+        for g in mine:                       # every member creates its groups in plan order
+            grp = world.Incl(list(g))
+            self._groups[g] = self.comm.Create_group(grp, tag=0)
+            grp.Free()
+        for g in new:
+            self._groups.setdefault(g, None)  # non-members remember they are not in it
+        world.Free()
+
+    # -- metadata: an allgather of small objects that names missing peers --------------
+    def allgather_obj(self, obj, deadline):
+        MPI = _mpi()
+        tag = self._meta_seq % TAG_MOD
+        self._meta_seq += 1
+        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+        out = [None] * self.world_size
+        out[self.rank] = obj
+        sends = [_MPIWork(self.meta.Isend(data, dest=r, tag=tag), data, "metadata send", (r,), self.rank)
+                 for r in range(self.world_size) if r != self.rank]
+        pending = [r for r in range(self.world_size) if r != self.rank]
+        status = MPI.Status()
+        spins = 0
+        while pending:
+            got = []
+            for r in pending:
+                if self.meta.Iprobe(source=r, tag=tag, status=status):
+                    n = status.Get_count(MPI.BYTE)
+                    buf = np.empty(n, dtype=np.uint8)
+                    self.meta.Recv(buf, source=r, tag=tag)
+                    out[r] = pickle.loads(buf.tobytes())
+                    got.append(r)
+            if got:
+                pending = [r for r in pending if r not in got]
+                spins = 0
+                continue
+            if deadline is not None and time.monotonic() > deadline:
+                t = f"{self.timeout:g}s" if self.timeout is not None else "the timeout"
+                raise PeerTimeoutError(
+                    f"rank {self.rank}: peer rank(s) {pending} did not arrive at the metadata "
+                    f"exchange within {t} (MESHCOMM_TIMEOUT): they did not call reshard, or died",
+                    pending, "metadata")
+            spins += 1
+            backoff(spins)
+        wait_polling(sends, deadline, self.rank, self.timeout)
+        return out
+
+    def close(self):
+        for c in self._groups.values():
+            if c is not None:
+                try:
+                    c.Free()
+                except Exception:
+                    pass
+        self._groups.clear()
+        for c in (self.comm, self.meta):
+            try:
+                c.Free()
+            except Exception:
+                pass

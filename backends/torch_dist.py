@@ -1,0 +1,234 @@
+"""torch.distributed backend: gloo for CPU tensors, NCCL for CUDA tensors (same code).
+
+* Point-to-point messages are queued as `P2POp`s and issued together with
+  `batch_isend_irecv` when the executor waits (or before a collective, keeping the order).
+* Broadcasts and reductions run on groups from `new_group`, cached by rank tuple.
+  `new_group` must be called by every rank of the world in the same order, members or not:
+  the executor calls `prepare_groups` on every rank with the groups of the whole plan, in
+  plan order (see backends/base.py).
+* Metadata (`allgather_obj`) goes through the c10d store: each rank sets a key and waits
+  for the others' with a deadline, so a missing peer is named.
+* Timeouts: the process group is created with timeout=MESHCOMM_TIMEOUT, and each wait
+  passes the time left; a failure or timeout raises `PeerTimeoutError` naming the peer.
+* Initialisation (`TorchBackend.create`): an existing default process group is reused;
+  under torchrun, env:// rendezvous; under mpiexec, rank and world size come from MPI and
+  rank 0 picks a free port and broadcasts MASTER_ADDR/MASTER_PORT.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import time
+from typing import Sequence
+
+from meshcomm.errors import PeerTimeoutError
+
+from .base import Backend, Work
+
+__all__ = ["TorchBackend", "under_mpi_launcher", "under_torchrun"]
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def under_mpi_launcher() -> bool:
+    return any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",
+                                         "PMIX_RANK", "MPI_LOCALRANKID", "HYDI_CONTROL_FD"))
+
+
+def _td(seconds):
+    return datetime.timedelta(seconds=max(0.001, seconds))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class _TorchWork(Work):
+    __slots__ = ("work", "op", "peers", "buf")
+
+    def __init__(self, op, peers, buf, work=None):
+        self.op, self.peers, self.buf, self.work = op, peers, buf, work
+
+    def test(self) -> bool:
+        return self.work is not None and self.work.is_completed()
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    wire = "torch"
+
+    def __init__(self, rank: int, world_size: int, timeout: float | None, owns_pg: bool):
+        import torch.distributed as dist
+        self.dist = dist
+        self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        self.owns_pg = owns_pg
+        self.store = dist.distributed_c10d._get_default_store()
+        self._groups: dict[tuple[int, ...], object] = {}
+        self._batch: list = []          # (P2POp, _TorchWork) not issued yet
+        self._meta_seq = 0
+
+    @classmethod
+    def create(cls, timeout: float | None, mpi_comm=None) -> "TorchBackend":
+        """Join (or create) the default process group; see the module docstring."""
+        import torch
+        import torch.distributed as dist
+        if dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), timeout, owns_pg=False)
+        if under_torchrun():
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        elif mpi_comm is not None or under_mpi_launcher():
+            if mpi_comm is None:
+                from mpi4py import MPI
+                mpi_comm = MPI.COMM_WORLD
+            rank, world = mpi_comm.Get_rank(), mpi_comm.Get_size()
+            hosts = mpi_comm.allgather(socket.gethostname())
+            if rank == 0:
+                addr = os.environ.get("MASTER_ADDR") or (
+                    "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(socket.gethostname()))
+                port = int(os.environ.get("MASTER_PORT") or _free_port())
+                info = (addr, port)
+            else:
+                info = None
+            addr, port = mpi_comm.bcast(info, root=0)
+            local = [i for i, h in enumerate(hosts) if h == hosts[rank]].index(rank)
+            os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank),
+                              WORLD_SIZE=str(world), LOCAL_RANK=str(local))
+        else:                                   # no launcher: a world of one
+            rank, world = 0, 1
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        backend = "gloo"
+        if torch.cuda.is_available():
+            backend = "cpu:gloo,cuda:nccl"
+            local = int(os.environ.get("LOCAL_RANK", rank))
+            torch.cuda.set_device(local % torch.cuda.device_count())
+        kw = {} if timeout is None else {"timeout": _td(timeout)}
+        dist.init_process_group(backend=backend, init_method="env://", rank=rank,
+                                world_size=world, **kw)
+        return cls(rank, world, timeout, owns_pg=True)
+
+    # -- point to point (batched) --------------------------------------------------------
+    def isend(self, buf, peer, tag):
+        w = _TorchWork("send", (peer,), buf)
+        self._batch.append((self.dist.P2POp(self.dist.isend, buf, peer, tag=tag), w))
+        return w
+
+    def irecv(self, buf, peer, tag):
+        w = _TorchWork("recv", (peer,), buf)
+        self._batch.append((self.dist.P2POp(self.dist.irecv, buf, peer, tag=tag), w))
+        return w
+
+    def flush(self):
+        if not self._batch:
+            return
+        ops = [op for op, _ in self._batch]
+        works = self.dist.batch_isend_irecv(ops)
+        if len(works) == len(self._batch):
+            for (_, w), work in zip(self._batch, works):
+                w.work = work
+        else:                               # coalesced into one work (NCCL)
+            for _, w in self._batch:
+                w.work = works[-1] if works else None
+        self._batch.clear()
+
+    # -- collectives -------------------------------------------------------------------
+    def _group(self, ranks):
+        if len(ranks) == self.world_size:
+            return None
+        try:
+            return self._groups[ranks]
+        except KeyError:
+            raise RuntimeError(f"rank {self.rank}: no process group for ranks {ranks}; "
+                               "prepare_groups was not called for this plan") from None
+
+    def bcast(self, buf, root, ranks):
+        self.flush()
+        work = self.dist.broadcast(buf, src=root, group=self._group(ranks), async_op=True)
+        others = tuple(r for r in ranks if r != self.rank)
+        return _TorchWork("bcast", others if self.rank == root else (root,), buf, work)
+
+    def reduce(self, buf, root, ranks):
+        self.flush()
+        work = self.dist.reduce(buf, dst=root, op=self.dist.ReduceOp.SUM,
+                                group=self._group(ranks), async_op=True)
+        return _TorchWork("reduce", tuple(r for r in ranks if r != self.rank), buf, work)
+
+    def prepare_groups(self, groups: Sequence[tuple[int, ...]], deadline):
+        # Called by EVERY rank with the same list (the plan's groups, in plan order):
+        # new_group is collective over the whole world, members or not.
+        for g in groups:
+            if g in self._groups or len(g) == self.world_size:
+                continue
+            kw = {}
+            if deadline is not None:
+                kw["timeout"] = _td(deadline - time.monotonic())
+            self._groups[g] = self.dist.new_group(list(g), **kw)
+
+    def wait_all(self, works, deadline):
+        self.flush()
+        for w in works:
+            left = None if deadline is None else deadline - time.monotonic()
+            if w.work is None:
+                continue
+            if left is not None and left <= 0 and not w.work.is_completed():
+                raise self._timeout(w, None)
+            try:
+                if left is None:
+                    w.work.wait()
+                else:
+                    w.work.wait(timeout=_td(left))
+            except Exception as e:              # gloo: timeouts and closed connections
+                raise self._timeout(w, e) from e
+
+    def _timeout(self, w, e):
+        t = f"{self.timeout:g}s" if self.timeout is not None else "the timeout"
+        why = f": {str(e).splitlines()[0] if str(e) else type(e).__name__}" if e is not None else ""
+        return PeerTimeoutError(
+            f"rank {self.rank}: {w.op} with peer rank(s) {list(w.peers)} did not complete within "
+            f"{t} (MESHCOMM_TIMEOUT); peer rank(s) {list(w.peers)} did not arrive or died{why}",
+            w.peers, w.op)
+
+    # -- metadata through the store --------------------------------------------------------
+    def allgather_obj(self, obj, deadline):
+        seq = self._meta_seq
+        self._meta_seq += 1
+        key = lambda r, s=seq: f"meshcomm/meta/{s}/{r}"  # noqa: E731
+        self.store.set(key(self.rank), pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        if seq >= 2:                            # everyone has read round seq-2 by now
+            try:
+                self.store.delete_key(key(self.rank, seq - 2))
+            except Exception:
+                pass
+        others = [r for r in range(self.world_size) if r != self.rank]
+        keys = [key(r) for r in others]
+        if keys:
+            try:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is None:
+                    self.store.wait(keys)
+                else:
+                    self.store.wait(keys, _td(left))
+            except Exception as e:
+                missing = [r for r in others if not self.store.check([key(r)])]
+                t = f"{self.timeout:g}s" if self.timeout is not None else "the timeout"
+                raise PeerTimeoutError(
+                    f"rank {self.rank}: peer rank(s) {missing} did not arrive at the metadata "
+                    f"exchange within {t} (MESHCOMM_TIMEOUT): they did not call reshard, or died",
+                    missing, "metadata") from e
+        out = [None] * self.world_size
+        out[self.rank] = obj
+        vals = self.store.multi_get(keys) if keys else []
+        for r, v in zip(others, vals):
+            out[r] = pickle.loads(bytes(v))
+        return out
+
+    def close(self):
+        self._groups.clear()
+        if self.owns_pg and self.dist.is_initialized():
+            self.dist.destroy_process_group()

@@ -1,0 +1,23 @@
+"""Errors raised by the distributed runtime.
+
+* `PeerTimeoutError`: a peer process did not take part in a communication within the
+  timeout (`MESHCOMM_TIMEOUT` seconds), or it died. It names the peer rank(s). It is both a
+  `TimeoutError` and a `RuntimeError`, so either `except` clause catches it.
+* Processes that disagree on a call (shape, dtype, layouts, backend) get a `ValueError`
+  naming the ranks and what they disagree on (see meshcomm.runtime).
+"""
+from __future__ import annotations
+
+__all__ = ["PeerTimeoutError"]
+
+
+class PeerTimeoutError(TimeoutError, RuntimeError):
+    """A peer process did not arrive (or died) within the timeout.
+
+    `peers` are the ranks waited for, `op` says what was being waited on.
+    """
+
+    def __init__(self, message: str, peers=(), op: str = ""):
+        super().__init__(message)
+        self.peers = tuple(peers)
+        self.op = op
