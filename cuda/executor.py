@@ -1,0 +1,94 @@
+"""Run a plan in one process along the message path, stream-ordered on CUDA.
+
+For every transfer the boxes of the sending tile are packed into one contiguous message (one
+kernel launch on CUDA), then unpacked into each receiving tile; a reduction packs each
+contributor and adds the messages in the contributors' order (unpack-add), exactly as the local
+backend sums. This is the data path of the distributed backends without the wire, and the
+single-process path for CUDA tensors that exercises the kernels.
+
+Stream order on CUDA (DESIGN.md, Backends): the work runs on a communication stream of its own.
+Before it starts, that stream waits on an event recorded on the caller's (producer's) current
+stream, so packing sees everything queued before the call; when it ends it records an event the
+consumer stream waits on before using the results (`Handle.wait()`, or at once when not async).
+`fence=False`, or MESHCOMM_UNSAFE_NO_FENCE=1, drops the first fence: it exists to show the race
+it prevents (tests/test_gpu.py), never for use.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Mapping
+
+from meshcomm.backends.local import alloc_like
+from meshcomm.backends.pack import message_elems, pack, unpack
+from meshcomm.planners.boxes import box_size, local_slices
+
+__all__ = ["execute_packed", "comm_stream"]
+
+_STREAMS: dict = {}
+
+
+def comm_stream(device):
+    """The communication stream of a CUDA device (one per device, created once)."""
+    import torch
+    dev = torch.device(device)
+    s = _STREAMS.get(dev.index)
+    if s is None:
+        s = _STREAMS[dev.index] = torch.cuda.Stream(device=dev)
+    return s
+
+
+def _is_cuda(x) -> bool:
+    return type(x).__module__.startswith("torch") and x.is_cuda
+
+
+def execute_packed(plan, shards: Mapping[int, object], like=None, *, async_op: bool = False,
+                   fence: bool = True, stream=None):
+    """Run `plan` on `shards` ({src device: tile}) through packed messages; return {dst device:
+    tile}, or a meshcomm Handle when `async_op` (its wait() orders the caller's stream after the
+    work and returns the tiles)."""
+    from meshcomm.api import Handle
+    if like is None:
+        like = next(iter(shards.values()))
+    st, dt = plan.src.tiles(plan.shape), plan.dst.tiles(plan.shape)
+    zero = set(plan.zero_fill)
+    out = {}
+    for d, box in dt.boxes.items():
+        out[d] = alloc_like(like, tuple(b - a for a, b in box), zero=d in zero or box_size(box) == 0)
+    cuda = _is_cuda(like)
+    if os.environ.get("MESHCOMM_UNSAFE_NO_FENCE") == "1":
+        fence = False
+    ctx = contextlib.nullcontext()
+    if cuda:
+        import torch
+        producer = torch.cuda.current_stream(like.device)
+        comm = stream if stream is not None else comm_stream(like.device)
+        if fence:
+            comm.wait_stream(producer)           # event on the producer, waited on by comm
+        for t in list(shards.values()) + list(out.values()):
+            if _is_cuda(t):
+                t.record_stream(comm)            # the allocator must not reuse them early
+        ctx = torch.cuda.stream(comm)
+    with ctx:
+        for t in plan.transfers:
+            bufs, origin = (shards, st.boxes) if t.src_buf == "src" else (out, dt.boxes)
+            s0 = t.srcs[0]
+            msg = pack(bufs[s0], [local_slices(b, origin[s0]) for b in t.boxes])
+            if t.kind == "reduce":
+                whole = [(slice(0, message_elems([local_slices(b, origin[s0]) for b in t.boxes])),)]
+                for s in t.srcs[1:]:
+                    part = pack(bufs[s], [local_slices(b, origin[s]) for b in t.boxes])
+                    unpack(part, msg, whole, accumulate=True)
+            for d in t.dsts:
+                unpack(msg, out[d], [local_slices(b, dt.boxes[d]) for b in t.boxes])
+        if cuda:
+            done = torch.cuda.Event()
+            done.record(comm)
+    if not cuda:
+        return Handle(result=out) if async_op else out
+
+    def wait():
+        torch.cuda.current_stream(like.device).wait_event(done)   # consumer after comm
+        return out
+
+    return Handle(wait_fn=wait) if async_op else wait()
