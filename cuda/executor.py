@@ -6,47 +6,33 @@ contributor and adds the messages in the contributors' order (unpack-add), exact
 backend sums. This is the data path of the distributed backends without the wire, and the
 single-process path for CUDA tensors that exercises the kernels.
 
-Stream order on CUDA (DESIGN.md, Backends): the work runs on a communication stream of its own.
-Before it starts, that stream waits on an event recorded on the caller's (producer's) current
-stream, so packing sees everything queued before the call; when it ends it records an event the
-consumer stream waits on before using the results (`Handle.wait()`, or at once when not async).
+Stream order on CUDA (DESIGN.md, Backends; backends/streams.py): the work runs on a communication
+stream of its own. Before it starts, that stream waits on an event recorded on the caller's
+(producer's) current stream, so packing sees everything queued before the call; when it ends it
+records an event the consumer stream waits on before using the results (`Handle.wait()`, or at
+once when not async).
 `fence=False`, or MESHCOMM_UNSAFE_NO_FENCE=1, drops the first fence: it exists to show the race
 it prevents (tests/test_gpu.py), never for use.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Mapping
 
+from meshcomm.backends import streams
 from meshcomm.backends.local import alloc_like
 from meshcomm.backends.pack import message_elems, pack, unpack
 from meshcomm.planners.boxes import box_size, local_slices
 
-__all__ = ["execute_packed", "comm_stream"]
-
-_STREAMS: dict = {}
-
-
-def comm_stream(device):
-    """The communication stream of a CUDA device (one per device, created once)."""
-    import torch
-    dev = torch.device(device)
-    s = _STREAMS.get(dev.index)
-    if s is None:
-        s = _STREAMS[dev.index] = torch.cuda.Stream(device=dev)
-    return s
-
-
-def _is_cuda(x) -> bool:
-    return type(x).__module__.startswith("torch") and x.is_cuda
+__all__ = ["execute_packed"]
 
 
 def execute_packed(plan, shards: Mapping[int, object], like=None, *, async_op: bool = False,
                    fence: bool = True, stream=None):
     """Run `plan` on `shards` ({src device: tile}) through packed messages; return {dst device:
     tile}, or a meshcomm Handle when `async_op` (its wait() orders the caller's stream after the
-    work and returns the tiles)."""
+    work and returns the tiles). On CUDA the work runs on `stream` (default: the "packed"
+    communication stream of backends/streams.py); on CPU every fence is a no-op."""
     from meshcomm.api import Handle
     if like is None:
         like = next(iter(shards.values()))
@@ -55,21 +41,17 @@ def execute_packed(plan, shards: Mapping[int, object], like=None, *, async_op: b
     out = {}
     for d, box in dt.boxes.items():
         out[d] = alloc_like(like, tuple(b - a for a, b in box), zero=d in zero or box_size(box) == 0)
-    cuda = _is_cuda(like)
     if os.environ.get("MESHCOMM_UNSAFE_NO_FENCE") == "1":
         fence = False
-    ctx = contextlib.nullcontext()
-    if cuda:
-        import torch
-        producer = torch.cuda.current_stream(like.device)
-        comm = stream if stream is not None else comm_stream(like.device)
-        if fence:
-            comm.wait_stream(producer)           # event on the producer, waited on by comm
+    device = streams.device_of(like)
+    comm = stream if stream is not None else streams.comm_stream("packed", device)
+    if fence:
+        streams.fence_from_current(device).wait_on(comm)     # compute -> comm
+    if comm is not None:
         for t in list(shards.values()) + list(out.values()):
-            if _is_cuda(t):
+            if streams.is_cuda(streams.device_of(t)):
                 t.record_stream(comm)            # the allocator must not reuse them early
-        ctx = torch.cuda.stream(comm)
-    with ctx:
+    with streams.use(comm):
         for t in plan.transfers:
             bufs, origin = (shards, st.boxes) if t.src_buf == "src" else (out, dt.boxes)
             s0 = t.srcs[0]
@@ -81,14 +63,10 @@ def execute_packed(plan, shards: Mapping[int, object], like=None, *, async_op: b
                     unpack(part, msg, whole, accumulate=True)
             for d in t.dsts:
                 unpack(msg, out[d], [local_slices(b, dt.boxes[d]) for b in t.boxes])
-        if cuda:
-            done = torch.cuda.Event()
-            done.record(comm)
-    if not cuda:
-        return Handle(result=out) if async_op else out
+    done = streams.record(comm)
 
     def wait():
-        torch.cuda.current_stream(like.device).wait_event(done)   # consumer after comm
+        done.wait_on(streams.current_stream(device))             # comm -> consumer
         return out
 
     return Handle(wait_fn=wait) if async_op else wait()
