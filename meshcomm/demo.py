@@ -10,9 +10,11 @@ becomes 2x2 and the two meshes sit on devices 0..3 and 4..7; tensors are ~16 MiB
 Every process builds the same seeded global tensor, takes its src tiles, calls
 `meshcomm.reshard` (SPMD) and checks its dst tiles against `meshcomm.shard` of the same data
 (rank 0 also reassembles the whole result with `meshcomm.unshard`). Per case it prints the
-median time of a few repeats after a warm-up, the plan's bytes moved, the effective bandwidth
-(bytes moved / time), and the time of a plain allgather-then-slice of the same data (MPI
-Allgatherv of the distinct src tiles, then every dst device slices its box) for comparison.
+median time (max over processes) of a few repeats after a warm-up, the plan's bytes moved, the
+effective bandwidth (bytes moved / time), and, for comparison, an allgather-then-slice of the
+same data ("ag+slice": meshcomm.planners.baselines.allgather_slice, every dst device receives
+the whole tensor along ring-allgather chains and keeps its box, run by the same executor over
+MPI). `--mpi-allgather` adds MPI's own Allgatherv of the src tiles followed by slicing.
 
 When the distributed backends are not available (or the launch fails), the demo runs the
 same cases in one process with the local backend and says so.
@@ -230,6 +232,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="", help="comma-separated case names to run (default all)")
     ap.add_argument("--no-extra", action="store_true", help="only Alpa's cases")
     ap.add_argument("--no-baseline", action="store_true", help="skip the allgather-then-slice row")
+    ap.add_argument("--mpi-allgather", action="store_true",
+                    help="also time MPI Allgatherv of the src tiles, then slice (a user's plain version)")
     ap.add_argument("--local", action="store_true", help="one process, local backend")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole launch")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -259,6 +263,8 @@ def main(argv=None) -> int:
             cmd.append("--no-extra")
         if args.no_baseline:
             cmd.append("--no-baseline")
+        if args.mpi_allgather:
+            cmd.append("--mpi-allgather")
         print(f"launching {args.procs} processes: {' '.join(os.path.basename(c) if i < 1 else c for i, c in enumerate(cmd[:3]))} "
               f"python -m meshcomm.demo --worker ...", flush=True)
         env = dict(os.environ)
