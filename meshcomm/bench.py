@@ -1,0 +1,392 @@
+"""`meshcomm bench`: meshcomm beside the baselines, in one run.
+
+    meshcomm bench sim  [--topology p3.8xlarge] [--json FILE] [--plot FILE.png]
+    meshcomm bench plan [--topology NAME] [--repeats N] [--max-devices 4096] [--json FILE]
+
+``sim`` is simulated: every case is planned by meshcomm and by each baseline
+(meshcomm.planners.baselines), every plan is verified, and the flow-level simulator
+(meshcomm.planners.simulate) gives seconds on the topology, beside the bandwidth lower bound
+(meshcomm.lower_bound). Cases: Alpa's n-to-m and 1-to-m resharding cases
+(meshcomm/data/alpa_resharding_cases.json) and meshcomm's own (uneven, Blocks, partial sums,
+3-d meshes, MoE all-to-all shapes, same-mesh redistributions where DTensor applies).
+
+``plan`` is measured: wall-clock planning time from 8 to 4096 devices, cold (plan cache and
+tiling cache cleared) and cached, median of repeats.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from importlib import resources
+
+import numpy as np
+
+from .layout import Blocks, Layout
+from .mesh import Mesh
+
+__all__ = ["Case", "alpa_cases", "own_cases", "sim_rows", "plan_rows", "add_parser",
+           "geomean"]
+
+BASELINE_NAMES = ("send_recv", "alpa_broadcast", "allgather_slice", "dtensor_style")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    group: str                  # "alpa n-to-m" | "alpa 1-to-m" | "own"
+    shape: tuple[int, ...]
+    dtype: str
+    src: Layout
+    dst: Layout
+    note: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+# -- cases ---------------------------------------------------------------------------------
+
+def _spec(entries) -> tuple:
+    return tuple(tuple(e) if isinstance(e, list) else e for e in entries)
+
+
+def _load_alpa() -> dict:
+    return json.loads(resources.files("meshcomm").joinpath("data/alpa_resharding_cases.json").read_text())
+
+
+def alpa_cases() -> list[Case]:
+    """Alpa's resharding benchmark cases (int32, p3.8xlarge device numbering)."""
+    data = _load_alpa()
+    axes = ("x", "y")
+    out = []
+    for c in data["n_to_m"]:
+        src = Layout(Mesh(c["src_mesh"], axes), _spec(c["src_spec"]))
+        dst = Layout(Mesh(c["dst_mesh"], axes), _spec(c["dst_spec"]))
+        out.append(Case(f"alpa-n2m-{c['case']}", "alpa n-to-m", tuple(c["shape"]), "int32", src, dst))
+    o = data["one_to_m"]
+    src = Layout(Mesh(o["src_mesh"], axes), _spec(o["src_spec"]))
+    for dm in o["dst_meshes"]:
+        dst = Layout(Mesh(dm, axes), _spec(o["dst_spec"]))
+        rows, cols = np.asarray(dm).shape
+        out.append(Case(f"alpa-1tm-{rows}x{cols}", "alpa 1-to-m", tuple(o["shape"]), "int32", src, dst))
+    return out
+
+
+def own_cases() -> list[Case]:
+    """meshcomm's own cases on 4-device nodes (device d on node d // 4)."""
+    g = Mesh.grid
+    xy = ("x", "y")
+    m24 = g((2, 4), xy)                       # nodes 0, 1
+    m24b = g((2, 4), xy, start=8)             # nodes 2, 3
+    m34 = g((3, 4), xy, start=8)              # nodes 2, 3, 4
+    m24s = g((2, 4), xy, start=4)             # nodes 1, 2: overlaps m24 on node 1
+    xyz = ("x", "y", "z")
+    c3a = g((2, 2, 4), xyz)                   # nodes 0..3
+    c3b = g((2, 2, 4), xyz, start=16)         # nodes 4..7
+    L = Layout
+    return [
+        Case("uneven-2x4-to-3x4", "own", (1000, 1000, 300), "int32",
+             L(m24, ("x", "y")), L(m34, (("x", "y"),)), "torch.chunk splits of 1000 by 4 and 12"),
+        Case("blocks-2x4-to-2x4", "own", (1000, 1000, 256), "int32",
+             L(m24, (Blocks("x", [300, 700]),)), L(m24b, ("x", "y")), "explicit uneven Blocks"),
+        Case("partial-reduce-2x4-to-2x4", "own", (8192, 8192), "float32",
+             L(m24, (None, "y"), partial=("x",)), L(m24b, ("x", "y")), "pending sum over x reduced"),
+        Case("partial-keep-2x4-to-2x4", "own", (8192, 8192), "float32",
+             L(m24, ("y",), partial=("x",)), L(m24b, (None, "y"), partial=("x",)), "pending sum kept"),
+        Case("mesh3d-2x2x4-to-2x2x4", "own", (1024, 1024, 256), "float32",
+             L(c3a, ("x", "z", None)), L(c3b, (("y", "z"), "x", None)), "3-d meshes"),
+        Case("moe-a2a-cross-2x4-to-2x4", "own", (8, 8192, 2048), "float32",
+             L(m24, (None, ("x", "y"), None)), L(m24b, (("x", "y"), None, None)),
+             "MoE dispatch: tokens -> experts, two meshes"),
+        Case("overlap-2x4-to-2x4-shifted", "own", (4096, 4096, 16), "float32",
+             L(m24, ("x", "y")), L(m24s, ("y", "x")), "meshes share node 1"),
+        Case("same-moe-a2a-2x4", "own", (8, 8192, 2048), "float32",
+             L(m24, (None, ("x", "y"), None)), L(m24, (("x", "y"), None, None)),
+             "MoE dispatch within one mesh (all-to-all)"),
+        Case("same-transpose-2x4", "own", (8192, 8192), "float32",
+             L(m24, ("x", "y")), L(m24, ("y", "x")), "within one mesh"),
+        Case("same-allgather-2x4", "own", (4096, 8192), "float32",
+             L(m24, (("x", "y"),)), L(m24, ()), "FSDP-style all-gather within one mesh"),
+        Case("same-reduce-scatter-2x4", "own", (8192, 8192), "float32",
+             L(m24, (None,), partial=("x", "y")), L(m24, (("x", "y"),)),
+             "gradient reduce-scatter within one mesh"),
+        Case("same-partial-to-replicate-2x4", "own", (4096, 4096), "float32",
+             L(m24, ("y",), partial=("x",)), L(m24, ("y",)), "all-reduce over x within one mesh"),
+    ]
+
+
+def all_cases() -> list[Case]:
+    return alpa_cases() + own_cases()
+
+
+# -- bench sim --------------------------------------------------------------------------------
+
+def geomean(xs) -> float:
+    xs = [x for x in xs if x is not None and x > 0 and math.isfinite(x)]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def _check_plan(p) -> None:
+    from .planners import baselines
+    from .planners.verify import verify
+    if isinstance(p, baselines.Steps):
+        p.verify()
+    else:
+        verify(p)
+
+
+def sim_row(case: Case, topology, verify: bool = True) -> dict:
+    """Simulated seconds of meshcomm and every baseline on one case, and the bound."""
+    from . import api
+    from .planners import baselines
+    from .planners.bounds import lower_bound_bytes
+    from .planners.topology import Topology
+    from .arrays import normalize_dtype
+    topo = Topology.coerce(topology)
+    _, itemsize = normalize_dtype(case.dtype)
+    p = api.plan(case.shape, case.dtype, case.src, case.dst, topology=topo)
+    if verify:
+        _check_plan(p)
+    lb = lower_bound_bytes(case.shape, itemsize, case.src, case.dst, topo)
+    row = {
+        "case": case.name, "group": case.group, "shape": list(case.shape), "dtype": case.dtype,
+        "src": str(case.src), "dst": str(case.dst), "note": case.note, "bytes": case.nbytes,
+        "topology": topo.name,
+        "meshcomm_s": p.simulate(topo), "lower_bound_s": lb.seconds,
+        "lower_bound_nic_bytes": lb.nic, "meshcomm_nic_bytes": p.max_link_bytes(topo, "nic"),
+        "meshcomm_messages": p.messages, "baselines": {}, "baseline_nic_bytes": {},
+    }
+    for name in BASELINE_NAMES:
+        bp = baselines.BASELINES[name](case.shape, case.dtype, case.src, case.dst, topo)
+        if bp is None:
+            row["baselines"][name] = None
+            row["baseline_nic_bytes"][name] = None
+            continue
+        if verify:
+            _check_plan(bp)
+        row["baselines"][name] = bp.simulate(topo)
+        row["baseline_nic_bytes"][name] = bp.max_link_bytes(topo, "nic")
+    m = row["meshcomm_s"]
+    row["meshcomm_over_bound"] = m / lb.seconds if lb.seconds > 0 else (1.0 if m == 0 else math.inf)
+    row["speedup"] = {k: (v / m if v is not None and m > 0 else None) for k, v in row["baselines"].items()}
+    return row
+
+
+def sim_rows(cases, topology, verify: bool = True, progress: bool = True) -> list[dict]:
+    from tqdm import tqdm
+    rows = []
+    for c in tqdm(cases, desc="bench sim", unit="case", disable=not progress, file=sys.stderr):
+        rows.append(sim_row(c, topology, verify=verify))
+    return rows
+
+
+def sim_summary(rows) -> dict:
+    out = {}
+    for label, sel in (("all", rows), ("alpa", [r for r in rows if r["group"].startswith("alpa")])):
+        out[label] = {f"geomean_speedup_over_{b}": geomean(r["speedup"][b] for r in sel)
+                      for b in ("send_recv", "alpa_broadcast", "allgather_slice", "dtensor_style")}
+        out[label]["worst_meshcomm_over_bound"] = max((r["meshcomm_over_bound"] for r in sel), default=float("nan"))
+        out[label]["cases"] = len(sel)
+    return out
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x * 1e3:,.1f}"
+
+
+def _x(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def format_sim_table(rows) -> str:
+    short = {"send_recv": "send_recv", "alpa_broadcast": "alpa_bcast",
+             "allgather_slice": "allgather", "dtensor_style": "dtensor"}
+    head = (f"{'case':30} {'MiB':>7} {'bound ms':>9} {'meshcomm':>9} {'/bound':>7} "
+            + " ".join(f"{short[b]:>10}" for b in BASELINE_NAMES)
+            + "  " + " ".join(f"{'x' + short[b]:>11}" for b in BASELINE_NAMES))
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        sp = " ".join(f"{_x(r['speedup'][b]):>11}" for b in BASELINE_NAMES)
+        lines.append(f"{r['case']:30} {r['bytes'] / 2**20:>7.0f} {_ms(r['lower_bound_s']):>9} "
+                     f"{_ms(r['meshcomm_s']):>9} {r['meshcomm_over_bound']:>7.4f} "
+                     + " ".join(f"{_ms(r['baselines'][b]):>10}" for b in BASELINE_NAMES) + "  " + sp)
+    return "\n".join(lines)
+
+
+def plot_sim(rows, path: str, topology_name: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    methods = ["lower bound", "meshcomm"] + list(BASELINE_NAMES)
+    vals = {m: [] for m in methods}
+    for r in rows:
+        vals["lower bound"].append(r["lower_bound_s"])
+        vals["meshcomm"].append(r["meshcomm_s"])
+        for b in BASELINE_NAMES:
+            vals[b].append(r["baselines"][b])
+    n = len(rows)
+    w = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(max(10, 0.6 * n + 3), 5.5))
+    x = np.arange(n)
+    for k, m in enumerate(methods):
+        ys = [np.nan if v is None or v <= 0 else v for v in vals[m]]
+        ax.bar(x + (k - (len(methods) - 1) / 2) * w, ys, w, label=m,
+               hatch="//" if m == "lower bound" else None,
+               color="none" if m == "lower bound" else None,
+               edgecolor="black" if m == "lower bound" else None)
+    ax.set_yscale("log")
+    ax.set_xticks(x)
+    ax.set_xticklabels([r["case"] for r in rows], rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("simulated seconds (log)")
+    ax.set_title(f"meshcomm vs baselines, simulated on {topology_name}")
+    ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cmd_sim(args) -> int:
+    from .planners.topology import Topology
+    topo = Topology.coerce(args.topology)
+    cases = all_cases()
+    if args.only:
+        cases = [c for c in cases if any(s in c.name for s in args.only.split(","))]
+    rows = sim_rows(cases, topo, verify=not args.no_verify, progress=not args.quiet)
+    summary = sim_summary(rows)
+    print(f"simulated on {topo}  (times in ms; /bound = meshcomm / lower bound; "
+          f"x<name> = baseline time / meshcomm time)")
+    print(format_sim_table(rows))
+    for label, s in summary.items():
+        print(f"{label} cases ({s['cases']}): geomean speedup over send_recv "
+              f"{s['geomean_speedup_over_send_recv']:.2f}x, over alpa_broadcast "
+              f"{s['geomean_speedup_over_alpa_broadcast']:.2f}x, over allgather_slice "
+              f"{s['geomean_speedup_over_allgather_slice']:.2f}x; worst meshcomm/bound "
+              f"{s['worst_meshcomm_over_bound']:.4f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"topology": str(topo), "rows": rows, "summary": summary}, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_sim(rows, args.plot, topo.name)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+# -- bench plan -------------------------------------------------------------------------------
+
+PLAN_SIZES = ((2, 4), (4, 8), (8, 16), (16, 32), (32, 64), (32, 128))
+
+
+def plan_cases(max_devices: int = 4096):
+    """(label, devices, shape, src, dst) from 8 to max_devices devices: a mesh reshaped in
+    place (a x b -> b x a, same devices) and a transposed copy onto a disjoint mesh."""
+    out = []
+    for a, b in PLAN_SIZES:
+        n = a * b
+        if n > max_devices:
+            continue
+        src = Layout(Mesh.grid((a, b), ("x", "y")), ("x", "y"))
+        dst = Layout(Mesh.grid((b, a), ("x", "y")), ("x", "y"))
+        out.append((f"reshape {a}x{b}->{b}x{a}", n, (8192, 8192), src, dst))
+        h = n // 2
+        a2, b2 = (a // 2, b) if a % 2 == 0 else (a, b // 2)
+        src = Layout(Mesh.grid((a2, b2), ("x", "y")), ("x", "y"))
+        dst = Layout(Mesh.grid((a2, b2), ("x", "y"), start=h), ("y", "x"))
+        out.append((f"cross {a2}x{b2}->{a2}x{b2}@{h} transposed", n, (8192, 8192), src, dst))
+    return out
+
+
+def plan_rows(topology, repeats: int = 5, cached_repeats: int = 200, max_devices: int = 4096,
+              progress: bool = True) -> list[dict]:
+    from tqdm import tqdm
+    from . import api, layout as layout_mod
+    from .planners.topology import Topology
+    topo = Topology.coerce(topology)
+    rows = []
+    cases = plan_cases(max_devices)
+    for label, n, shape, src, dst in tqdm(cases, desc="bench plan", unit="case",
+                                          disable=not progress, file=sys.stderr):
+        cold = []
+        p = None
+        for _ in range(repeats):
+            api._cached_plan.cache_clear()
+            layout_mod._tiling.cache_clear()
+            t0 = time.perf_counter()
+            p = api.plan(shape, "float32", src, dst, topology=topo)
+            cold.append(time.perf_counter() - t0)
+        warm = []
+        for _ in range(cached_repeats):
+            t0 = time.perf_counter()
+            api.plan(shape, "float32", src, dst, topology=topo)
+            warm.append(time.perf_counter() - t0)
+        rows.append({"case": label, "devices": n, "shape": list(shape), "topology": topo.name,
+                     "transfers": len(p.transfers), "messages": p.messages,
+                     "cold_s": statistics.median(cold), "cached_s": statistics.median(warm),
+                     "repeats": repeats, "cached_repeats": cached_repeats})
+    return rows
+
+
+def cmd_plan(args) -> int:
+    rows = plan_rows(args.topology, repeats=args.repeats, max_devices=args.max_devices,
+                     progress=not args.quiet)
+    print(f"planning time, 8192x8192 float32, topology {args.topology} "
+          f"(median of {args.repeats} cold / 200 cached calls)")
+    print(f"{'case':40} {'devices':>7} {'transfers':>9} {'cold ms':>9} {'cached us':>10}")
+    for r in rows:
+        print(f"{r['case']:40} {r['devices']:>7} {r['transfers']:>9} {r['cold_s'] * 1e3:>9.1f} "
+              f"{r['cached_s'] * 1e6:>10.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+# -- CLI -------------------------------------------------------------------------------------
+
+HELP = """\
+Benchmarks of meshcomm beside baselines, each figure reproducible by the command that prints it.
+
+  sim    simulated seconds per case for meshcomm, send_recv, alpa_broadcast,
+         allgather_slice and dtensor_style, and the bandwidth lower bound
+  plan   measured planning time from 8 to 4096 devices, cold and cached
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: simulated cases, planning time, real runs",
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bsub = p.add_subparsers(dest="bench_command", metavar="BENCH")
+    s = bsub.add_parser("sim", help="simulate Alpa's and meshcomm's cases for every method")
+    s.add_argument("--topology", default="p3.8xlarge", help="topology preset (default p3.8xlarge)")
+    s.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    s.add_argument("--plot", metavar="FILE.png", help="bar chart of time per case per method")
+    s.add_argument("--only", metavar="NAMES", help="comma-separated substrings of case names")
+    s.add_argument("--no-verify", action="store_true", help="skip verifying every plan")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(func=cmd_sim)
+    q = bsub.add_parser("plan", help="planning time from 8 to 4096 devices, cold and cached")
+    q.add_argument("--topology", default="p3.8xlarge")
+    q.add_argument("--repeats", type=int, default=5, help="cold repeats per case (median)")
+    q.add_argument("--max-devices", type=int, default=4096)
+    q.add_argument("--json", metavar="FILE")
+    q.add_argument("--quiet", action="store_true")
+    q.set_defaults(func=cmd_plan)
+    _add_run_parser(bsub)
+    p.set_defaults(func=lambda args: _no_sub(p, args))
+
+
+def _no_sub(parser, args) -> int:
+    parser.print_help()
+    return 2
+
+
+def _add_run_parser(bsub) -> None:
+    """`bench run` is added here once the distributed runtime exists."""
+    return None

@@ -1,0 +1,210 @@
+"""`meshcomm bench sim` and the baselines: the judged properties on Alpa's cases (meshcomm's
+simulated time at or below every baseline and within 5% of the lower bound), every baseline
+plan verified on random cases, DTensor's transform sequence, and the CLI."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import meshcomm as mc
+from meshcomm import bench
+from meshcomm.planners import baselines as B
+from meshcomm.planners.verify import verify
+
+from strategies import layouts, layouts_pair, meshes, shapes
+
+P3 = mc.Topology.preset("p3.8xlarge")
+
+
+@pytest.fixture(scope="module")
+def alpa_rows():
+    return bench.sim_rows(bench.alpa_cases(), P3, verify=True, progress=False)
+
+
+def test_alpa_cases_are_all_there(alpa_rows):
+    names = [r["case"] for r in alpa_rows]
+    assert len([n for n in names if "n2m" in n]) == 8
+    assert len([n for n in names if "1tm" in n]) == 7
+
+
+def test_meshcomm_at_or_below_every_baseline_on_alpa_cases(alpa_rows):
+    for r in alpa_rows:
+        for name, t in r["baselines"].items():
+            if t is not None:
+                assert r["meshcomm_s"] <= t * (1 + 1e-9), (r["case"], name, r["meshcomm_s"], t)
+
+
+def test_meshcomm_within_5_percent_of_the_bound_on_alpa_cases(alpa_rows):
+    for r in alpa_rows:
+        assert r["lower_bound_s"] <= r["meshcomm_s"] <= 1.05 * r["lower_bound_s"], \
+            (r["case"], r["meshcomm_s"], r["lower_bound_s"])
+        assert r["meshcomm_nic_bytes"] == r["lower_bound_nic_bytes"], r["case"]
+
+
+def test_baselines_differ_where_the_paper_says(alpa_rows):
+    by = {r["case"]: r for r in alpa_rows}
+    # 1-to-m over 4 receivers on one node: send/recv pushes 4 copies through one NIC
+    r = by["alpa-1tm-1x4"]
+    assert r["baselines"]["send_recv"] == pytest.approx(4 * r["meshcomm_s"], rel=1e-3)
+    assert r["baselines"]["alpa_broadcast"] == pytest.approx(r["meshcomm_s"], rel=1e-3)
+    # case 2 (replicated src): Alpa's per-device greedy picks two senders on one node
+    r = by["alpa-n2m-2"]
+    assert r["baselines"]["alpa_broadcast"] == pytest.approx(2 * r["meshcomm_s"], rel=1e-3)
+    assert r["speedup"]["send_recv"] > 7
+
+
+def test_geomean():
+    assert bench.geomean([2.0, 8.0]) == pytest.approx(4.0)
+    assert bench.geomean([None, 3.0]) == pytest.approx(3.0)
+
+
+@settings(max_examples=80, deadline=None)
+@given(layouts_pair(max_devices=8, max_size=8), st.sampled_from(["flat", "p3.8xlarge"]))
+def test_every_baseline_plan_verifies(case, topo):
+    shape, src, dst = case
+    for name, fn in B.BASELINES.items():
+        p = fn(shape, "float32", src, dst, topo)
+        if p is None:
+            continue
+        if isinstance(p, B.Steps):
+            p.verify()
+        else:
+            verify(p)
+        assert p.simulate(topo) >= 0
+
+
+@st.composite
+def same_mesh_pair(draw):
+    m = draw(meshes(max_devices=8))
+    shape = draw(shapes(draw(st.integers(1, 3)), 8))
+    return shape, draw(layouts(m, shape, blocks=False)), draw(layouts(m, shape, blocks=False))
+
+
+@settings(max_examples=80, deadline=None)
+@given(same_mesh_pair(), st.sampled_from(["flat", "p3.8xlarge"]))
+def test_dtensor_style_steps_verify(case, topo):
+    shape, src, dst = case
+    p = B.dtensor_style(shape, "float32", src, dst, topo)
+    if p is None:
+        return
+    p.verify()
+    assert p.simulate(topo) == pytest.approx(sum(s.simulate(topo) for s in p.steps))
+    assert p.steps[0].src == src and p.steps[-1].dst == dst
+
+
+def test_dtensor_transform_sequence_matches_torch():
+    # (S(1), S(1)) -> (S(0), S(0)): clear the nested split on mesh dim 1 first, all-to-all
+    # on mesh dim 0, then chunk locally on mesh dim 1 (torch's greedy transform)
+    seq = B.dtensor_transforms([("S", 1), ("S", 1)], [("S", 0), ("S", 0)])
+    assert seq == [(1, ("S", 1), ("R",)), (0, ("S", 1), ("S", 0)), (1, ("R",), ("S", 0))]
+    assert B.dtensor_transforms([("P",), ("S", 0)], [("R",), ("S", 0)]) == [(0, ("P",), ("R",))]
+    assert B.dtensor_transforms([("S", 0)], [("R",)]) == [(0, ("S", 0), ("R",))]
+
+
+_TORCH_PLANNER_SCRIPT = r"""
+import itertools, torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, Partial
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
+from meshcomm.planners.baselines import dtensor_transforms
+mesh = init_device_mesh("cpu", (2, 4))
+meta = TensorMeta(torch.Size([8, 8, 8]), (64, 8, 1), torch.float32)
+conv = lambda p: ("S", p.dim) if isinstance(p, Shard) else ("P",) if isinstance(p, Partial) else ("R",)
+n = bad = 0
+for a, b in itertools.product(itertools.product([Replicate(), Shard(0), Shard(1), Partial()], repeat=2), repeat=2):
+    try:
+        infos = _gen_transform_infos_non_cached(DTensorSpec(mesh, a, tensor_meta=meta),
+                                                DTensorSpec(mesh, b, tensor_meta=meta))
+    except Exception:
+        continue
+    theirs = [(i.mesh_dim, conv(i.src_dst_placements[0]), conv(i.src_dst_placements[1])) for i in infos]
+    n += 1
+    if theirs != dtensor_transforms([conv(p) for p in a], [conv(p) for p in b]):
+        bad += 1
+        print("MISMATCH", a, b, theirs)
+print("compared", n, "mismatches", bad)
+"""
+
+
+def test_dtensor_transform_sequence_against_torch_planner():
+    """Every 2-d placement pair: our sequence equals torch's own greedy planner's (run in a
+    subprocess on a fake process group, so no real group is created here)."""
+    import subprocess
+    import sys
+    pytest.importorskip("torch")
+    r = subprocess.run([sys.executable, "-c", _TORCH_PLANNER_SCRIPT], capture_output=True,
+                       text=True, timeout=180)
+    if r.returncode != 0 and ("ImportError" in r.stderr or "ModuleNotFoundError" in r.stderr):
+        pytest.skip("torch DTensor internals not importable: " + r.stderr.strip().splitlines()[-1])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "mismatches 0" in r.stdout, r.stdout[-2000:]
+    assert "compared 256" in r.stdout
+
+
+def test_dtensor_style_not_applicable():
+    m = mc.Mesh([[0, 1], [2, 3]], ("x", "y"))
+    m2 = mc.Mesh([[4, 5], [6, 7]], ("x", "y"))
+    assert B.dtensor_style((8, 8), "float32", mc.Layout(m, ("x",)), mc.Layout(m2, ("x",))) is None
+    blocks = mc.Layout(m, (mc.Blocks("x", [3, 5]),))
+    assert B.dtensor_style((8, 8), "float32", blocks, mc.Layout(m, ("y",))) is None
+    # uneven split over two axes: DTensor's nested chunks differ from torch.chunk of the whole
+    assert B.dtensor_style((6, 8), "float32", mc.Layout(m, (("x", "y"),)), mc.Layout(m, ())) is None
+
+
+def test_allgather_slice_moves_the_whole_tensor_to_every_dst_device():
+    src = mc.Layout(mc.Mesh([[0, 1, 2, 3]], ("x", "y")), ("y",))
+    dst = mc.Layout(mc.Mesh([[4, 5, 6, 7]], ("x", "y")), ("y",))
+    p = B.allgather_slice((64,), "float32", src, dst, P3)
+    verify(p)
+    assert p.dst == mc.Layout(dst.mesh, ())
+    assert p.link_loads(P3)[("nic_in", 1)] == 64 * 4           # the whole tensor enters node 1
+
+
+def test_send_recv_uses_first_replica_and_alpa_balances():
+    src = mc.Layout(mc.Mesh([[0, 1, 2, 3], [4, 5, 6, 7]], ("x", "y")), (None,))
+    dst = mc.Layout(mc.Mesh([[8, 9, 10, 11], [12, 13, 14, 15]], ("x", "y")), (("x", "y"),))
+    p = B.send_recv((64,), "int32", src, dst, P3)
+    assert {t.srcs for t in p.transfers} == {(0,)}
+    q = B.alpa_broadcast((64,), "int32", src, dst, P3)
+    assert len({t.srcs for t in q.transfers}) == 8               # eight pieces, eight senders
+
+
+def test_cli_bench_sim_json_and_plot(tmp_path, capsys):
+    from meshcomm.cli import main
+    out = tmp_path / "sim.json"
+    png = tmp_path / "sim.png"
+    rc = main(["bench", "sim", "--only", "alpa-1tm-1x2,same-transpose", "--json", str(out),
+               "--plot", str(png), "--quiet"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert [r["case"] for r in rows] == ["alpa-1tm-1x2", "same-transpose-2x4"]
+    for r in rows:
+        assert {"case", "meshcomm_s", "lower_bound_s", "baselines"} <= set(r)
+        assert set(r["baselines"]) == set(bench.BASELINE_NAMES)
+    assert rows[0]["baselines"]["dtensor_style"] is None          # cross-mesh: not applicable
+    assert rows[1]["baselines"]["dtensor_style"] > 0
+    assert png.stat().st_size > 1000
+    text = capsys.readouterr().out
+    assert "geomean speedup over send_recv" in text
+
+
+def test_cli_bench_plan_small(capsys):
+    from meshcomm.cli import main
+    assert main(["bench", "plan", "--max-devices", "32", "--repeats", "1", "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "reshape 4x8->8x4" in text and "cold ms" in text
+
+
+def test_own_cases_cover_the_promised_kinds():
+    cs = bench.own_cases()
+    assert any(c.src.is_partial for c in cs)
+    assert any(c.src.mesh.ndim == 3 for c in cs)
+    assert any(isinstance(e, mc.Blocks) for c in cs for e in c.src.spec)
+    assert any("moe" in c.name for c in cs)
+    assert any(c.src.mesh == c.dst.mesh for c in cs)
