@@ -153,6 +153,66 @@ def test_verifier_passes_planned(case, dtype):
         assert all(t.nbytes > 0 for t in p.transfers)
 
 
+@settings(max_examples=60)
+@given(case=layouts_pair(max_devices=16), dpp=st.sampled_from([2, 3, 4]))
+def test_verifier_passes_with_several_devices_per_process(case, dpp):
+    """Under a launcher a process may own several devices (device d -> rank d // dpp); the
+    per-process programs must still be complete and deadlock-free."""
+    shape, src, dst = case
+    mc.verify(mc.plan(shape, "float32", src, dst), devices_per_process=dpp)
+
+
+def _inside(box, tile):
+    return all(t0 <= a and b <= t1 for (a, b), (t0, t1) in zip(box, tile))
+
+
+@settings(max_examples=100)
+@given(case=layouts_pair(max_devices=16, partial=False, overlap="overlapping"),
+       topo=st.sampled_from(["flat", "p3.8xlarge"]))
+def test_local_data_is_copied_not_received(case, topo):
+    """A dst device never receives over a link a box its own src tile already holds."""
+    shape, src, dst = case
+    p = mc.plan(shape, "float32", src, dst, topology=topo)
+    tiles = src.tiles(shape).boxes
+    for t in p.transfers:
+        if t.kind == "copy":
+            continue
+        for d in t.dsts:
+            for b in t.boxes:
+                assert not (d in tiles and _inside(b, tiles[d])), \
+                    f"device {d} receives {b}, which it holds\n{p.explain()}"
+
+
+@settings(max_examples=100)
+@given(case=layouts_pair(max_devices=16, partial=False), topo=st.sampled_from(["p3.8xlarge", "dgx-a100"]))
+def test_no_network_hop_into_a_node_that_holds_the_box(case, topo):
+    """Same-node sources first: no hop crosses into a node that already holds the box."""
+    shape, src, dst = case
+    p = mc.plan(shape, "float32", src, dst, topology=topo)
+    node = p.topology.node_of
+    tiles = src.tiles(shape).boxes
+    for t in p.transfers:
+        if t.kind == "copy" or t.src_buf != "src":
+            continue
+        for u, v in t.hops:
+            if node(u) == node(v):
+                continue
+            for b in t.boxes:
+                holders = [s for s, tile in tiles.items() if node(s) == node(v) and _inside(b, tile)]
+                assert not holders, f"hop {u}->{v} brings {b} into node {node(v)}, held by {holders}\n{p.explain()}"
+
+
+@settings(max_examples=40)
+@given(case=layouts_pair(max_devices=16))
+def test_plans_are_deterministic(case):
+    from meshcomm.planners import plan_reshard
+    shape, src, dst = case
+    topo = mc.Topology.preset("p3.8xlarge")
+    a = plan_reshard(shape, "int32", 4, src, dst, topo)
+    b = plan_reshard(shape, "int32", 4, src, dst, topo)
+    assert a.transfers == b.transfers and a.zero_fill == b.zero_fill
+
+
 # -- fixed cases worth naming --------------------------------------------------------------
 
 def _mesh(ids, names=("x", "y")):
@@ -165,8 +225,7 @@ FIXED = {
                           mc.Layout(_mesh([[8, 9, 10, 11], [12, 13, 14, 15]]), (("x", "y"),))),
     "uneven-7-over-4": ((7, 3), mc.Layout(_mesh([0, 1, 2, 3], ("x",)), ("x",)),
                         mc.Layout(_mesh([[4, 5], [6, 7]]), (("y", "x"), None))),
-    "blocks-with-zero": ((8, 2), mc.Layout(_mesh([0, 1, 2]), (mc.Blocks("x", [0, 8, 0]),)),
-                         mc.Layout(_mesh([3, 4]), (mc.Blocks("x", [5, 3]), "")) if False else
+    "blocks-with-zero": ((8, 2), mc.Layout(_mesh([0, 1, 2], ("x",)), (mc.Blocks("x", [0, 8, 0]),)),
                          mc.Layout(_mesh([3, 4], ("x",)), (mc.Blocks("x", [5, 3]),))),
     "partial-to-split": ((4, 6), mc.Layout(_mesh([[0, 1], [2, 3]]), (None, "y"), partial=("x",)),
                          mc.Layout(_mesh([4, 5, 6], ("x",)), ("x",))),
@@ -258,11 +317,12 @@ def _plan(name, dtype="int32", topology=None):
     return p
 
 
-@pytest.mark.parametrize("name", sorted(FIXED))
+NONEMPTY = sorted(n for n in FIXED if mc.plan(FIXED[n][0], "int32", *FIXED[n][1:]).transfers)
+
+
+@pytest.mark.parametrize("name", NONEMPTY)
 def test_verifier_catches_dropped_transfer(name):
     p = _plan(name)
-    if not p.transfers:
-        pytest.skip("empty plan")
     for i in range(len(p.transfers)):
         ts = list(p.transfers)
         del ts[i]
@@ -270,11 +330,9 @@ def test_verifier_catches_dropped_transfer(name):
             mc.verify(_broken(p, ts))
 
 
-@pytest.mark.parametrize("name", sorted(FIXED))
+@pytest.mark.parametrize("name", NONEMPTY)
 def test_verifier_catches_duplicated_transfer(name):
     p = _plan(name)
-    if not p.transfers:
-        pytest.skip("empty plan")
     for i in range(len(p.transfers)):
         ts = list(p.transfers)
         ts.insert(i + 1, ts[i])
