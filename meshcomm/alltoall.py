@@ -178,9 +178,14 @@ def all_to_all_v(x, send_counts, mesh: Mesh, axis: str, recv_counts=None, backen
         return Handle(result=result) if async_op else result
 
     run = _DistRun(ctx, groups, owned, xs, scs, rcs, row_bytes, row_elems, topo, algorithm, backend, like)
-    if async_op:
-        return Handle(wait_fn=lambda: run.finish(bare))
-    return run.finish(bare)
+    # run on the context's communication thread: ordered with reshards, overlaps the caller
+    pool = getattr(ctx, "_pool", None)
+    if pool is not None:
+        fut = pool.submit(run.run, bare)
+        wait = fut.result
+    else:
+        wait = lambda: run.run(bare)  # noqa: E731
+    return Handle(wait_fn=wait) if async_op else wait()
 
 
 # -- execution --------------------------------------------------------------------------------
@@ -213,19 +218,29 @@ class _DistRun:
     stages; messages of a stage are all posted (non-blocking) in global order, then waited."""
 
     def __init__(self, ctx, groups, owned, xs, scs, rcs, row_bytes, row_elems, topo, algorithm, backend, like):
+        self.args = (groups, xs, scs, rcs, topo, algorithm)
         self.ctx, self.owned, self.like = ctx, set(owned), like
         self.dpp = ctx.devices_per_process
-        self.prim = _primitives(ctx, backend)
+        dev = like.device if arrays.is_torch(like) else None
+        self.prim = _primitives(ctx, backend, int(sum(sum(c) for c in scs.values())) * row_bytes,
+                                "cuda" if dev is not None and dev.type == "cuda" else "cpu")
         timeout = getattr(self.prim, "timeout", None)
         self.timeout = timeout if timeout is not None else float(os.environ.get("MESHCOMM_TIMEOUT", "60"))
         self.keep = []          # send buffers stay alive until their wait
         self.row_elems, self.row_bytes, self.sent_bytes = row_elems, row_bytes, 0
-        self.plans, self.tags = [], []
+        # tags are taken now, in the caller's order (the same on every process of a group)
+        self.tags = {g: _TAG_BASE + (next(_calls.setdefault(g, itertools.count())) % _TAG_SPAN) * 2
+                     for g in groups if self.owned.intersection(g)}
+
+    def run(self, bare):
+        groups, xs, scs, rcs, topo, algorithm = self.args
+        row_bytes = self.row_bytes
+        self.plans = []
         multi_node = topo.devices_per_node > 1
         for g in groups:
             if not self.owned.intersection(g):
                 continue
-            tag = _TAG_BASE + (next(_calls.setdefault(g, itertools.count())) % _TAG_SPAN) * 4
+            tag = self.tags[g]
             mine = [d for d in g if d in self.owned]
             need_matrix = multi_node and algorithm != "pairwise" and \
                 len({topo.node_of(d) for d in g}) > 1
@@ -244,8 +259,7 @@ class _DistRun:
             self.plans.append((p, tag + 1))
         self.hold = {d: _split(xs[d], scs[d], d, p.devices) for p, _ in self.plans
                      for d in p.devices if d in self.owned}
-        self._stage = 0
-        self._pending = self._post(0)
+        return self.finish(bare)
 
     def _owner(self, d):
         return d // self.dpp
@@ -315,8 +329,7 @@ class _DistRun:
 
     def finish(self, bare):
         nstages = max((p.num_stages for p, _ in self.plans), default=1)
-        self._complete(self._pending)
-        for k in range(1, nstages):
+        for k in range(nstages):
             self._complete(self._post(k))
         out = {}
         for p, _ in self.plans:
@@ -353,6 +366,7 @@ def _partial_matrix(g, scs, rcs):
     return m
 
 
-def _primitives(ctx, backend):
-    """The point-to-point primitives of the context's backend (isend/irecv -> Work)."""
-    return ctx.primitives(backend) if hasattr(ctx, "primitives") else ctx.backend
+def _primitives(ctx, backend, nbytes=0, device="cpu"):
+    """The concrete backend whose isend/irecv run the exchange ("mixed" picks per size)."""
+    b = ctx.get_backend(backend)
+    return b.choose("send", nbytes, 2, device)
