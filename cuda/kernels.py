@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import os
 import threading
@@ -209,6 +210,7 @@ def _functions(device: int) -> dict:
         return fns
 
 
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: int) -> int:
     cp = _cupy()
     return cp.cuda.Device(device).attributes["MultiProcessorCount"]
