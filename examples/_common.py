@@ -152,6 +152,8 @@ def report(name: str, rank: int, samples: int, step_times: list[float], comm_s: 
            comm_b: list[int]) -> None:
     if rank != 0 or not step_times:
         return
+    if len(step_times) > 1:                      # the first step creates groups and plans
+        step_times, comm_s, comm_b = step_times[1:], comm_s[1:], comm_b[1:]
     t = float(np.median(step_times))
     print(f"[{name}] {samples / t:,.1f} samples/s | step {t * 1e3:.1f} ms | comm on rank 0: "
           f"{np.median(comm_s) * 1e3:.1f} ms/step, {np.median(comm_b) / 1024:.1f} KiB/step sent",

@@ -135,7 +135,7 @@ def main():
         losses.append(float(total))
         if rank == 0:
             print(f"step {step} loss {losses[-1]:.6f}", flush=True)
-    report("dlrm", rank, a.batch, times[1:] or times, comm_s, comm_b)
+    report("dlrm", rank, a.batch, times, comm_s, comm_b)
     if a.check:
         ref = DLRM(**cfg, tables=range(len(widths))).to(dev)      # every table in one process
         ropt = torch.optim.SGD(ref.parameters(), lr=0.05)

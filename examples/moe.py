@@ -149,7 +149,7 @@ def main():
         losses.append(float(total))
         if rank == 0:
             print(f"step {step} loss {losses[-1]:.6f}", flush=True)
-    report("moe", rank, a.batch, times[1:] or times, comm_s, comm_b)
+    report("moe", rank, a.batch, times, comm_s, comm_b)
     if a.check:
         ref = MoELayer(**cfg).to(dev)                          # every expert in one process
         ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
