@@ -2,6 +2,7 @@
 
     meshcomm bench sim  [--topology p3.8xlarge] [--json FILE] [--plot FILE.png]
     meshcomm bench plan [--topology NAME] [--repeats N] [--max-devices 4096] [--json FILE]
+    mpiexec -n 8 meshcomm bench run [--size-mb N] [--json FILE]   (or without mpiexec: it launches)
 
 ``sim`` is simulated: every case is planned by meshcomm and by each baseline
 (meshcomm.planners.baselines), every plan is verified, and the flow-level simulator
@@ -12,6 +13,10 @@
 
 ``plan`` is measured: wall-clock planning time from 8 to 4096 devices, cold (plan cache and
 tiling cache cleared) and cached, median of repeats.
+
+``run`` is measured: the cases scaled to 8 local processes, really executed with each meshcomm
+backend beside the allgather_slice plan (same executor, MPI), torch DTensor's redistribute
+on gloo (same-mesh cases) and, in one process with 8 JAX CPU devices, jax.device_put.
 """
 from __future__ import annotations
 
@@ -356,6 +361,8 @@ Benchmarks of meshcomm beside baselines, each figure reproducible by the command
   sim    simulated seconds per case for meshcomm, send_recv, alpa_broadcast,
          allgather_slice and dtensor_style, and the bandwidth lower bound
   plan   measured planning time from 8 to 4096 devices, cold and cached
+  run    measured: real execution on 8 local processes beside allgather_slice, DTensor
+         and jax.device_put
 """
 
 
@@ -388,5 +395,383 @@ def _no_sub(parser, args) -> int:
 
 
 def _add_run_parser(bsub) -> None:
-    """`bench run` is added here once the distributed runtime exists."""
-    return None
+    r = bsub.add_parser("run", help="really execute the cases on 8 local processes (mpiexec)",
+                        description=RUN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--procs", type=int, default=8, help="processes when launching (default 8)")
+    r.add_argument("--size-mb", type=float, default=16.0, help="tensor size in MiB (default 16)")
+    r.add_argument("--repeats", type=int, default=5, help="timed repeats after a warm-up (median)")
+    r.add_argument("--backends", default="mpi,torch,mixed", help="meshcomm backends to time")
+    r.add_argument("--only", metavar="NAMES", help="comma-separated substrings of case names")
+    r.add_argument("--no-dtensor", action="store_true", help="skip torch DTensor redistribute")
+    r.add_argument("--no-jax", action="store_true", help="skip the one-process jax.device_put part")
+    r.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    r.add_argument("--timeout", type=float, default=900.0, help="seconds for each launch")
+    r.add_argument("--part", choices=("mpi", "jax"), help=argparse.SUPPRESS)
+    r.add_argument("--out", help=argparse.SUPPRESS)
+    r.set_defaults(func=cmd_run)
+
+
+RUN_HELP = """\
+Really execute resharding cases (Alpa's, scaled to 8 local processes, plus same-mesh cases)
+and time every method: meshcomm with each backend, the allgather_slice baseline plan run by
+the same executor over MPI, torch DTensor's own redistribute on gloo (same-mesh cases), and,
+in one process with 8 JAX CPU devices, jax.device_put to the new sharding beside meshcomm.
+Times are medians over --repeats after a warm-up (max over ranks per repeat).
+
+  mpiexec -n 8 meshcomm bench run [--size-mb N] [--json FILE]    # SPMD, then the JAX part
+  meshcomm bench run [--procs 8] ...                              # launches mpiexec itself
+"""
+
+
+# -- bench run ----------------------------------------------------------------------------------
+
+def run_cases(procs: int = 8, mib: float = 16.0) -> list[Case]:
+    """Alpa's cases scaled to `procs` processes (as `make demo` scales them), uneven / Blocks
+    / partial ones, and same-mesh cases where DTensor's redistribute applies."""
+    from . import demo
+    out = []
+    for c in demo.alpa_cases(procs, mib) + demo.extra_cases(procs, mib):
+        out.append(Case(c.name, "alpa" if c.name.startswith(("alpa", "1to")) else "own",
+                        tuple(c.shape), c.dtype, c.src, c.dst))
+    if procs >= 8:
+        m = Mesh.grid((2, 4), ("x", "y"))
+        elems = int(mib * 2**20 / 4)
+        n = max(8, int(math.isqrt(elems)) // 8 * 8)
+        t = max(8, elems // (8 * 512) // 8 * 8)
+        out += [
+            Case("same-transpose", "same-mesh", (n, n), "float32",
+                 Layout(m, ("x", "y")), Layout(m, ("y", "x"))),
+            Case("same-moe-a2a", "same-mesh", (8, t, 512), "float32",
+                 Layout(m, (None, ("x", "y"), None)), Layout(m, (("x", "y"), None, None))),
+            Case("same-allgather", "same-mesh", (n // 2, n), "float32",
+                 Layout(m, (("x", "y"),)), Layout(m, ())),
+            Case("same-reduce-scatter", "same-mesh", (n, n), "int32",
+                 Layout(m, (None,), partial=("x", "y")), Layout(m, (("x", "y"),))),
+            Case("same-allreduce-x", "same-mesh", (n, n), "int32",
+                 Layout(m, ("y",), partial=("x",)), Layout(m, ("y",))),
+        ]
+    return out
+
+
+def _global(case: Case, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if np.dtype(case.dtype).kind == "f":
+        return rng.standard_normal(case.shape, dtype=np.float32).astype(case.dtype, copy=False)
+    return rng.integers(-1000, 1000, size=case.shape, dtype=case.dtype)
+
+
+def _memcpy_seconds(nbytes: int, repeats: int) -> float:
+    a = np.ones(max(1, nbytes), np.uint8)
+    b = np.empty_like(a)
+    np.copyto(b, a)
+    ts = []
+    for _ in range(max(3, repeats)):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _entry(t, nbytes, exact, memcpy_s, note="") -> dict:
+    return {"time_s": t, "bytes": nbytes, "gbps": (nbytes / t / 1e9 if t and t > 0 else None),
+            "exact": exact, "memcpy_ratio": (t / memcpy_s if t and memcpy_s > 0 else None),
+            "note": note}
+
+
+def _run_mpi_part(args, cases) -> list[dict] | None:
+    """SPMD body: every rank runs every case; rank 0 returns the rows, others None."""
+    from mpi4py import MPI
+    import meshcomm as mc
+    from .backends import base
+    from .planners import baselines
+    comm = MPI.COMM_WORLD
+    me = comm.rank
+    ctx = mc.init(backend="mixed", devices_per_process=1)
+    backends = [b for b in args.backends.split(",") if b]
+
+    def timed(fn):
+        out = fn()
+        ts = []
+        for _ in range(args.repeats):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            out = fn()
+            ts.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+        return out, statistics.median(ts)
+
+    def exact(case, g, y) -> bool:
+        ok = True
+        if me in case.dst.mesh and not case.dst.is_partial:
+            want = g[case.dst.index_map(case.shape)[me]]
+            got = y.get(me) if isinstance(y, dict) else y
+            got = None if got is None else np.asarray(got)
+            ok = got is not None and got.shape == want.shape and np.array_equal(got, want)
+        return comm.allreduce(int(not ok)) == 0
+
+    rows = []
+    from tqdm import tqdm
+    for i, case in enumerate(tqdm(cases, desc="bench run", unit="case", disable=me != 0,
+                                  file=sys.stderr)):
+        g = _global(case, 1000 + i)
+        if me in case.src.mesh:
+            x = {me: np.ascontiguousarray(mc.shard(g, case.src, seed=7)[me] if case.src.is_partial
+                                          else g[case.src.index_map(case.shape)[me]])}
+        else:
+            x = {}
+        p = mc.plan(case.shape, case.dtype, case.src, case.dst)
+        memcpy_s = _memcpy_seconds(p.bytes_moved, args.repeats) if me == 0 else 0.0
+        methods: dict[str, dict] = {}
+        for b in backends:
+            y, t = timed(lambda b=b: mc.reshard(x, case.src, case.dst, shape=case.shape,
+                                                dtype=case.dtype, backend=b))
+            methods[f"meshcomm-{b}"] = _entry(t, p.bytes_moved, exact(case, g, y), memcpy_s)
+        # allgather_slice: the baseline plan, same executor, over MPI
+        bp = baselines.allgather_slice(case.shape, case.dtype, case.src, case.dst)
+        like = next(iter(x.values())) if x else np.empty(0, dtype=case.dtype)
+        box = case.dst.index_map(case.shape).get(me)
+        be = ctx.get_backend("mpi")
+
+        def ag():
+            out, _ = base.execute(bp, x, like, rank=me, devices_per_process=1, backend=be,
+                                  deadline=time.monotonic() + ctx.timeout)
+            return {d: np.ascontiguousarray(v[box]) for d, v in out.items()}
+        y, t = timed(ag)
+        methods["allgather_slice"] = _entry(t, bp.bytes_moved, exact(case, g, y), memcpy_s)
+        if not args.no_dtensor and case.src.mesh == case.dst.mesh and \
+                baselines.dtensor_style(case.shape, case.dtype, case.src, case.dst) is not None:
+            methods["dtensor_redistribute"] = _dtensor_method(case, x, g, me, comm, timed, exact,
+                                                              memcpy_s, p.bytes_moved)
+        if me == 0:
+            rows.append({"case": case.name, "group": case.group, "shape": list(case.shape),
+                         "dtype": case.dtype, "src": str(case.src), "dst": str(case.dst),
+                         "procs": comm.size, "bytes_moved": p.bytes_moved,
+                         "overlap": len(set(case.src.mesh.device_ids) & set(case.dst.mesh.device_ids)),
+                         "memcpy_s": memcpy_s, "methods": methods})
+        del g, x
+    mc.finalize()
+    return rows if me == 0 else None
+
+
+def _dtensor_method(case, x, g, me, comm, timed, exact, memcpy_s, nbytes) -> dict:
+    """torch DTensor's redistribute on the default (gloo) process group."""
+    import logging
+    for name in ("torch.distributed", "torch.distributed.tensor", "torch._logging"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor
+        from .adapters.dtensor import placements_from_layout
+        mesh = DeviceMesh("cpu", torch.tensor(np.asarray(case.src.mesh.devices).tolist()),
+                          mesh_dim_names=case.src.mesh.axis_names)
+        spl = placements_from_layout(case.src)
+        dpl = placements_from_layout(case.dst)
+        local = torch.from_numpy(np.ascontiguousarray(x[me]))
+        stride, acc = [], 1
+        for s in reversed(case.shape):
+            stride.append(acc)
+            acc *= max(s, 1)
+        dt = DTensor.from_local(local, mesh, spl, run_check=False, shape=torch.Size(case.shape),
+                                stride=tuple(reversed(stride)))
+
+        def run():
+            return {me: dt.redistribute(mesh, dpl).to_local().numpy()}
+        y, t = timed(run)
+        return _entry(t, nbytes, exact(case, g, y), memcpy_s, "bytes: meshcomm's plan, for scale")
+    except Exception as e:  # noqa: BLE001 - report, do not hide
+        comm.Barrier()
+        return _entry(None, nbytes, None, memcpy_s, f"failed: {type(e).__name__}: {e}"[:300])
+
+
+def _run_jax_part(args, cases) -> dict:
+    """One process, 8 JAX CPU devices: jax.device_put to the new sharding beside meshcomm's
+    in-memory reshard of the same jax.Array (meshcomm.adapters.jax.reshard_jax)."""
+    import jax
+    from .adapters.jax import expressible, reshard_jax, sharding_from_layout
+    out = {}
+    ndev = len(jax.devices())
+    for i, case in enumerate(cases):
+        why = expressible(case.src, case.shape) or expressible(case.dst, case.shape)
+        if why:
+            continue
+        if max(case.src.mesh.device_ids + case.dst.mesh.device_ids) >= ndev:
+            continue
+        g = _global(case, 1000 + i)
+        ss, ds = sharding_from_layout(case.src, case.shape), sharding_from_layout(case.dst, case.shape)
+        x = jax.device_put(g, ss)
+        x.block_until_ready()
+        res = {}
+        for name, fn in (("jax.device_put", lambda: jax.device_put(x, ds)),
+                         ("meshcomm-local", lambda: reshard_jax(x, ds))):
+            try:
+                y = fn()
+                jax.block_until_ready(y)
+                ts = []
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    y = fn()
+                    jax.block_until_ready(y)
+                    ts.append(time.perf_counter() - t0)
+                ok = bool(np.array_equal(np.asarray(y), g))
+                res[name] = {"time_s": statistics.median(ts), "exact": ok, "note": ""}
+            except Exception as e:  # noqa: BLE001 - JAX refuses some cases: report it
+                res[name] = {"time_s": None, "exact": None, "note": f"{type(e).__name__}: {e}"[:200]}
+        out[case.name] = res
+    return out
+
+
+def _jax_subprocess(args) -> dict:
+    import os
+    import subprocess
+    import tempfile
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPI_", "OMPI_"))}
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.procs}").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    with tempfile.TemporaryDirectory() as td:
+        path = os.path.join(td, "jax.json")
+        cmd = [sys.executable, "-m", "meshcomm", "bench", "run", "--part", "jax", "--out", path,
+               "--procs", str(args.procs), "--size-mb", str(args.size_mb), "--repeats", str(args.repeats)]
+        if args.only:
+            cmd += ["--only", args.only]
+        try:
+            r = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
+        except subprocess.TimeoutExpired:
+            return {"_error": f"the JAX part did not finish within {args.timeout:g} s"}
+        if r.returncode != 0:
+            return {"_error": f"the JAX part failed: {r.stderr.strip()[-500:]}"}
+        with open(path) as f:
+            return json.load(f)
+
+
+def format_run_table(rows, jax_rows=None) -> str:
+    names = []
+    for r in rows:
+        for k in r["methods"]:
+            if k not in names:
+                names.append(k)
+    w = 26
+    head = f"{'case':22} {'MiB':>6} {'memcpy ms':>9} " + " ".join(f"{n[:w]:>{w}}" for n in names)
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cells = []
+        for n in names:
+            e = r["methods"].get(n)
+            if e is None:
+                cells.append(f"{'-':>{w}}")
+            elif e["time_s"] is None:
+                cells.append(f"{'failed':>{w}}")
+            else:
+                flag = "" if e["exact"] else "!"
+                ratio = f"{e['memcpy_ratio']:.0f}x" if e.get("memcpy_ratio") else "-"
+                cells.append(f"{e['time_s'] * 1e3:.2f} {e['gbps']:.2f} {ratio}{flag}".rjust(w))
+        lines.append(f"{r['case']:22} {r['bytes_moved'] / 2**20:>6.1f} {r['memcpy_s'] * 1e3:>9.3f} "
+                     + " ".join(cells))
+    lines.append("cells: median ms, GB/s (bytes moved / time: meshcomm's plan; allgather_slice its own "
+                 "plan), time / memcpy of the same bytes; '!' marks an inexact result")
+    base = "allgather_slice"
+    for n in names:
+        if n.startswith("meshcomm"):
+            sp = [r["methods"][base]["time_s"] / r["methods"][n]["time_s"] for r in rows
+                  if r["methods"].get(n, {}).get("time_s") and r["methods"].get(base, {}).get("time_s")]
+            if sp:
+                lines.append(f"{n}: geomean speedup over allgather_slice {geomean(sp):.2f}x "
+                             f"(worst {min(sp):.2f}x, {len(sp)} cases)")
+            dt = [r["methods"]["dtensor_redistribute"]["time_s"] / r["methods"][n]["time_s"] for r in rows
+                  if r["methods"].get("dtensor_redistribute", {}).get("time_s") and r["methods"][n].get("time_s")]
+            if dt:
+                lines.append(f"{n}: geomean speedup over DTensor redistribute {geomean(dt):.2f}x "
+                             f"(worst {min(dt):.2f}x, {len(dt)} same-mesh cases)")
+    if jax_rows:
+        if "_error" in jax_rows:
+            lines.append(f"JAX part: {jax_rows['_error']}")
+        else:
+            lines.append("")
+            lines.append(f"one process, {len(jax_rows)} cases JAX can express, 8 CPU devices:")
+            lines.append(f"{'case':22} {'jax.device_put ms':>18} {'meshcomm ms':>12}")
+            for case, res in jax_rows.items():
+                def cell(k):
+                    e = res.get(k, {})
+                    if e.get("time_s") is None:
+                        return "refused" if e.get("note") else "-"
+                    return f"{e['time_s'] * 1e3:.2f}" + ("" if e.get("exact") else " !")
+                lines.append(f"{case:22} {cell('jax.device_put'):>18} {cell('meshcomm-local'):>12}")
+    return "\n".join(lines)
+
+
+def cmd_run(args) -> int:
+    import os
+    import subprocess
+    import tempfile
+    cases = run_cases(args.procs, args.size_mb)
+    if args.only:
+        cases = [c for c in cases if any(s in c.name for s in args.only.split(","))]
+    if args.part == "jax":
+        res = _run_jax_part(args, cases)
+        with open(args.out, "w") as f:
+            json.dump(res, f)
+        return 0
+    from .backends.torch_dist import under_mpi_launcher
+    if under_mpi_launcher() or args.part == "mpi":
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.size != args.procs:
+            args.procs = MPI.COMM_WORLD.size
+            cases = [c for c in run_cases(args.procs, args.size_mb)
+                     if not args.only or any(s in c.name for s in args.only.split(","))]
+        rows = _run_mpi_part(args, cases)
+        if rows is None:
+            return 0
+        if args.part == "mpi":
+            with open(args.out, "w") as f:
+                json.dump(rows, f)
+            return 0
+        jax_rows = None if args.no_jax else _jax_subprocess(args)
+        return _report_run(args, rows, jax_rows)
+    # not under a launcher: launch mpiexec ourselves, then the JAX part
+    from .demo import find_mpiexec
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        print("meshcomm bench run: no mpiexec found (install the mpich wheel)", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    env.setdefault("MESHCOMM_TIMEOUT", "120")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as td:
+        path = os.path.join(td, "mpi.json")
+        cmd = [mpiexec, "-n", str(args.procs), sys.executable, "-m", "meshcomm", "bench", "run",
+               "--part", "mpi", "--out", path, "--procs", str(args.procs), "--size-mb",
+               str(args.size_mb), "--repeats", str(args.repeats), "--backends", args.backends]
+        if args.only:
+            cmd += ["--only", args.only]
+        if args.no_dtensor:
+            cmd.append("--no-dtensor")
+        try:
+            r = subprocess.run(cmd, env=env, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            print(f"meshcomm bench run: the {args.procs}-process run did not finish within "
+                  f"{args.timeout:g} s", file=sys.stderr)
+            return 1
+        if r.returncode != 0:
+            print(f"meshcomm bench run: the {args.procs}-process run exited with {r.returncode}",
+                  file=sys.stderr)
+            return 1
+        with open(path) as f:
+            rows = json.load(f)
+    jax_rows = None if args.no_jax else _jax_subprocess(args)
+    return _report_run(args, rows, jax_rows)
+
+
+def _report_run(args, rows, jax_rows) -> int:
+    print(f"real execution: {args.procs} processes on this machine, ~{args.size_mb:g} MiB per case, "
+          f"median of {args.repeats} after a warm-up")
+    print(format_run_table(rows, jax_rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"procs": args.procs, "size_mb": args.size_mb, "repeats": args.repeats,
+                       "rows": rows, "jax": jax_rows}, f, indent=1)
+        print(f"wrote {args.json}")
+    bad = [r["case"] for r in rows for e in r["methods"].values() if e.get("exact") is False]
+    if bad:
+        print(f"INEXACT results in: {sorted(set(bad))}")
+        return 1
+    return 0

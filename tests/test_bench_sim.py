@@ -208,3 +208,28 @@ def test_own_cases_cover_the_promised_kinds():
     assert any(isinstance(e, mc.Blocks) for c in cs for e in c.src.spec)
     assert any("moe" in c.name for c in cs)
     assert any(c.src.mesh == c.dst.mesh for c in cs)
+
+
+@pytest.mark.mpi
+def test_bench_run_on_real_processes(tmp_path):
+    """`meshcomm bench run` launches 8 processes, runs a cross-mesh and a same-mesh case
+    with the MPI backend, the allgather_slice plan and DTensor; every result is exact."""
+    import os
+    import subprocess
+    import sys
+    out = tmp_path / "run.json"
+    env = dict(os.environ, MESHCOMM_TIMEOUT="60")
+    r = subprocess.run([sys.executable, "-m", "meshcomm", "bench", "run", "--only",
+                        "alpa1,same-transpose", "--size-mb", "0.25", "--repeats", "1", "--no-jax",
+                        "--backends", "mpi", "--json", str(out), "--timeout", "240"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    rows = {row["case"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"alpa1", "same-transpose"}
+    for row in rows.values():
+        for name, e in row["methods"].items():
+            assert e["exact"] is True, (row["case"], name, e)
+            assert e["time_s"] > 0
+    assert "dtensor_redistribute" in rows["same-transpose"]["methods"]
+    assert "dtensor_redistribute" not in rows["alpa1"]["methods"]
+    assert rows["alpa1"]["methods"]["allgather_slice"]["bytes"] > rows["alpa1"]["bytes_moved"]
