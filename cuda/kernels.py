@@ -216,6 +216,26 @@ def _sm_count(device: int) -> int:
     return cp.cuda.Device(device).attributes["MultiProcessorCount"]
 
 
+_RESIDENT: dict = {}
+
+
+def _resident_blocks(device: int, name: str, fn) -> int:
+    """Blocks of BLOCK threads that fit on the device at once (one wave): each group walks a
+    contiguous share of the items, so a single full wave leaves no tail."""
+    key = (device, name)
+    n = _RESIDENT.get(key)
+    if n is None:
+        try:
+            regs = int(fn.num_regs)
+        except Exception:           # attribute missing in some CuPy versions
+            regs = 80
+        per_warp = -(-max(regs, 1) * 32 // 256) * 256            # allocation unit: 256 registers
+        warps = min(65536 // per_warp, 64)
+        per_sm = max(1, min(warps // (BLOCK // 32), 2048 // BLOCK))
+        n = _RESIDENT[key] = _sm_count(device) * per_sm
+    return n
+
+
 @dataclasses.dataclass
 class _Arr:
     obj: object           # what the caller passed
@@ -283,7 +303,7 @@ def _launch(name: str, tile: _Arr, buf_addr: int, slices, group):
         if plan.nb == 0:
             return plan
         fn = _functions(tile.device)[name]
-        blocks = plan.blocks(_sm_count(tile.device) * 8)
+        blocks = plan.blocks(_resident_blocks(tile.device, name, fn))
         fn((blocks,), (BLOCK,), (np.uint64(tile.addr), np.uint64(buf_addr), meta_d,
                                  np.int32(plan.nb), np.int32(plan.group)))
     return plan
@@ -329,9 +349,9 @@ def unpack_cuda(buf, tile, slices: Sequence[tuple[slice, ...]], accumulate: bool
 def _check_buffer(b: _Arr, t: _Arr, nbytes: int, what: str) -> None:
     if b.device != t.device:
         raise ValueError(f"{what} is on device {b.device} but the tile is on device {t.device}")
-    if not b.contiguous:
-        raise ValueError(f"{what} must be contiguous")
     if b.nbytes < nbytes:
         raise ValueError(f"{what} holds {b.nbytes} bytes but the boxes need {nbytes}")
+    if not b.contiguous:
+        raise KernelUnsupported(f"{what} is not contiguous")
     if b.itemsize != t.itemsize and b.dtype != "uint8":
-        raise TypeError(f"{what} has dtype {b.dtype} but the tile has {t.dtype}")
+        raise KernelUnsupported(f"{what} has dtype {b.dtype} but the tile has {t.dtype}")
