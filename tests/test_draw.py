@@ -72,3 +72,18 @@ def test_edges_follow_routes():
     sides = {(e[4], e[5]) for e in edges}
     assert ("dst", "dst") in sides          # forwarding arcs inside the dst nodes
     assert sum(e[3] for e in edges) == p.bytes_moved + p.bytes_copied
+
+
+def test_levels_group_nodes_for_huge_meshes(tmp_path):
+    from meshcomm.draw import _levels
+    small = _plan((8, 8), "2x4:x,y", "2x4@8:y,x", "p3.8xlarge")
+    assert _levels(small, 96, 48)[0] == 0                 # one marker per device
+    mid = _plan((256, 256), "8x16:x,y", "16x8@64:y,x", "dgx-a100")
+    g, key = _levels(mid, 96, 48)
+    assert g == 1 and key(70) == 8                        # one marker per node
+    flat = _plan((256, 256), "8x16:x,y", "16x8@64:y,x", "flat")
+    g, key = _levels(flat, 96, 48)
+    assert g == 4 and key(70) == 17                       # groups of 4 one-device nodes
+    out = tmp_path / "flat128.png"
+    draw_plan(flat, out)
+    _check_png(out)
