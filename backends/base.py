@@ -169,7 +169,7 @@ class Backend:
 
 def _is_torch(x) -> bool:
     t = sys.modules.get("torch")
-    return t is not None and isinstance(x, t.Tensor)
+    return t is not None and isinstance(x, getattr(t, "Tensor", ()))
 
 
 def _as_bytes(a):
@@ -377,6 +377,8 @@ def execute(plan, shards: Mapping[int, object], like, *, rank: int, devices_per_
         b = choose(s)
         if b is not cur:
             drain()                 # fence before switching backends
+            if cur is not None:
+                issued[("switch", f"{cur.name}>{b.name}")] += 1
             new_stream = streams.comm_stream(b.name, device)
             streams.record(cur_stream).wait_on(new_stream)
             cur, cur_stream = b, new_stream

@@ -91,8 +91,9 @@ class MPIBackend(Backend):
     def bcast(self, buf, root, ranks):
         sub = self._group(ranks)
         req = sub.Ibcast(buf, root=ranks.index(root))
+        # in a collective any member may be the one missing: name them all
         others = tuple(r for r in ranks if r != self.rank)
-        return _MPIWork(req, buf, "bcast", others if self.rank == root else (root,), self.rank)
+        return _MPIWork(req, buf, f"bcast in group {list(ranks)}", others, self.rank)
 
     def reduce(self, buf, root, ranks):
         MPI = _mpi()
@@ -103,7 +104,7 @@ class MPIBackend(Backend):
         else:
             req = sub.Ireduce(buf, None, op=MPI.SUM, root=i)
         others = tuple(r for r in ranks if r != self.rank)
-        return _MPIWork(req, buf, "reduce", others, self.rank)
+        return _MPIWork(req, buf, f"reduce in group {list(ranks)}", others, self.rank)
 
     def prepare_groups(self, groups: Sequence[tuple[int, ...]], deadline):
         new = [g for g in groups if g not in self._groups and len(g) < self.world_size]

@@ -33,7 +33,7 @@ _streams: dict = {}
 def device_of(x):
     """The torch device of a tensor, or None for anything else (NumPy, JAX: host data)."""
     t = sys.modules.get("torch")
-    if t is not None and isinstance(x, t.Tensor):
+    if t is not None and isinstance(x, getattr(t, "Tensor", ())):
         return x.device
     return None
 

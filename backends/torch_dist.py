@@ -39,6 +39,9 @@ def under_mpi_launcher() -> bool:
                                          "PMIX_RANK", "MPI_LOCALRANKID", "HYDI_CONTROL_FD"))
 
 
+_DERIVED: list = []     # non-empty once we set MASTER_ADDR/PORT from MPI ourselves
+
+
 def _td(seconds):
     return datetime.timedelta(seconds=max(0.001, seconds))
 
@@ -89,9 +92,11 @@ class TorchBackend(Backend):
             rank, world = mpi_comm.Get_rank(), mpi_comm.Get_size()
             hosts = mpi_comm.allgather(socket.gethostname())
             if rank == 0:
-                addr = os.environ.get("MASTER_ADDR") or (
+                user = not _DERIVED and "MASTER_ADDR" in os.environ   # the user chose them
+                addr = os.environ["MASTER_ADDR"] if user else (
                     "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(socket.gethostname()))
-                port = int(os.environ.get("MASTER_PORT") or _free_port())
+                port = int(os.environ["MASTER_PORT"]) if user and "MASTER_PORT" in os.environ \
+                    else _free_port()      # a fresh store each time (re-init after finalize)
                 info = (addr, port)
             else:
                 info = None
@@ -99,6 +104,7 @@ class TorchBackend(Backend):
             local = [i for i, h in enumerate(hosts) if h == hosts[rank]].index(rank)
             os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank),
                               WORLD_SIZE=str(world), LOCAL_RANK=str(local))
+            _DERIVED.append(True)
         else:                                   # no launcher: a world of one
             rank, world = 0, 1
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -150,14 +156,15 @@ class TorchBackend(Backend):
     def bcast(self, buf, root, ranks):
         self.flush()
         work = self.dist.broadcast(buf, src=root, group=self._group(ranks), async_op=True)
+        # in a collective any member may be the one missing: name them all
         others = tuple(r for r in ranks if r != self.rank)
-        return _TorchWork("bcast", others if self.rank == root else (root,), buf, work)
+        return _TorchWork(f"bcast in group {list(ranks)}", others, buf, work)
 
     def reduce(self, buf, root, ranks):
         self.flush()
         work = self.dist.reduce(buf, dst=root, op=self.dist.ReduceOp.SUM,
                                 group=self._group(ranks), async_op=True)
-        return _TorchWork("reduce", tuple(r for r in ranks if r != self.rank), buf, work)
+        return _TorchWork(f"reduce in group {list(ranks)}", tuple(r for r in ranks if r != self.rank), buf, work)
 
     def prepare_groups(self, groups: Sequence[tuple[int, ...]], deadline):
         # Called by EVERY rank with the same list (the plan's groups, in plan order):
@@ -215,7 +222,10 @@ class TorchBackend(Backend):
                 else:
                     self.store.wait(keys, _td(left))
             except Exception as e:
-                missing = [r for r in others if not self.store.check([key(r)])]
+                try:
+                    missing = [r for r in others if not self.store.check([key(r)])]
+                except Exception:           # the store itself is gone: its host (rank 0) died
+                    missing = [0] if self.rank != 0 else others
                 t = f"{self.timeout:g}s" if self.timeout is not None else "the timeout"
                 raise PeerTimeoutError(
                     f"rank {self.rank}: peer rank(s) {missing} did not arrive at the metadata "
@@ -230,5 +240,6 @@ class TorchBackend(Backend):
 
     def close(self):
         self._groups.clear()
+        self.store = None
         if self.owns_pg and self.dist.is_initialized():
             self.dist.destroy_process_group()

@@ -11,12 +11,12 @@ __all__ = ["kind_of", "normalize_dtype", "dtype_of", "to_numpy", "from_numpy", "
 
 def is_torch(x) -> bool:
     t = sys.modules.get("torch")
-    return t is not None and isinstance(x, t.Tensor)
+    return t is not None and isinstance(x, getattr(t, "Tensor", ()))  # torch may be mid-import in another thread
 
 
 def is_jax(x) -> bool:
     jax = sys.modules.get("jax")
-    return jax is not None and isinstance(x, jax.Array)
+    return jax is not None and isinstance(x, getattr(jax, "Array", ()))
 
 
 def kind_of(x) -> str:
@@ -39,7 +39,7 @@ def normalize_dtype(dtype: Any) -> tuple[str, int]:
     """(canonical name, itemsize) for anything numpy.dtype accepts, torch dtypes and
     bfloat16/float8 names (via ml_dtypes when installed)."""
     t = sys.modules.get("torch")
-    if t is not None and isinstance(dtype, t.dtype):
+    if t is not None and isinstance(dtype, getattr(t, "dtype", ())):
         name = str(dtype).removeprefix("torch.")
         name = _TORCH_NAMES.get(name, name)
         itemsize = t.empty((), dtype=dtype).element_size()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import sys
 import time
 from typing import Any, Mapping
 
@@ -238,6 +239,8 @@ class Context:
     def _run(self, be, src, dst, shards, shape_kw, dtype_kw, local, need_exchange, fences):
         from . import api, arrays
         from meshcomm.backends import base
+        if "torch" in sys.modules:      # if another thread is importing torch, wait for it
+            import torch  # noqa: F401
         err, shape, name, itemsize, kind, devtype = local
         deadline = time.monotonic() + self.timeout
         if need_exchange:

@@ -1,0 +1,213 @@
+"""SPMD worker: many resharding cases per launch, checked against the single-process result.
+
+Run under a launcher, e.g.::
+
+    mpiexec -n 8 python tests/workers/reshard_worker.py --init mixed --backends mpi,torch,mixed
+    torchrun --nproc-per-node 4 tests/workers/reshard_worker.py --init torch --backends torch
+
+Every process draws the same seeded cases; each passes the src tiles it owns (a bare array
+or a dict, sometimes none at all), with or without shape=/dtype=, sync or async, and
+compares the dst tiles it gets with `meshcomm.reshard(..., backend="local")` on the full
+data (bitwise). Optional checks: mismatched calls (--checks) and a peer that never arrives
+(--timeout-test, with MESHCOMM_TIMEOUT set by the caller). Each rank prints one line
+`RESULT {json}` at the end; any failure raises (non-zero exit).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import meshcomm as mc                        # noqa: E402
+from meshcomm.backends import base, streams  # noqa: E402
+from meshcomm.errors import PeerTimeoutError  # noqa: E402
+from cases import random_case, random_data, same  # noqa: E402
+
+
+def owned_input(ctx, shards, src, dst, rng_choice_bare):
+    mine = {d: shards[d] for d in ctx.owned_devices(src)}
+    if len(mine) == 1 and rng_choice_bare and len(ctx.owned_devices(dst)) <= 1:
+        return next(iter(mine.values())), True
+    return mine, False
+
+
+def check_result(ctx, got, ref, dst, bare, what):
+    owned = ctx.owned_devices(dst)
+    if bare and len(owned) <= 1:
+        if not owned:
+            assert got is None, f"{what}: rank {ctx.rank} owns no dst device but got {type(got)}"
+            return
+        got = {owned[0]: got}
+    assert isinstance(got, dict), f"{what}: expected a dict, got {type(got).__name__}"
+    assert sorted(got) == sorted(owned), f"{what}: got devices {sorted(got)}, owns {sorted(owned)}"
+    for d in owned:
+        if not same(got[d], ref[d]):
+            raise AssertionError(f"{what}: rank {ctx.rank} device {d}: got {got[d]!r}\nwant {ref[d]!r}")
+
+
+def run_cases(ctx, args, backends, stats):
+    ndev = ctx.world_size * ctx.devices_per_process
+    pending = []
+    for i in range(args.cases):
+        rng = np.random.default_rng((args.seed, i))
+        shape, src, dst, dtype, kind = random_case(rng, ndev)
+        x = random_data(rng, shape, dtype, kind)
+        shards = mc.shard(x, src, seed=i)
+        ref = mc.reshard(shards, src, dst, backend="local")
+        for bname in backends:
+            inp, bare = owned_input(ctx, shards, src, dst, rng.random() < 0.5)
+            kw = {}
+            if rng.random() < 0.3:
+                kw = {"shape": shape, "dtype": x.dtype}
+            what = f"case {i} [{bname}] {shape} {dtype} {kind}: {src} -> {dst} kw={sorted(kw)}"
+            if rng.random() < 0.25:
+                h = mc.reshard(inp, src, dst, backend=bname, async_op=True, **kw)
+                assert isinstance(h, mc.Handle)
+                pending.append((h, ref, dst, bare, what))
+                stats["async"] += 1
+                if len(pending) >= 3:
+                    for h, *rest in reversed(pending):      # any wait order works
+                        check_result(ctx, h.wait(), *rest)
+                    pending.clear()
+            else:
+                got = mc.reshard(inp, src, dst, backend=bname, **kw)
+                check_result(ctx, got, ref, dst, bare, what)
+            stats[f"ok_{bname}"] += 1
+            if not ctx.owned_devices(src):
+                stats["no_src"] += 1
+    for h, *rest in pending:
+        check_result(ctx, h.wait(), *rest)
+
+
+def expect_error(ctx, fn, exc, needle, what, stats):
+    try:
+        fn()
+    except exc as e:
+        if needle not in str(e):
+            raise AssertionError(f"{what}: rank {ctx.rank}: {type(e).__name__} without {needle!r}: {e}")
+        stats["mismatch_ok"] += 1
+        return e
+    raise AssertionError(f"{what}: rank {ctx.rank}: no {exc.__name__} raised")
+
+
+def run_checks(ctx, backends, stats):
+    r, n = ctx.rank, ctx.world_size * ctx.devices_per_process
+    mesh = mc.Mesh(np.arange(n), ("x",))
+    rev = mc.Mesh(np.arange(n)[::-1].copy(), ("x",))
+    src, dst = mc.Layout(mesh, ("x",)), mc.Layout(rev, (None, "x"))
+    for b in backends:
+        # different global shapes
+        rows = 3 * n if r == 0 else 2 * n
+        x = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
+        sh = mc.shard(x, src)
+        mine = {d: sh[d] for d in ctx.owned_devices(src)}
+        expect_error(ctx, lambda: mc.reshard(mine, src, dst, backend=b, shape=x.shape),
+                     ValueError, "disagree", f"shape mismatch [{b}]", stats)
+        # different dst layouts
+        x = np.arange(2 * n * 4, dtype=np.float32).reshape(2 * n, 4)
+        sh = mc.shard(x, src)
+        mine = {d: sh[d] for d in ctx.owned_devices(src)}
+        dst_r = dst if r != 1 else mc.Layout(rev, ("x", None))
+        expect_error(ctx, lambda: mc.reshard(mine, src, dst_r, backend=b),
+                     ValueError, "disagree on the src/dst layouts", f"layout mismatch [{b}]", stats)
+        # different dtypes
+        mine_dt = {d: (v.astype(np.float64) if r == 0 else v) for d, v in mine.items()}
+        expect_error(ctx, lambda: mc.reshard(mine_dt, src, dst, backend=b),
+                     ValueError, "disagree on the dtype", f"dtype mismatch [{b}]", stats)
+        # one process passes a tile of the wrong shape: it gets its own error, the others a
+        # ValueError naming it
+        bad = {d: (v[:-1] if r == 1 else v) for d, v in mine.items()}
+        needle = "has shape" if r == 1 else "rank 1"
+        expect_error(ctx, lambda: mc.reshard(bad, src, dst, backend=b, shape=x.shape),
+                     ValueError, needle, f"bad tile on rank 1 [{b}]", stats)
+        # and the context still works afterwards; rank 0 alone holds the src (the others learn
+        # shape and dtype from the metadata exchange)
+        one = mc.Layout(mc.Mesh([[0]], ("a", "b")), ())
+        y = mc.reshard({0: x} if r == 0 else {}, one, dst, backend=b)
+        ref = mc.reshard({0: x}, one, dst, backend="local")
+        check_result(ctx, y, ref, dst, False, f"after mismatches [{b}]")
+        stats["no_src"] += 1
+
+
+def run_timeouts(ctx, backends, stats, timeout):
+    """The last rank never calls reshard; the others must raise within the timeout naming it."""
+    lag = ctx.world_size - 1
+    n = ctx.world_size * ctx.devices_per_process
+    mesh = mc.Mesh(np.arange(n), ("x",))
+    src, dst = mc.Layout(mesh, ("x",)), mc.Layout(mesh, (None,))
+    x = np.arange(4 * n, dtype=np.float32)
+    sh = mc.shard(x, src)
+    mine = {d: sh[d] for d in ctx.owned_devices(src)}
+    phases = [("metadata", b) for b in backends] + [("data", b) for b in backends if b != "mixed"]
+    if ctx.rank == lag:
+        return
+    for phase, b in phases:
+        os.environ["MESHCOMM_CHECK"] = "0" if phase == "data" else "1"
+        kw = {"shape": x.shape, "dtype": x.dtype} if phase == "data" else {}
+        t0 = time.monotonic()
+        try:
+            mc.reshard(mine, src, dst, backend=b, **kw)
+        except PeerTimeoutError as e:
+            dt = time.monotonic() - t0
+            assert lag in e.peers, f"timeout [{phase} {b}]: rank {ctx.rank}: {e} does not name {lag}"
+            assert f"{lag}" in str(e)
+            assert dt < timeout + 4, f"timeout [{phase} {b}]: raised after {dt:.1f}s (timeout {timeout}s)"
+            assert isinstance(e, TimeoutError) and isinstance(e, RuntimeError)
+            stats[f"timeout_{phase}_{b}"] = round(dt, 2)
+        else:
+            raise AssertionError(f"timeout [{phase} {b}]: rank {ctx.rank}: reshard returned "
+                                 f"although rank {lag} never called it")
+    os.environ["MESHCOMM_CHECK"] = "1"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--init", default="mixed", help="comma list: init/finalize each in turn")
+    ap.add_argument("--backends", default="", help="comma list of reshard(backend=...) values "
+                    "(default: the init backend)")
+    ap.add_argument("--dpp", type=int, default=1)
+    ap.add_argument("--cases", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--checks", action="store_true")
+    ap.add_argument("--timeout-test", action="store_true")
+    args = ap.parse_args()
+    stats: dict = {}
+    from collections import Counter
+    stats = Counter()
+    t0 = time.time()
+    inits = args.init.split(",")
+    for k, name in enumerate(inits):
+        ctx = mc.init(backend=name, devices_per_process=args.dpp)
+        backends = args.backends.split(",") if args.backends else [name]
+        run_cases(ctx, args, backends, stats)
+        if args.checks:
+            run_checks(ctx, backends, stats)
+        if args.timeout_test and k == len(inits) - 1:
+            run_timeouts(ctx, backends, stats, ctx.timeout)
+            from mpi4py import MPI
+            MPI.COMM_WORLD.Barrier()        # the lagging rank waits here for the others
+            ctx._pool.shutdown(wait=True)
+            stats.update({f"issued_{b}_{p}": c for (b, p), c in base.issued.items()})
+            stats["streams_record"] = streams.stats["record"]
+            stats["streams_wait_on"] = streams.stats["wait_on"]
+            stats["seconds"] = round(time.time() - t0, 1)
+            print("RESULT " + json.dumps({"rank": ctx.rank, **stats}), flush=True)
+            MPI.Finalize()
+            os._exit(0)                     # after timeouts the process groups are not clean
+        rank = ctx.rank
+        mc.finalize()
+    stats.update({f"issued_{b}_{p}": c for (b, p), c in base.issued.items()})
+    stats["streams_record"] = streams.stats["record"]
+    stats["streams_wait_on"] = streams.stats["wait_on"]
+    stats["seconds"] = round(time.time() - t0, 1)
+    print("RESULT " + json.dumps({"rank": rank, **stats}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
