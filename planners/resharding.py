@@ -232,51 +232,55 @@ def _deliver_in_node(b: _Builder, box: Box, holders: list[int], needers: list[in
 
 
 def _assign_senders(b: _Builder, groups: dict[tuple, list]) -> None:
-    """Choose sender nodes for every (piece, lacking node) so the busiest NIC carries least."""
+    """Choose sender nodes for every (piece, lacking node) so the busiest NIC carries least.
+
+    A demand is a set of pieces some lacking node(s) need, served by one chain. Demands with
+    the same candidate senders are interchangeable in the flow, so they are merged first:
+    the flow then has one node per distinct sender set, however many pieces there are.
+    """
     base_out = dict(b.loads.nic_out)
     candidates = []
     for mode in ("hybrid", "multicast"):
-        demands = []          # (key, lacking nodes served, senders, elements)
+        merged: dict[tuple, list] = defaultdict(list)   # senders -> [(served, plist)]
         for key, plist in groups.items():
             senders, lacking = key
-            elems = sum(box_size(p[0]) for p in plist)
             if mode == "hybrid" and len(senders) >= len(lacking) > 1:
                 for ln in lacking:
-                    demands.append((key, (ln,), senders, elems))
+                    merged[senders].append(((ln,), plist))
             else:
-                demands.append((key, lacking, senders, elems))
-        flows = _minmax_flow(demands, base_out)
+                merged[senders].append((lacking, plist))
+        demands = [(senders, parts, sum(box_size(p[0]) for _, plist in parts for p in plist))
+                   for senders, parts in merged.items()]
+        flows = _minmax_flow([(s, e) for s, _, e in demands], base_out)
         cost = _mode_cost(demands, flows, base_out, b.loads.nic_in)
         candidates.append((cost, mode == "multicast", demands, flows))
     _, _, demands, flows = min(candidates, key=lambda c: (c[0], c[1]))
-    for (key, served, senders, elems), flow in zip(demands, flows):
-        plist = groups[key]
-        # cut the key's concatenated pieces into consecutive element ranges, one per sender
-        cursor = 0
-        offsets = []
-        for p in plist:
-            offsets.append(cursor)
-            cursor += box_size(p[0])
-        start = 0
-        for s in senders:
-            q = flow.get(s, 0)
-            if q <= 0:
-                continue
-            lo, hi = start, start + q
-            start = hi
-            for (box, h_by_node, lacking), off in zip(plist, offsets):
+    for (senders, parts, elems), flow in zip(demands, flows):
+        # cut the concatenated pieces of all merged demands into consecutive element
+        # ranges, one per sender, in sender order
+        quotas = [(s, flow.get(s, 0)) for s in senders if flow.get(s, 0) > 0]
+        qi, left = 0, quotas[0][1]
+        for served, plist in parts:
+            for box, h_by_node, lacking in plist:
                 n = box_size(box)
-                a, z = max(lo, off), min(hi, off + n)
-                if z <= a:
-                    continue
                 needers = [d for ln in served for d in lacking[ln]]
-                for sub in row_major_range(box, a - off, z - off):
-                    root = b.pick(h_by_node[s], b.loads.dev_out)
-                    b.emit((root,), b.chain_order(root, needers), sub)
+                pos = 0
+                while pos < n:
+                    s = quotas[qi][0]
+                    take = min(left, n - pos)
+                    for sub in row_major_range(box, pos, pos + take):
+                        root = b.pick(h_by_node[s], b.loads.dev_out)
+                        b.emit((root,), b.chain_order(root, needers), sub)
+                    pos += take
+                    left -= take
+                    if left == 0 and qi + 1 < len(quotas):
+                        qi += 1
+                        left = quotas[qi][1]
 
 
 def _minmax_flow(demands, base_out: dict) -> list[dict]:
-    """Split every demand among its senders minimising max(base_out + assigned) over senders.
+    """Split every demand (senders, elements) among its senders, minimising the busiest
+    sender's base_out + assigned elements.
 
     Demands with one sender are forced. The rest: binary search on the capacity T with an
     integer max-flow (source -> demand (its elements) -> sender -> sink (T - base)).
@@ -284,7 +288,7 @@ def _minmax_flow(demands, base_out: dict) -> list[dict]:
     flows: list[dict] = [dict() for _ in demands]
     load = defaultdict(int, base_out)
     free = []
-    for i, (_, _, senders, elems) in enumerate(demands):
+    for i, (senders, elems) in enumerate(demands):
         if len(senders) == 1:
             flows[i][senders[0]] = elems
             load[senders[0]] += elems
@@ -292,12 +296,12 @@ def _minmax_flow(demands, base_out: dict) -> list[dict]:
             free.append(i)
     if not free:
         return flows
-    senders_all = sorted({s for i in free for s in demands[i][2]})
-    total = sum(demands[i][3] for i in free)
+    senders_all = sorted({s for i in free for s in demands[i][0]})
+    total = sum(demands[i][1] for i in free)
     g = nx.DiGraph()
     for i in free:
-        g.add_edge("S", ("d", i), capacity=demands[i][3])
-        for s in demands[i][2]:
+        g.add_edge("S", ("d", i), capacity=demands[i][1])
+        for s in demands[i][0]:
             g.add_edge(("d", i), ("n", s))          # infinite capacity
     for s in senders_all:
         g.add_edge(("n", s), "T", capacity=0)
@@ -334,14 +338,16 @@ def _mode_cost(demands, flows, base_out: dict, base_in: dict) -> tuple[int, int]
     out = defaultdict(int, base_out)
     inn = defaultdict(int, base_in)
     total = 0
-    for (key, served, senders, elems), flow in zip(demands, flows):
+    for (senders, parts, _), flow in zip(demands, flows):
         for s, q in flow.items():
             out[s] += q
-        for ln in served:
-            inn[ln] += elems
-        for ln in served[:-1]:
-            out[ln] += elems
-        total += elems * len(served)
+        for served, plist in parts:
+            elems = sum(box_size(p[0]) for p in plist)
+            for ln in served:
+                inn[ln] += elems
+            for ln in served[:-1]:
+                out[ln] += elems
+            total += elems * len(served)
     return (max(list(out.values()) + list(inn.values()) + [0]), total)
 
 
