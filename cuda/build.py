@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["cuda_sources", "find_nvcc", "compile_check", "build_host_emulator", "main"]
+__all__ = ["cuda_sources", "find_nvcc", "compile_check", "ptx_of", "global_accesses", "build_host_emulator", "main"]
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_ARCHS = ("sm_80", "sm_90")
@@ -53,6 +53,33 @@ def compile_check(src: Path, arch: str, nvcc: str, outdir: Path, verbose: bool =
         return False, f"nvcc timed out after {timeout} s", time.perf_counter() - t0
     ok = r.returncode == 0 and out.exists() and out.stat().st_size > 0
     return ok, (r.stdout + r.stderr).strip(), time.perf_counter() - t0
+
+
+def ptx_of(src: Path, arch: str, nvcc: str, outdir: Path, timeout: float = 300) -> str:
+    """The PTX nvcc makes of `src` for `arch` (to inspect the loads and stores it issues)."""
+    out = Path(outdir) / f"{src.stem}.{arch}.ptx"
+    cmd = [nvcc, "--ptx", f"-arch={arch}", "-std=c++17", "-o", str(out), str(src)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stdout}{r.stderr}")
+    return out.read_text()
+
+
+def global_accesses(ptx: str) -> dict[str, set[str]]:
+    """{kernel: {"ld.global.nc.v4.u32", "st.global.v4.u32", ...}} from PTX text."""
+    import re
+    found: dict[str, set[str]] = {}
+    kernel = None
+    for line in ptx.splitlines():
+        m = re.match(r"\.visible \.entry (\w+)\(", line.strip())
+        if m:
+            kernel = m.group(1)
+            found[kernel] = set()
+            continue
+        m = re.search(r"\b((?:ld|st)\.global[.\w]*)", line)
+        if m and kernel:
+            found[kernel].add(m.group(1))
+    return found
 
 
 def build_host_emulator(outdir: str | os.PathLike, cxx: str | None = None, timeout: float = 120) -> Path:

@@ -35,3 +35,22 @@ def test_check_skips_without_nvcc(monkeypatch, capsys):
     monkeypatch.setattr(build, "find_nvcc", lambda: None)
     assert build.main(["--check"]) == 0
     assert "nvcc not found" in capsys.readouterr().out
+
+
+@needs_nvcc
+def test_kernels_issue_16_byte_loads_and_stores(tmp_path):
+    """Every kernel has a 16-byte load and store path; the copy kernels have one per
+    unit width (16, 8, 4, 2, 1 bytes), and reads go through the read-only path (.nc)."""
+    from meshcomm.cuda.kernels import KERNEL_NAMES
+    acc = build.global_accesses(build.ptx_of(build.HERE / "pack.cu", "sm_90", NVCC, tmp_path))
+    assert set(KERNEL_NAMES) <= set(acc)
+    def wide(op):          # 16 bytes: four 32-bit or two 64-bit lanes
+        return (".v4." in op and op.endswith("32")) or (".v2." in op and op.endswith("64"))
+
+    for name in KERNEL_NAMES:
+        ops = acc[name]
+        assert any(wide(o) and o.startswith("ld.global.nc.") for o in ops), (name, sorted(ops))
+        assert any(wide(o) and o.startswith("st.global.") for o in ops), (name, sorted(ops))
+    for name in ("mc_pack", "mc_unpack"):
+        assert {"st.global.v4.u32", "st.global.v2.u32", "st.global.u32", "st.global.u16",
+                "st.global.u8"} <= acc[name], sorted(acc[name])
