@@ -405,6 +405,8 @@ def _add_run_parser(bsub) -> None:
     r.add_argument("--no-dtensor", action="store_true", help="skip torch DTensor redistribute")
     r.add_argument("--no-jax", action="store_true", help="skip the one-process jax.device_put part")
     r.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    r.add_argument("--check", action="store_true",
+                   help="keep reshard's metadata exchange (MESHCOMM_CHECK=1) in the timed calls")
     r.add_argument("--timeout", type=float, default=900.0, help="seconds for each launch")
     r.add_argument("--part", choices=("mpi", "jax"), help=argparse.SUPPRESS)
     r.add_argument("--out", help=argparse.SUPPRESS)
@@ -413,8 +415,10 @@ def _add_run_parser(bsub) -> None:
 
 RUN_HELP = """\
 Really execute resharding cases (Alpa's, scaled to 8 local processes, plus same-mesh cases)
-and time every method: meshcomm with each backend, the allgather_slice baseline plan run by
-the same executor over MPI, torch DTensor's own redistribute on gloo (same-mesh cases), and,
+and time every method: meshcomm.reshard with each backend (meshcomm-mpi/-torch/-mixed),
+meshcomm's plan and the allgather_slice baseline plan run by the shared executor directly
+over MPI (meshcomm-plan-mpi, allgather_slice: plan against plan), torch DTensor's own
+redistribute on gloo (same-mesh cases), and,
 in one process with 8 JAX CPU devices, jax.device_put to the new sharding beside meshcomm.
 Times are medians over --repeats after a warm-up (max over ranks per repeat).
 
@@ -484,8 +488,13 @@ def _run_mpi_part(args, cases) -> list[dict] | None:
     import meshcomm as mc
     from .backends import base
     from .planners import baselines
+    import os
     comm = MPI.COMM_WORLD
     me = comm.rank
+    # shape and dtype are given on every process: skip reshard's metadata exchange, so that
+    # meshcomm's time is its plan's execution, like the baseline's (--check keeps it)
+    if not args.check:
+        os.environ["MESHCOMM_CHECK"] = "0"
     ctx = mc.init(backend="mixed", devices_per_process=1)
     backends = [b for b in args.backends.split(",") if b]
 
@@ -525,11 +534,19 @@ def _run_mpi_part(args, cases) -> list[dict] | None:
             y, t = timed(lambda b=b: mc.reshard(x, case.src, case.dst, shape=case.shape,
                                                 dtype=case.dtype, backend=b))
             methods[f"meshcomm-{b}"] = _entry(t, p.bytes_moved, exact(case, g, y), memcpy_s)
-        # allgather_slice: the baseline plan, same executor, over MPI
+        # meshcomm's plan and the allgather_slice plan run by the shared executor directly
+        # over MPI (no reshard API around it): plan against plan, like for like
         bp = baselines.allgather_slice(case.shape, case.dtype, case.src, case.dst)
         like = next(iter(x.values())) if x else np.empty(0, dtype=case.dtype)
         box = case.dst.index_map(case.shape).get(me)
         be = ctx.get_backend("mpi")
+
+        def direct():
+            out, _ = base.execute(p, x, like, rank=me, devices_per_process=1, backend=be,
+                                  deadline=time.monotonic() + ctx.timeout)
+            return out
+        y, t = timed(direct)
+        methods["meshcomm-plan-mpi"] = _entry(t, p.bytes_moved, exact(case, g, y), memcpy_s)
 
         def ag():
             out, _ = base.execute(bp, x, like, rank=me, devices_per_process=1, backend=be,
@@ -650,7 +667,7 @@ def format_run_table(rows, jax_rows=None) -> str:
         for k in r["methods"]:
             if k not in names:
                 names.append(k)
-    w = 26
+    w = 24
     head = f"{'case':22} {'MiB':>6} {'memcpy ms':>9} " + " ".join(f"{n[:w]:>{w}}" for n in names)
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -745,6 +762,8 @@ def cmd_run(args) -> int:
             cmd += ["--only", args.only]
         if args.no_dtensor:
             cmd.append("--no-dtensor")
+        if args.check:
+            cmd.append("--check")
         try:
             r = subprocess.run(cmd, env=env, timeout=args.timeout)
         except subprocess.TimeoutExpired:
