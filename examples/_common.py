@@ -47,7 +47,9 @@ def setup(backend: str | None):
     world = launched_size()
     rank = 0
     if world > 1:
-        ctx = mc.init(backend=backend or ("torch" if cuda else "mpi"), devices_per_process=1)
+        # NCCL wants one GPU per rank; with fewer GPUs than ranks use MPI (staged via host)
+        nccl_ok = cuda and torch.cuda.device_count() >= world
+        ctx = mc.init(backend=backend or ("torch" if nccl_ok else "mpi"), devices_per_process=1)
         rank, world = ctx.rank, ctx.world_size
     dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if cuda else torch.device("cpu")
     if cuda:

@@ -172,3 +172,32 @@ def test_alltoall_under_mpiexec(backend, nproc, dpp):
     oks = re.findall(r"A2A OK (\d+) (\d+)", r.stdout)      # lines of ranks may interleave
     assert sorted(int(rk) for rk, _ in oks) == list(range(nproc)), r.stdout
     assert all(int(n) >= 18 for _, n in oks)
+
+
+MISSING_PEER = """
+import time, numpy as np, meshcomm as mc
+from meshcomm.errors import PeerTimeoutError
+ctx = mc.init(backend="mpi")
+if ctx.rank == 0:
+    time.sleep(6)            # never joins the exchange
+    print("R0 DONE", flush=True)
+else:
+    t = time.monotonic()
+    try:
+        mc.all_to_all_v(np.zeros((1, 2)), [0, 1], mc.Mesh([0, 1], ("ep",)), "ep")
+        print("NO ERROR", flush=True)
+    except PeerTimeoutError as e:
+        print(f"TIMEOUT after {time.monotonic() - t:.1f}s peers={e.peers}: {e}", flush=True)
+"""
+
+
+def test_missing_peer_raises_within_timeout():
+    why = _launcher_ready()
+    if why:
+        pytest.skip(why)
+    env = dict(os.environ, MESHCOMM_TIMEOUT="2", OMP_NUM_THREADS="1")
+    cmd = [str(VENV_BIN / "mpiexec"), "-n", "2", sys.executable, "-c", MISSING_PEER]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=env, cwd=ROOT)
+    m = re.search(r"TIMEOUT after ([\d.]+)s peers=\((\d+),\)", r.stdout)
+    assert m, r.stdout[-2000:] + r.stderr[-2000:]
+    assert float(m.group(1)) < 5.5 and m.group(2) == "0"
