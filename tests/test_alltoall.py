@@ -159,7 +159,9 @@ def _launcher_ready():
     return None
 
 
-@pytest.mark.parametrize("backend,nproc,dpp", [("mpi", 4, 1), ("mpi", 2, 2), ("torch", 4, 1)])
+@pytest.mark.mpi
+@pytest.mark.parametrize("backend,nproc,dpp", [("mpi", 4, 1), ("mpi", 2, 2),
+                                               pytest.param("torch", 4, 1, marks=pytest.mark.slow)])
 def test_alltoall_under_mpiexec(backend, nproc, dpp):
     why = _launcher_ready()
     if why:
@@ -191,6 +193,7 @@ else:
 """
 
 
+@pytest.mark.mpi
 def test_missing_peer_raises_within_timeout():
     why = _launcher_ready()
     if why:

@@ -44,6 +44,7 @@ def test_examples_single_process():
     assert re.search(r"\[moe\] [\d,.]+ samples/s \| step .* ms/step, .* KiB/step sent", out)
 
 
+@pytest.mark.mpi
 def test_examples_mpiexec_n4():
     specs = ["moe --check --steps 2", "dlrm --check --steps 2",
              "pipelined_gpt --check --steps 2 --schedule 1f1b",
@@ -62,6 +63,7 @@ def test_examples_mpiexec_n4():
     assert kib and float(kib[0]) > 0
 
 
+@pytest.mark.mpi
 def test_pipelined_gpt_mpiexec_n8():
     specs = ["pipelined_gpt --check --steps 2 --schedule eager",
              "pipelined_gpt --check --steps 1 --schedule 1f1b --micro 3"]
