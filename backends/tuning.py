@@ -83,8 +83,8 @@ class Rule:
 @dataclasses.dataclass(frozen=True)
 class TuningTable:
     rules: tuple[Rule, ...]
-    measurements: tuple = ()
-    source: str = "<built-in default>"
+    measurements: tuple = dataclasses.field(default=(), compare=False)
+    source: str = dataclasses.field(default="<built-in default>", compare=False)
 
     def lookup(self, op: str, nbytes: int, group_size: int, device: str | None = None) -> str:
         """The backend name for one operation: the first matching rule's, else "mpi"."""

@@ -189,16 +189,24 @@ def main():
         if args.checks:
             run_checks(ctx, backends, stats)
         if args.timeout_test and k == len(inits) - 1:
+            # under mpiexec the last rank "never arrives" (it waits in a barrier until the
+            # others are done); under torchrun it "dies" (exits at once)
+            from meshcomm.backends.torch_dist import under_mpi_launcher
+            mpi = under_mpi_launcher()
+            if not mpi and ctx.rank == ctx.world_size - 1:
+                print("RESULT " + json.dumps({"rank": ctx.rank, "exited_early": True}), flush=True)
+                os._exit(0)
             run_timeouts(ctx, backends, stats, ctx.timeout)
-            from mpi4py import MPI
-            MPI.COMM_WORLD.Barrier()        # the lagging rank waits here for the others
-            ctx._pool.shutdown(wait=True)
+            if mpi:
+                from mpi4py import MPI
+                MPI.COMM_WORLD.Barrier()        # the lagging rank waits here for the others
             stats.update({f"issued_{b}_{p}": c for (b, p), c in base.issued.items()})
             stats["streams_record"] = streams.stats["record"]
             stats["streams_wait_on"] = streams.stats["wait_on"]
             stats["seconds"] = round(time.time() - t0, 1)
             print("RESULT " + json.dumps({"rank": ctx.rank, **stats}), flush=True)
-            MPI.Finalize()
+            if mpi:
+                MPI.Finalize()
             os._exit(0)                     # after timeouts the process groups are not clean
         rank = ctx.rank
         mc.finalize()

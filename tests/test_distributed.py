@@ -1,0 +1,162 @@
+"""Real multi-process runs of the distributed backends (mpiexec from the mpich wheel, torchrun).
+
+Each launch runs many seeded random cases (tests/workers/reshard_worker.py) with every
+backend and checks each process's dst tiles bitwise against the single-process result;
+the 4-process launch also checks mismatched calls and a peer that never arrives, the
+torchrun launch a peer that dies. Launches are few and batched: process start-up with
+torch costs seconds on 2 cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshcomm.backends import tuning
+
+pytestmark = pytest.mark.mpi
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "workers" / "reshard_worker.py"
+BIN = Path(sys.executable).parent
+MPIEXEC = shutil.which("mpiexec", path=str(BIN)) or shutil.which("mpiexec")
+TORCHRUN = shutil.which("torchrun", path=str(BIN)) or shutil.which("torchrun")
+TIMEOUT = 5
+
+
+def alternating_table(path: Path) -> Path:
+    """A tuning table that flips between mpi and torch every 16 bytes (and by op), so
+    consecutive transfers of a plan keep switching backends."""
+    rules = []
+    for op, first in (("send", "mpi"), ("bcast", "torch"), ("reduce", "mpi"), ("alltoall", "torch")):
+        other = "torch" if first == "mpi" else "mpi"
+        for k in range(0, 1024):
+            rules.append(tuning.Rule(op=op, backend=first if k % 2 == 0 else other,
+                                     min_bytes=16 * k, max_bytes=16 * k + 15))
+        rules.append(tuning.Rule(op=op, backend=other, min_bytes=16 * 1024))
+    tuning.save(tuning.TuningTable(tuple(rules)), path)
+    return path
+
+
+def launch(cmd: list[str], env: dict, timeout: float) -> list[dict]:
+    e = dict(os.environ)
+    e.update(env)
+    e.setdefault("MESHCOMM_TIMEOUT", "60")
+    e.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as ex:
+        out = (ex.stdout or b"")[-4000:] if isinstance(ex.stdout, bytes) else (ex.stdout or "")[-4000:]
+        pytest.fail(f"launch timed out after {timeout}s: {' '.join(cmd)}\n{out}")
+    text = p.stdout + p.stderr
+    assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}:\n{text[-6000:]}"
+    res = [json.loads(line.split("RESULT ", 1)[1]) for line in p.stdout.splitlines()
+           if line.startswith("RESULT ")]
+    return sorted(res, key=lambda r: r["rank"])
+
+
+def mpiexec(n: int, *args, env=None, timeout=240) -> list[dict]:
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    return launch([MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", str(WORKER), *args],
+                  env or {}, timeout)
+
+
+def check_cases(res, n, cases, backends):
+    assert [r["rank"] for r in res] == list(range(n)), res
+    for r in res:
+        for b in backends:
+            assert r.get(f"ok_{b}") == cases, (b, r)
+    assert sum(r.get("async", 0) for r in res) > 0
+    assert sum(r.get("no_src", 0) for r in res) > 0         # processes owning no src device
+
+
+def test_mpiexec_4_every_backend_mismatch_and_timeout(tmp_path):
+    cases = 30
+    res = mpiexec(4, "--init", "mixed", "--backends", "mpi,torch,mixed", "--cases", str(cases),
+                  "--checks", "--timeout-test",
+                  env={"MESHCOMM_TIMEOUT": str(TIMEOUT),
+                       "MESHCOMM_TUNING": str(alternating_table(tmp_path / "alt.json"))})
+    check_cases(res, 4, cases, ("mpi", "torch", "mixed"))
+    for r in res:
+        assert r["mismatch_ok"] == 4 * 3, r                  # 4 mismatched calls x 3 backends
+    lag = 3
+    phases = ["metadata_mpi", "metadata_torch", "metadata_mixed", "data_mpi", "data_torch"]
+    for r in res[:lag]:
+        for ph in phases:
+            assert r[f"timeout_{ph}"] < TIMEOUT + 4, (ph, r)
+            assert r[f"timeout_{ph}"] >= 0
+    assert not any(k.startswith("timeout_") for k in res[lag])
+    # mixed really alternated: fences between backends were taken, both did work
+    assert sum(v for r in res for k, v in r.items() if k.startswith("issued_switch_mpi>torch")) > 0
+    assert sum(v for r in res for k, v in r.items() if k.startswith("issued_switch_torch>mpi")) > 0
+    # the CUDA ordering code ran (as no-ops) on CPU
+    assert all(r["streams_record"] > 0 and r["streams_wait_on"] > 0 for r in res[:lag])
+
+
+def test_mpiexec_8_every_backend(tmp_path):
+    cases = 24
+    res = mpiexec(8, "--init", "mixed", "--backends", "mpi,torch,mixed", "--cases", str(cases),
+                  "--seed", "8", env={"MESHCOMM_TUNING": str(alternating_table(tmp_path / "alt.json"))})
+    check_cases(res, 8, cases, ("mpi", "torch", "mixed"))
+
+
+def test_mpiexec_two_devices_per_process_and_reinit():
+    # init("mpi") -> finalize -> init("torch") (rendezvous derived from MPI) -> init("mixed")
+    cases = 16
+    res = mpiexec(4, "--init", "mpi,torch,mixed", "--dpp", "2", "--cases", str(cases), "--seed", "2")
+    check_cases(res, 4, cases, ("mpi", "torch", "mixed"))
+
+
+def test_torchrun_and_a_peer_that_dies():
+    if TORCHRUN is None:
+        pytest.skip("torchrun not found")
+    cases = 12
+    res = launch([TORCHRUN, "--standalone", "--nproc-per-node", "3", str(WORKER), "--init", "torch",
+                  "--cases", str(cases), "--seed", "3", "--timeout-test"],
+                 {"MESHCOMM_TIMEOUT": str(TIMEOUT)}, 240)
+    assert [r["rank"] for r in res] == [0, 1, 2]
+    assert res[2] == {"rank": 2, "exited_early": True}
+    for r in res[:2]:
+        assert r["ok_torch"] == cases
+        assert r["timeout_metadata_torch"] < TIMEOUT + 4
+        assert r["timeout_data_torch"] < TIMEOUT + 4
+
+
+# -- in-process checks of the tuning table (no launch) ----------------------------------
+
+def test_tuning_table_lookup_and_validation(tmp_path):
+    t = tuning.from_dict({"format": tuning.FORMAT, "rules": [
+        {"op": "send", "min_bytes": 0, "max_bytes": 1023, "min_group": 0, "max_group": None, "backend": "torch"},
+        {"op": "bcast", "min_bytes": 0, "max_bytes": None, "min_group": 4, "max_group": None, "backend": "torch"},
+    ], "measurements": [{"op": "send", "bytes": 8, "backend": "mpi", "seconds": 1e-6}]})
+    assert t.lookup("send", 1023, 2) == "torch"
+    assert t.lookup("send", 1024, 2) == "mpi"            # no rule: fallback mpi
+    assert t.lookup("bcast", 10, 3) == "mpi"
+    assert t.lookup("bcast", 10, 4) == "torch"
+    p = tmp_path / "t.json"
+    tuning.save(t, p)
+    assert tuning.load(p).to_dict() == t.to_dict()
+    with pytest.raises(ValueError, match="format"):
+        tuning.from_dict({"format": "v0", "rules": []})
+    with pytest.raises(ValueError, match="rule 0.*backend"):
+        tuning.from_dict({"format": tuning.FORMAT, "rules": [{"op": "send", "backend": "nccl"}]})
+    with pytest.raises(ValueError, match="unknown key"):
+        tuning.from_dict({"format": tuning.FORMAT, "rules": [{"op": "send", "backend": "mpi", "x": 1}]})
+    d = tuning.default_table()
+    assert d.lookup("send", 1 << 20, 2, "cpu") == "mpi"
+    assert d.lookup("bcast", 1 << 20, 8, "cuda") == "torch"
+
+
+def test_table_from_env(tmp_path, monkeypatch):
+    p = alternating_table(tmp_path / "alt.json")
+    monkeypatch.setenv("MESHCOMM_TUNING", str(p))
+    t = tuning.table_from_env()
+    assert t.lookup("send", 0, 2) == "mpi" and t.lookup("send", 16, 2) == "torch"
+    monkeypatch.delenv("MESHCOMM_TUNING")
+    assert tuning.table_from_env() == tuning.default_table()
