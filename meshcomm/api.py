@@ -123,7 +123,7 @@ def shard(array, layout: Layout, seed: int | None = None) -> dict[int, Any]:
     for sc, groups in t.classes.items():
         box = t.boxes[next(iter(groups.values()))[0]]
         idx = tuple(slice(a, b) for a, b in box)
-        value = array[idx]
+        value = array[idx] if idx else array          # 0-d: x[()] would give a NumPy scalar
         addends = _split_addends(value, k, rng, kind)
         for a, devs in groups.items():
             for d in devs:
@@ -155,6 +155,8 @@ def _split_addends(value, k: int, rng, kind: str) -> list:
         parts.append(r)
         rest = rest - r
     parts.append(rest)
+    if kind == "numpy":                 # 0-d arithmetic gives NumPy scalars; keep arrays
+        parts = [np.asarray(p) for p in parts]
     return parts
 
 

@@ -138,13 +138,14 @@ def layouts(draw, mesh: mc.Mesh, shape: tuple[int, ...], partial: bool = True,
 @st.composite
 def layouts_pair(draw, max_devices: int = 16, max_ndim: int = 3, max_tensor_ndim: int = 3,
                  max_size: int = 9, partial: bool = True, blocks: bool = True,
-                 overlap: str | None = None):
+                 overlap: str | None = None, min_tensor_ndim: int = 1):
     """(shape, src, dst): one tensor, two layouts on two random meshes.
 
     `overlap` forces how the device sets relate: "disjoint", "overlapping", "same", or
     None for a random choice. `partial=False` keeps both layouts free of pending sums.
+    `min_tensor_ndim=0` lets scalars (shape ()) in now and then.
     """
-    tndim = draw(st.integers(1, max_tensor_ndim))
+    tndim = draw(st.integers(min_tensor_ndim, max_tensor_ndim))
     shape = draw(shapes(tndim, max_size))
     src_shape = draw(mesh_shapes(max_devices, max_ndim))
     dst_shape = draw(mesh_shapes(max_devices, max_ndim))
