@@ -342,6 +342,33 @@ def test_verifier_catches_duplicated_transfer(name):
             mc.verify(_broken(p, ts))
 
 
+@settings(max_examples=80)
+@given(case=layouts_pair(max_devices=16), data=st.data())
+def test_verifier_catches_random_mutations(case, data):
+    """Dropping or repeating any transfer of a random plan, or retargeting a message to a
+    device that does not need it, is always caught."""
+    shape, src, dst = case
+    p = mc.plan(shape, "int32", src, dst)
+    if not p.transfers:
+        return
+    i = data.draw(st.integers(0, len(p.transfers) - 1))
+    ts = list(p.transfers)
+    with pytest.raises(PlanError):
+        mc.verify(_broken(p, ts[:i] + ts[i + 1:]))
+    with pytest.raises(PlanError):
+        mc.verify(_broken(p, ts[:i + 1] + ts[i:]))
+    t = ts[i]
+    if t.kind in ("send", "bcast"):
+        dt = dst.tiles(shape).boxes
+        outsiders = [d for d in dst.mesh.device_ids
+                     if d not in t.dsts and d not in t.srcs and not all(_inside(b, dt[d]) for b in t.boxes)]
+        if outsiders:
+            other = data.draw(st.sampled_from(outsiders))
+            bad = dataclasses.replace(t, dsts=t.dsts[:-1] + (other,))
+            with pytest.raises(PlanError):
+                mc.verify(_broken(p, ts[:i] + [bad] + ts[i + 1:]))
+
+
 def test_verifier_catches_duplicate_addend_in_reduce():
     # 2x2 src mesh: x is the pending-sum axis, y a replica axis, so devices 0 and 1 hold
     # addend 0 and devices 2 and 3 hold addend 1. Swapping the addend-1 contributor of a
