@@ -1,7 +1,6 @@
 """meshcomm.draw.draw_plan writes a readable PNG for small, per-node and degenerate plans."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import meshcomm as mc

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import meshcomm as mc
-from strategies import AXIS_NAME_SETS, device_ids, layouts, mesh_shapes, meshes, shapes
+from strategies import AXIS_NAME_SETS, layouts, mesh_shapes, meshes, shapes
 
 
 # -- Mesh ---------------------------------------------------------------------------------
