@@ -5,6 +5,7 @@ Shared by the test modules (import as ``from strategies import ...``; ``tests/``
 problems so that planning, verifying and running them in one process stays fast.
 
 * ``device_ids(n, pool=32)``      n distinct non-negative ids, often non-consecutive
+* ``mesh_shapes(max_devices=16, max_ndim=3)`` a mesh shape, axis sizes mostly 2..4
 * ``meshes(max_devices=16, ...)`` a Mesh of 1..3 axes (more with ``max_ndim``)
 * ``shapes(ndim, max_size=9)``    a tensor shape, sizes 0..max_size (0 and 1 included)
 * ``layouts(mesh, shape, ...)``   a Layout for one tensor over one mesh: each mesh axis is
@@ -34,7 +35,7 @@ from hypothesis import strategies as st
 
 import meshcomm as mc
 
-__all__ = ["device_ids", "meshes", "shapes", "blocks_sizes", "layouts", "layouts_pair",
+__all__ = ["device_ids", "mesh_shapes", "meshes", "shapes", "blocks_sizes", "layouts", "layouts_pair",
            "AXIS_NAME_SETS"]
 
 # Axis names are drawn from these sets (one name per mesh dimension, in order).

@@ -136,6 +136,20 @@ def test_roundtrip_same_devices(case):
     check_case(shape, src, dst, "int32", "numpy", seed=7)
 
 
+@settings(max_examples=40)
+@given(case=layouts_pair(max_devices=16, max_ndim=4, max_tensor_ndim=4, max_size=6))
+def test_roundtrip_4d_meshes_and_tensors(case):
+    shape, src, dst = case
+    check_case(shape, src, dst, "int64", "numpy", seed=5)
+
+
+@settings(max_examples=25)
+@given(case=layouts_pair(max_devices=64, max_tensor_ndim=2, max_size=20))
+def test_roundtrip_up_to_64_devices(case):
+    shape, src, dst = case
+    check_case(shape, src, dst, "int32", "numpy", seed=9)
+
+
 @settings(max_examples=12)
 @given(case=layouts_pair(max_devices=8, max_tensor_ndim=2, max_size=5),
        dtype=st.sampled_from(["float32", "int32"]))
