@@ -5,7 +5,12 @@
     y = reshard_jax(x, NamedSharding(other_mesh, P(None, "x")))   # any device set, any count
     y.sharding                                                       # the new NamedSharding
 
-meshcomm device ids are JAX device ids (`jax.Device.id`). `reshard_jax` reads the shards of
+meshcomm device ids are JAX device ids (`jax.Device.id`) in one process. Across processes
+(`jax.distributed.initialize`) JAX numbers process p's devices p*2048 + i on CPU, so meshcomm
+uses the device's position in `jax.devices()` sorted by (process, id), which equals
+`Device.id` in one process and gives process p the ids p*k .. p*k+k-1 when every process has
+k local devices: exactly meshcomm's ownership rule with `init(devices_per_process=k)`
+(`meshcomm_id(device)`, `jax_device_by_id(i)` convert). `reshard_jax` reads the shards of
 `x` this process can address, runs `meshcomm.reshard` (in memory in one process, or SPMD
 across processes after `meshcomm.init(...)`), and assembles the result with
 `jax.make_array_from_single_device_arrays`. Unlike `jax.device_put`, the source and target
@@ -28,14 +33,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..layout import Blocks, Layout, normalize_shape
 from ..mesh import Mesh
 
-__all__ = ["layout_from_sharding", "sharding_from_layout", "reshard_jax", "jax_device_by_id"]
+__all__ = ["layout_from_sharding", "sharding_from_layout", "reshard_jax", "jax_device_by_id",
+           "meshcomm_id"]
 
 
 def _mesh_from_jax(jmesh) -> Mesh:
     devs = getattr(jmesh, "devices", None)
     if devs is None or not isinstance(devs, np.ndarray):
         raise TypeError(f"need a concrete jax.sharding.Mesh (with devices), got {type(jmesh).__name__}")
-    ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(devs)
+    pos = _positions()
+    ids = np.vectorize(lambda d: pos[d], otypes=[np.int64])(devs)
     return Mesh(ids, tuple(jmesh.axis_names))
 
 
@@ -84,8 +91,24 @@ def _check_even(layout, shape, what):
                          "cannot express (NamedSharding needs even splits)")
 
 
+def _sorted_devices() -> list:
+    return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+
+
+def _positions() -> dict:
+    return {d: i for i, d in enumerate(_sorted_devices())}
+
+
+def meshcomm_id(device) -> int:
+    """The meshcomm device id of a `jax.Device` (see the module docstring)."""
+    try:
+        return _positions()[device]
+    except KeyError:
+        raise ValueError(f"{device} is not one of jax.devices()") from None
+
+
 def jax_device_by_id(device_id: int):
-    """The `jax.Device` with this id (across all processes), or ValueError."""
+    """The `jax.Device` with this meshcomm id (across all processes), or ValueError."""
     table = _device_table()
     try:
         return table[int(device_id)]
@@ -95,7 +118,7 @@ def jax_device_by_id(device_id: int):
 
 
 def _device_table() -> dict[int, Any]:
-    return {d.id: d for d in jax.devices()}
+    return dict(enumerate(_sorted_devices()))
 
 
 def expressible(layout: Layout, shape=None) -> str | None:
@@ -143,31 +166,20 @@ def sharding_from_layout(layout: Layout, shape=None) -> NamedSharding:
 
 
 def _local_shards(x) -> dict[int, Any]:
-    out = {}
-    for s in x.addressable_shards:
-        out[s.device.id] = s.data
-    return out
+    pos = _positions()
+    return {pos[s.device]: s.data for s in x.addressable_shards}
 
 
-def _owned_devices() -> set[int] | None:
-    """Device ids this process owns under meshcomm's runtime, or None (owns all)."""
+def _owned_devices(layouts) -> set[int] | None:
+    """Device ids (of these layouts) this process owns under meshcomm's runtime, or None."""
     from .. import runtime
     ctx = runtime.current()
     if ctx is None:
         return None
-    for attr in ("owned", "devices", "owned_devices"):
-        v = getattr(ctx, attr, None)
-        if callable(v):
-            try:
-                v = v()
-            except TypeError:
-                continue
-        if v is not None and not isinstance(v, (str, bytes)):
-            try:
-                return set(int(d) for d in v)
-            except TypeError:
-                continue
-    return None
+    out = set()
+    for lay in layouts:
+        out.update(ctx.owned_devices(lay))
+    return out
 
 
 def reshard_jax(x, dst, *, backend: str | None = None):
@@ -187,7 +199,7 @@ def reshard_jax(x, dst, *, backend: str | None = None):
     src_sharding = x.sharding
     if isinstance(src_sharding, jax.sharding.SingleDeviceSharding):
         (d,) = tuple(src_sharding.device_set)
-        src = Layout(Mesh([d.id], ("_single",)), ())
+        src = Layout(Mesh([meshcomm_id(d)], ("_single",)), ())
     elif isinstance(src_sharding, NamedSharding):
         src = layout_from_sharding(src_sharding, x.shape)
     else:
@@ -208,35 +220,38 @@ def reshard_jax(x, dst, *, backend: str | None = None):
     else:
         raise TypeError(f"dst must be a NamedSharding or a meshcomm.Layout, got {type(dst).__name__}")
 
-    from .. import api, runtime
+    from .. import api
     shards = _local_shards(x)
-    owned = _owned_devices()
+    owned = _owned_devices((src, dst_layout))
     if owned is not None:
         extra = [d for d in shards if d not in owned]
         if extra:
-            raise ValueError(f"this process addresses JAX device(s) {sorted(extra)} that meshcomm "
-                             f"does not give it (it owns {sorted(owned)})")
-    if runtime.current() is None:
-        # One process: JAX arrays go to the local backend as NumPy views (zero-copy on CPU).
-        np_shards = {d: np.asarray(v) for d, v in shards.items()}
-        out = api.reshard(np_shards, src, dst_layout, shape=shape, dtype=x.dtype, backend=backend)
-    else:
-        np_shards = {d: np.asarray(v) for d, v in shards.items()}
-        out = api.reshard(np_shards, src, dst_layout, shape=shape, dtype=x.dtype, backend=backend)
-        if out is None:
-            out = {}
-        elif not isinstance(out, Mapping):
-            mine = [d for d in dst_layout.mesh.device_ids if owned is None or d in owned]
-            out = {mine[0]: out}
+            raise ValueError(f"this process addresses JAX device(s) {sorted(extra)} (meshcomm ids) "
+                             f"that meshcomm's runtime gives to other ranks (device d belongs to rank "
+                             f"d // devices_per_process); it owns {sorted(owned)}")
+        dst_addressable = {meshcomm_id(d) for d in getattr(dst_sharding, "addressable_devices", ())} \
+            if dst_sharding is not None else None
+        mine_dst = {d for d in dst_layout.mesh.device_ids if d in owned}
+        if dst_addressable is not None and dst_addressable != mine_dst:
+            raise ValueError(f"this process addresses dst device(s) {sorted(dst_addressable)} but "
+                             f"meshcomm gives it {sorted(mine_dst)}; JAX processes and meshcomm ranks "
+                             "must agree (process p = rank p, devices_per_process = local devices)")
+    # JAX arrays go to meshcomm as NumPy views (zero-copy on CPU); the result comes back as
+    # NumPy tiles, committed to their JAX devices below.
+    np_shards = {d: np.asarray(v) for d, v in shards.items()}
+    out = api.reshard(np_shards, src, dst_layout, shape=shape, dtype=x.dtype, backend=backend)
+    if out is None:
+        out = {}
     tiles = {d: jax.device_put(np.asarray(v), jax_device_by_id(d)) for d, v in out.items()}
     if dst_sharding is None:
         return tiles
     arrays = []
     for dev in _addressable_in_order(dst_sharding):
-        if dev.id not in tiles:
-            raise ValueError(f"dst device {dev.id} is addressable by this process but meshcomm did "
+        i = meshcomm_id(dev)
+        if i not in tiles:
+            raise ValueError(f"dst device {i} is addressable by this process but meshcomm did "
                              "not give it a tile (device ownership differs between JAX and meshcomm)")
-        arrays.append(tiles[dev.id])
+        arrays.append(tiles[i])
     return jax.make_array_from_single_device_arrays(shape, dst_sharding, arrays, dtype=x.dtype)
 
 

@@ -1,0 +1,61 @@
+"""Multi-process adapter tests: real processes, many cases per launch.
+
+* JAX: `mpiexec -n 4`, JAX multi-process on CPU (jax.distributed.initialize, 2 local devices
+  per process), meshcomm.init(devices_per_process=2); random NamedShardings -> random
+  NamedShardings, disjoint device sets, different device counts and an uneven Layout, with
+  the mpi, torch and mixed backends (tests/workers_adapters/jax_worker.py).
+* DTensor: `torchrun --nproc-per-node 4`, meshcomm.init(backend="torch"); DTensors moved
+  between different DeviceMeshes with Shard/Replicate/Partial placements, checked against
+  the global tensor and DTensor's own full_tensor() (tests/workers_adapters/dtensor_worker.py).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKERS = os.path.join(HERE, "workers_adapters")
+BIN = os.path.dirname(sys.executable)
+ENV = dict(os.environ, MESHCOMM_TIMEOUT="90", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+ENV.pop("XLA_FLAGS", None)          # the JAX worker sets its own device count
+
+
+def _run(cmd, timeout=400):
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=HERE)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"")[-3000:] if isinstance(e.stdout, bytes) else (e.stdout or "")[-3000:]
+        pytest.fail(f"{' '.join(cmd[:4])} ... did not finish within {timeout}s:\n{out}")
+    return r
+
+
+def _tail(r):
+    err = "\n".join(l for l in r.stderr.splitlines() if "W1122" not in l and "_redistribute" not in l)
+    return f"rc={r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{err[-5000:]}"
+
+
+@pytest.mark.mpi
+def test_jax_adapter_multiprocess():
+    pytest.importorskip("jax")
+    cmd = [os.path.join(BIN, "mpiexec"), "-n", "4", sys.executable,
+           os.path.join(WORKERS, "jax_worker.py"), "mpi,torch,mixed", "4", "11"]
+    r = _run(cmd)
+    assert r.returncode == 0, _tail(r)
+    ok = [l for l in r.stdout.splitlines() if l.startswith("JAXDIST OK")]
+    assert sorted(int(l.split()[2]) for l in ok) == [0, 1, 2, 3], _tail(r)
+    assert all(int(l.split()[3]) == 4 * 3 + 3 * 4 for l in ok), _tail(r)
+
+
+@pytest.mark.mpi
+def test_dtensor_adapter_torchrun():
+    pytest.importorskip("torch")
+    cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node", "4",
+           os.path.join(WORKERS, "dtensor_worker.py"), "16", "3"]
+    r = _run(cmd)
+    assert r.returncode == 0, _tail(r)
+    ok = [l for l in r.stdout.splitlines() if l.startswith("DTENSOR OK")]
+    assert sorted(int(l.split()[2]) for l in ok) == [0, 1, 2, 3], _tail(r)
+    assert all(int(l.split()[3]) == 18 for l in ok), _tail(r)
