@@ -124,7 +124,9 @@ def main():
         total = loss.detach().reshape(1)
         allreduce_([q.grad for q in mlps] + [total], mesh, rank)   # data-parallel MLPs
         with STATS.timed(sent_bytes(emb_shape, emb.dtype, batch_sharded, feat_sharded, rank)):
-            emb_local.backward(hg.wait()[rank])
+            g_local = hg.wait()[rank]
+        if emb_local.requires_grad:                                # ranks without tables skip this
+            emb_local.backward(g_local)
         if a.check and step == a.steps - 1:
             grads = {n: q.grad.clone() for n, q in model.named_parameters()}
         opt.step()

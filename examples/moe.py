@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import meshcomm as mc  # noqa: E402
-from _common import (STATS, allreduce_, base_parser, finish_check, maxdiff, nbytes, report,  # noqa: E402
+from _common import (STATS, allreduce_, base_parser, finish_check, maxdiff, report,  # noqa: E402
                      setup, sync)
 
 
@@ -41,7 +41,7 @@ class AllToAll(torch.autograd.Function):
 
 
 def _a2a(x, send, recv, mesh, rank):
-    sent = sum(c for j, c in enumerate(send) if j != rank) * x[0:1].numel() * x.element_size()
+    sent = sum(c for j, c in enumerate(send) if j != rank) * x[0].numel() * x.element_size() if len(x) else 0
     with STATS.timed(sent):
         return mc.all_to_all_v({rank: x}, {rank: send}, mesh, "ep", recv_counts={rank: recv})[rank]
 

@@ -66,12 +66,14 @@ def test_examples_mpiexec_n4():
 @pytest.mark.mpi
 def test_pipelined_gpt_mpiexec_n8():
     specs = ["pipelined_gpt --check --steps 2 --schedule eager",
-             "pipelined_gpt --check --steps 1 --schedule 1f1b --micro 3"]
+             "pipelined_gpt --check --steps 1 --schedule 1f1b --micro 3",
+             "dlrm --check --steps 1"]                   # 6 tables on 8 ranks: two hold none
     r, out, codes = run(specs, nproc=8)
-    for k in range(2):
+    for k in range(3):
         assert codes.get(k) == {q: 0 for q in range(8)}, f"{specs[k]}: {codes.get(k)}\n{out[-4000:]}"
     assert "((2, 3, 4, 5), 4, (2, 4))" in out            # a TP=4 stage between two TP=2 stages
     assert all(ok == "OK" for _, ok in check_line(out, "gpt"))
+    assert check_line(out, "dlrm")[0][1] == "OK"
 
 
 def _gpt_module():
