@@ -198,15 +198,24 @@ def available() -> bool:
 
 
 def _functions(device: int) -> dict:
-    """The compiled module's kernels on `device` (compiled once per device, then cached)."""
+    """The compiled module's kernels on `device` (compiled once per device, then cached). A
+    compile failure is reported once (a warning) and raises KernelUnsupported, so the shared
+    pack/unpack fall back to slicing; pack_cuda/unpack_cuda callers see the error."""
     with _LOCK:
         fns = _MODULES.get(device)
         if fns is None:
             cp = _cupy()
-            with cp.cuda.Device(device):
-                mod = cp.RawModule(code=SOURCE.read_text(), options=("--std=c++17",))
-                fns = {name: mod.get_function(name) for name in KERNEL_NAMES}
+            try:
+                with cp.cuda.Device(device):
+                    mod = cp.RawModule(code=SOURCE.read_text(), options=("--std=c++17",))
+                    fns = {name: mod.get_function(name) for name in KERNEL_NAMES}
+            except Exception as e:          # CompileException, driver errors
+                import warnings
+                warnings.warn(f"meshcomm CUDA kernels unavailable on device {device}: {e}", RuntimeWarning)
+                fns = e
             _MODULES[device] = fns
+        if isinstance(fns, Exception):
+            raise KernelUnsupported(f"the CUDA kernels failed to load on device {device}: {fns}") from fns
         return fns
 
 
