@@ -8,7 +8,8 @@
 # 1. picks a Python whose torch sees CUDA ($PYTHON, .venv/bin/python, python3);
 # 2. installs CuPy if it is missing: cupy-cuda12x or cupy-cuda13x by nvidia-smi's CUDA version
 #    (from wheels in .whl/ when that folder exists, for machines without network);
-# 3. installs meshcomm (editable, no dependencies) if that Python cannot import it;
+# 3. installs meshcomm (editable, no dependencies) if that Python cannot import it, and MPI
+#    (mpich, mpi4py) from .whl/ when mpiexec is missing;
 # 4. compiles every .cu with nvcc for sm_80 and sm_90 (python -m meshcomm.cuda.build --check);
 # 5. runs the GPU tests (pytest -m gpu) and the CPU tests of the kernels' code;
 # 6. runs the pack/unpack benchmark and the 1 GiB reshard (benchmarks/gpu_pack.py).
@@ -52,6 +53,18 @@ if ! "$PY" -c "import meshcomm.cuda, meshcomm.planners, meshcomm.backends" 2>/de
         || { "$PY" -m pip install -q --no-deps --no-build-isolation --target /tmp/meshcomm-site . \
              && export PYTHONPATH=/tmp/meshcomm-site${PYTHONPATH:+:$PYTHONPATH}; }
 fi
+
+# MPI for the test of ranks sharing the GPU: from carried wheels (.whl/mpich-*.whl, and
+# .whl/mpi4py-*.whl if this Python's mpi4py cannot load an MPI) when mpiexec is missing
+bindir=$(dirname "$("$PY" -c 'import sys; print(sys.executable)')")
+if ! command -v mpiexec >/dev/null 2>&1 && [ ! -x "$bindir/mpiexec" ] && ls .whl/mpich-*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps .whl/mpich-*.whl || true
+fi
+if ! "$PY" -c "from mpi4py import MPI" 2>/dev/null && ls .whl/mpi4py-*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --force-reinstall .whl/mpi4py-*.whl || true
+fi
+"$PY" -c "from mpi4py import MPI; print('mpi4py', MPI.Get_library_version().splitlines()[0])" 2>/dev/null \
+    || echo "no working mpi4py: the MPI-on-GPU test will skip"
 
 echo "== nvcc compile check"
 "$PY" -m meshcomm.cuda.build --check --verbose 2>&1 | tee "$OUTDIR/build.txt" || status=1
