@@ -265,8 +265,8 @@ def main(argv=None) -> int:
             cmd.append("--no-baseline")
         if args.mpi_allgather:
             cmd.append("--mpi-allgather")
-        print(f"launching {args.procs} processes: {' '.join(os.path.basename(c) if i < 1 else c for i, c in enumerate(cmd[:3]))} "
-              f"python -m meshcomm.demo --worker ...", flush=True)
+        print(f"launching {args.procs} processes: {mpiexec} -n {args.procs} python -m meshcomm.demo "
+              "--worker ...", flush=True)
         env = dict(os.environ)
         env.setdefault("MESHCOMM_TIMEOUT", "120")
         env.setdefault("OMP_NUM_THREADS", "1")

@@ -190,11 +190,8 @@ def reshard_dtensor(dt: DTensor, device_mesh, placements: Sequence[Placement], *
             raise ValueError(f"rank {rank}: local tensor of shape {tuple(local.shape)} but placements "
                              f"{tuple(dt.placements)} give it {want} of global shape {shape}")
         x[me] = local.contiguous()
-    if ctx is None:
-        # One process: it must own every source device (a one-rank world).
-        out = api.reshard(x, src, dst, shape=shape, dtype=dt.dtype, backend=backend)
-    else:
-        out = api.reshard(x, src, dst, shape=shape, dtype=dt.dtype, backend=backend)
+    # Without meshcomm.init (a one-rank world) this process owns every device.
+    out = api.reshard(x, src, dst, shape=shape, dtype=dt.dtype, backend=backend)
     if out is None:
         out = {}
     local = out.get(me) if isinstance(out, dict) else out

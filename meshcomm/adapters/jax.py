@@ -23,7 +23,7 @@ committed to its device.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
