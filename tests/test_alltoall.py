@@ -171,9 +171,9 @@ def test_alltoall_under_mpiexec(backend, nproc, dpp):
            str(ROOT / "tests" / "workers_alltoall" / "a2a_worker.py"), backend, str(dpp), "1234"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    oks = re.findall(r"A2A OK (\d+) (\d+)", r.stdout)      # lines of ranks may interleave
-    assert sorted(int(rk) for rk, _ in oks) == list(range(nproc)), r.stdout
-    assert all(int(n) >= 18 for _, n in oks)
+    oks = re.findall(r"A2A OK (\d+) (\d+) (\d+)", r.stdout)      # lines of ranks may interleave
+    assert sorted(int(rk) for rk, _, _ in oks) == list(range(nproc)), r.stdout
+    assert all(int(n) >= 18 and int(two) > 0 for _, n, two in oks)   # two-level plans ran too
 
 
 MISSING_PEER = """

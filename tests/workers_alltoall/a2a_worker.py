@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 import meshcomm as mc
-from meshcomm.alltoall import axis_groups
+from meshcomm.alltoall import alltoall_plan, axis_groups
 
 
 def reference(xs, counts, groups):
@@ -47,7 +47,7 @@ def cases(world_devices, seed):
         dtype = [np.float32, np.int64, np.float64][k % 3]
         xs = {d: rng.standard_normal((int(counts[d].sum()), width)).astype(dtype) * 100
               for d in mesh.device_ids}
-        yield mesh, counts, xs, topos[k % len(topos)], k % 2 == 0, k % 4 == 3
+        yield mesh, counts, xs, topos[(k // 3) % len(topos)], k % 2 == 0, k % 4 == 3
 
 
 def main():
@@ -56,7 +56,7 @@ def main():
         else mc.init(backend=backend, devices_per_process=dpp)
     rank, world = ctx.rank, ctx.world_size
     import torch
-    ncases = 0
+    ncases = n_two = 0
     for mesh, counts, xs, topo, give_recv, use_torch in cases(world * dpp, seed):
         mine = [d for d in mesh.device_ids if d // dpp == rank]
         groups = axis_groups(mesh, "ep")
@@ -65,6 +65,9 @@ def main():
         for g in groups:
             for j, f in enumerate(g):
                 recv[f] = [int(counts[o][j]) for o in g]
+        x0 = xs[mesh.device_ids[0]]
+        row_bytes = int(np.prod(x0.shape[1:])) * x0.itemsize
+        n_two += sum(p.algorithm == "two_level" for p in alltoall_plan(counts, mesh, "ep", row_bytes, topo).values())
         conv = (lambda v: torch.from_numpy(v)) if use_torch else (lambda v: v)
         x = {d: conv(xs[d]) for d in mine}
         sc = {d: counts[d] for d in mine}
@@ -91,7 +94,7 @@ def main():
         want = np.repeat(np.arange(world), [sc[rank]] * world).astype(np.float32)
         np.testing.assert_array_equal(y[:, 0], want)
         ncases += 1
-    print(f"A2A OK {rank} {ncases}", flush=True)
+    print(f"A2A OK {rank} {ncases} {n_two}", flush=True)
 
 
 if __name__ == "__main__":
