@@ -277,7 +277,10 @@ def main(argv=None) -> int:
             why = f"the {args.procs}-process run exited with status {r.returncode}"
         except subprocess.TimeoutExpired:
             why = f"the {args.procs}-process run did not finish within {args.timeout:g} s"
-        print(f"meshcomm demo: {why}", flush=True)
+        print(f"meshcomm demo: FAILED: {why}", flush=True)
+        print("NOTE: the same cases in ONE process with the local backend, for reference; the "
+              "distributed backends are NOT exercised below.", flush=True)
+        run_local(cases, args.repeats, args.seed)
         return 1
     print(f"NOTE: running in ONE process with the local backend ({why}); the distributed "
           f"backends are not exercised.", flush=True)

@@ -114,8 +114,10 @@ def worker_main(cases: list[Case], args) -> int:
         return 2
     ctx = mc.init(backend="mixed", devices_per_process=1)
     if me == 0:
-        print(f"{comm.size} processes, device d on rank d; backends: {', '.join(backends)}; "
-              f"runtime {type(ctx).__name__}", flush=True)
+        table = ctx.get_backend("mixed").table.source if "mixed" in backends else ""
+        print(f"{comm.size} processes, device d on rank d; backends: {', '.join(backends)}"
+              + (f"; mixed uses the tuning table {table} (MESHCOMM_TUNING)" if table else ""),
+              flush=True)
         print(HEADER, flush=True)
     speedups: dict[str, list[float]] = {b: [] for b in backends}
     bad = 0
