@@ -286,6 +286,20 @@ def _stream(a: _Arr):
     return cp.cuda.get_current_stream()
 
 
+def _upload(cp, meta: np.ndarray, stream):
+    """Copy descriptors to the device on `stream` without blocking the host: staged through
+    pinned memory (a pageable copy may wait for the stream, which can sit behind a fence).
+    The device array is allocated on this stream, so CuPy's pool hands its memory to another
+    allocation on this stream only, ordered after the kernels that read it. Returns
+    (device array, pinned staging, event after the copy)."""
+    pinned = cp.cuda.alloc_pinned_memory(meta.nbytes)
+    host = np.frombuffer(pinned, dtype=np.int64, count=meta.size)
+    host[:] = meta
+    dev = cp.empty(meta.size, dtype=np.int64)
+    dev.set(host, stream=stream)
+    return dev, pinned, stream.record()
+
+
 def _launch(name: str, tile: _Arr, buf_addr: int, slices, group):
     cp = _cupy()
     stream = _stream(tile)
@@ -300,15 +314,16 @@ def _launch(name: str, tile: _Arr, buf_addr: int, slices, group):
             # relative addresses: only their residues mod 16 matter, and they are in the key
             plan = plan_boxes(tile.shape, tile.strides, tile.itemsize, tile.addr % 16,
                               buf_addr % 16, slices, group=group)
-            # allocated on this stream: CuPy's pool hands it to another allocation on this
-            # stream only, ordered after the kernels that read it
-            meta_d = cp.asarray(plan.meta) if plan.nb else None
-            hit = (plan, meta_d)
+            hit = (plan, *_upload(cp, plan.meta, stream)) if plan.nb else (plan, None, None, None)
+            evicted = []
             with _LOCK:
                 _META_CACHE[key] = hit
                 while len(_META_CACHE) > _META_CACHE_SIZE:
-                    _META_CACHE.popitem(last=False)
-        plan, meta_d = hit
+                    evicted.append(_META_CACHE.popitem(last=False)[1])
+            for old in evicted:             # its pinned staging may be reused once dropped
+                if old[3] is not None:
+                    old[3].synchronize()
+        plan, meta_d = hit[0], hit[1]
         if plan.nb == 0:
             return plan
         fn = _functions(tile.device)[name]
