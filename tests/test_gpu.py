@@ -244,7 +244,10 @@ SLEEP_CYCLES = int(os.environ.get("MESHCOMM_TEST_SLEEP_CYCLES", 2_000_000_000)) 
 
 def _fence_run(fence: bool):
     """Tiles hold `old`; the producer stream sleeps, then writes `new` into them; an async
-    packed reshard is issued right after (without blocking the host). Returns (result, new)."""
+    packed reshard is issued right after (without blocking the host). Returns (result, new,
+    host seconds to issue the reshard, seconds until everything finished)."""
+    import time
+
     from meshcomm.cuda.executor import execute_packed
     m1 = mc.Mesh([[0, 1], [2, 3]], ("x", "y"))
     m2 = mc.Mesh([[4, 5, 6]], ("a", "b"))
@@ -255,21 +258,25 @@ def _fence_run(fence: bool):
     shards = mc.shard(old, src)
     new_shards = mc.shard(new, src)
     p = mc.plan(shape, torch.float32, src, dst)
+    execute_packed(p, shards)                        # warm-up: kernels compiled, descriptors cached
     torch.cuda.synchronize()
     producer = torch.cuda.Stream()
     with torch.cuda.stream(producer):
+        t0 = time.perf_counter()
         torch.cuda._sleep(SLEEP_CYCLES)              # a long kernel ...
         for d, t in shards.items():
             t.copy_(new_shards[d])                   # ... then the producer writes the values
         h = execute_packed(p, shards, async_op=True, fence=fence)
+        issued = time.perf_counter() - t0
         out = h.wait()                               # the producer stream waits for comm
     torch.cuda.synchronize()
-    return mc.unshard(out, dst), new
+    return mc.unshard(out, dst), new, issued, time.perf_counter() - t0
 
 
 def test_fence_orders_async_reshard_after_producer():
-    got, new = _fence_run(fence=True)
+    got, new, issued, total = _fence_run(fence=True)
     assert same(got.cpu(), new.cpu())
+    assert issued < 0.25 * total, (issued, total)    # the host did not wait for the producer
 
 
 def test_async_reshard_public_api_sees_producer_writes():
@@ -297,7 +304,7 @@ def test_without_fence_the_race_shows():
     """Demonstrates why the fence exists: without it the communication stream packs the tiles
     while the producer still sleeps, so the result holds the old values (zeros). If this test
     fails, the race did not show on this run (raise MESHCOMM_TEST_SLEEP_CYCLES)."""
-    got, new = _fence_run(fence=False)
+    got, new, _, _ = _fence_run(fence=False)
     assert not same(got.cpu(), new.cpu())
     assert float(got.abs().sum()) < float(new.abs().sum())
 
