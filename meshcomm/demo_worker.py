@@ -7,9 +7,11 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import Counter
 
 import numpy as np
 
+from .backends.base import issued
 from .demo import HEADER, Case, global_array, row
 
 
@@ -102,6 +104,21 @@ def _plan_allgather_then_slice(ctx, case: Case, x: dict, me: int):
     return run, bp.bytes_moved
 
 
+def _split(comm, before: Counter, calls: int) -> str:
+    """For mixed: how many primitives each backend issued per call (summed over ranks)."""
+    diff = Counter(issued)
+    diff.subtract(before)
+    mine = {k: v for k, v in diff.items() if v > 0 and k[0] in ("mpi", "torch")}
+    every = comm.gather(mine, root=0)
+    if comm.rank != 0:
+        return ""
+    tot = Counter()
+    for d in every:
+        for (name, _prim), v in d.items():
+            tot[name] += v
+    return "  [" + " ".join(f"{n}:{tot[n] // calls}" for n in ("mpi", "torch")) + " ops]"
+
+
 def worker_main(cases: list[Case], args) -> int:
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
@@ -143,14 +160,16 @@ def worker_main(cases: list[Case], args) -> int:
         for b in backends:
             def call(b=b):
                 return mc.reshard(x, case.src, case.dst, shape=case.shape, dtype=case.dtype, backend=b)
+            before = Counter(issued)
             y, t = _timed(comm, call, args.repeats)
+            split = _split(comm, before, args.repeats + 1) if b == "mixed" else ""
             ok = _exact(comm, case, g, y or {}, me)
             bad += not ok
             if base_t is not None and case.name.startswith("alpa"):
                 speedups[b].append(base_t / t)
             if me == 0:
                 extra = f"  {base_t / t:5.2f}x vs allgather" if base_t else ""
-                print(row(case, b, t, p.bytes_moved, "yes" if ok else "NO") + extra, flush=True)
+                print(row(case, b, t, p.bytes_moved, "yes" if ok else "NO") + extra + split, flush=True)
         del g, x
     if me == 0:
         for b, s in speedups.items():
