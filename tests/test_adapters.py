@@ -105,6 +105,9 @@ def test_disjoint_and_different_device_counts():
     x = jax.device_put(want, s1)
     for s2 in cases:
         _check_array(reshard_jax(x, s2), want, s2)
+    h = reshard_jax(x, cases[0], async_op=True)
+    assert isinstance(h, mc.Handle)
+    _check_array(h.wait(), want, cases[0])
 
 
 @needs_devices

@@ -46,7 +46,7 @@ def test_jax_adapter_multiprocess():
     assert r.returncode == 0, _tail(r)
     ok = [l for l in r.stdout.splitlines() if l.startswith("JAXDIST OK")]
     assert sorted(int(l.split()[2]) for l in ok) == [0, 1, 2, 3], _tail(r)
-    assert all(int(l.split()[3]) == 4 * 3 + 3 * 4 for l in ok), _tail(r)
+    assert all(int(l.split()[3]) == 4 * 3 + 3 * 5 for l in ok), _tail(r)
 
 
 @pytest.mark.mpi

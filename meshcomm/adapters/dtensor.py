@@ -161,9 +161,10 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
 
 
 def reshard_dtensor(dt: DTensor, device_mesh, placements: Sequence[Placement], *,
-                    backend: str | None = None) -> DTensor:
+                    backend: str | None = None, async_op: bool = False) -> DTensor:
     """Move `dt` to `device_mesh` (any DeviceMesh of the same world, overlapping or not)
-    with `placements`. Every rank calls it; see the module docstring for the conventions."""
+    with `placements`. Every rank calls it; see the module docstring for the conventions.
+    With `async_op=True` it returns a `meshcomm.Handle` whose `.wait()` gives the DTensor."""
     if not isinstance(dt, DTensor):
         raise TypeError(f"reshard_dtensor needs a DTensor, got {type(dt).__name__}")
     import torch.distributed as dist
@@ -191,11 +192,17 @@ def reshard_dtensor(dt: DTensor, device_mesh, placements: Sequence[Placement], *
                              f"{tuple(dt.placements)} give it {want} of global shape {shape}")
         x[me] = local.contiguous()
     # Without meshcomm.init (a one-rank world) this process owns every device.
-    out = api.reshard(x, src, dst, shape=shape, dtype=dt.dtype, backend=backend)
-    if out is None:
-        out = {}
-    local = out.get(me) if isinstance(out, dict) else out
-    if local is None:
-        local = torch.empty(0, dtype=dt.dtype, device=dt.to_local().device)
-    return DTensor.from_local(local, device_mesh, tuple(placements), run_check=False,
-                              shape=torch.Size(shape), stride=_contiguous_stride(shape))
+    res = api.reshard(x, src, dst, shape=shape, dtype=dt.dtype, backend=backend, async_op=async_op)
+    like = dt.to_local()
+
+    def finish(out):
+        if out is None:
+            out = {}
+        local = out.get(me) if isinstance(out, dict) else out
+        if local is None:
+            local = torch.empty(0, dtype=dt.dtype, device=like.device)
+        return DTensor.from_local(local, device_mesh, tuple(placements), run_check=False,
+                                  shape=torch.Size(shape), stride=_contiguous_stride(shape))
+    if async_op:
+        return api.Handle(lambda: finish(res.wait()))
+    return finish(res)

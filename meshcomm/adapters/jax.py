@@ -22,6 +22,7 @@ committed to its device.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -182,7 +183,7 @@ def _owned_devices(layouts) -> set[int] | None:
     return out
 
 
-def reshard_jax(x, dst, *, backend: str | None = None):
+def reshard_jax(x, dst, *, backend: str | None = None, async_op: bool = False):
     """Reshard `x` (a jax.Array with a NamedSharding) to `dst`.
 
     `dst` is a `NamedSharding` or a meshcomm `Layout`. Returns a jax.Array with sharding
@@ -239,7 +240,16 @@ def reshard_jax(x, dst, *, backend: str | None = None):
     # JAX arrays go to meshcomm as NumPy views (zero-copy on CPU); the result comes back as
     # NumPy tiles, committed to their JAX devices below.
     np_shards = {d: np.asarray(v) for d, v in shards.items()}
-    out = api.reshard(np_shards, src, dst_layout, shape=shape, dtype=x.dtype, backend=backend)
+    res = api.reshard(np_shards, src, dst_layout, shape=shape, dtype=x.dtype, backend=backend,
+                      async_op=async_op)
+    finish = functools.partial(_assemble, shape=shape, dtype=x.dtype, dst_sharding=dst_sharding)
+    if async_op:
+        return api.Handle(lambda: finish(res.wait()))
+    return finish(res)
+
+
+def _assemble(out, *, shape, dtype, dst_sharding):
+    """meshcomm's NumPy tiles -> committed single-device arrays -> one jax.Array (or a dict)."""
     if out is None:
         out = {}
     tiles = {d: jax.device_put(np.asarray(v), jax_device_by_id(d)) for d, v in out.items()}
@@ -252,7 +262,7 @@ def reshard_jax(x, dst, *, backend: str | None = None):
             raise ValueError(f"dst device {i} is addressable by this process but meshcomm did "
                              "not give it a tile (device ownership differs between JAX and meshcomm)")
         arrays.append(tiles[i])
-    return jax.make_array_from_single_device_arrays(shape, dst_sharding, arrays, dtype=x.dtype)
+    return jax.make_array_from_single_device_arrays(shape, dst_sharding, arrays, dtype=dtype)
 
 
 def _addressable_in_order(sharding: NamedSharding):

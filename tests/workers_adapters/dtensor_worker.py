@@ -138,7 +138,8 @@ def main():
     dt, _ = make_dtensor(g, MESHES["lo"], [Shard(1)], 0)
     y = reshard_dtensor(dt, MESHES["one"], [Replicate()])
     check(y, g, MESHES["one"], [Replicate()], "lo -> one")
-    z = reshard_dtensor(y, MESHES["all2x2"], [Shard(0), Shard(0)])
+    h = reshard_dtensor(y, MESHES["all2x2"], [Shard(0), Shard(0)], async_op=True)
+    z = h.wait()
     check(z, g, MESHES["all2x2"], [Shard(0), Shard(0)], "one -> all2x2 (uneven nested)")
     done += 2
     dist.barrier()

@@ -108,6 +108,11 @@ def main():
         for s2 in targets:
             check(reshard_jax(x, s2, backend=b), g, s2, f"fixed {b}: {s1} -> {s2}")
             done += 1
+        h = reshard_jax(x, targets[0], backend=b, async_op=True)      # overlap some compute
+        busy = float(np.linalg.norm(np.ones((64, 64)) @ np.ones((64, 64))))
+        check(h.wait(), g, targets[0], f"async {b}")
+        assert busy > 0
+        done += 1
         lay = mc.Layout(mc.Mesh(np.arange(N).reshape(2, -1)[:, ::-1], ("p", "q")), (("p", "q"), None))  # 12 over 8
         out = reshard_jax(x, lay, backend=b)
         ref = mc.shard(g, lay)
