@@ -98,6 +98,26 @@ def sent_bytes(shape, dtype, src: mc.Layout, dst: mc.Layout, rank: int) -> int:
                and any(d != rank for d in t.dsts))
 
 
+def prepare_groups(plans) -> None:
+    """Create, on EVERY process and in the same order, the communicator groups `plans` use.
+
+    meshcomm creates groups lazily when a plan first runs; torch.distributed's new_group
+    must then be called by every rank. A pipeline runs each plan only on the ranks of two
+    stages, so it creates its groups up front (MPI does not need this; it does no harm)."""
+    ctx = mc.runtime.current()
+    if ctx is None:
+        return
+    from meshcomm.backends import base
+    be = ctx.backend
+    deadline = time.monotonic() + ctx.timeout
+    for p in plans:
+        coll = base.collective_reduce_ok(p.dtype)
+        need = base.groups_needed(p, ctx.devices_per_process, coll,
+                                  lambda s: be.choose(s.table_op, s.nbytes, len(s.ranks), "cpu"))
+        for b in be.members():
+            b.prepare_groups(need.get(b.name, []), deadline)
+
+
 # -- collectives built from reshard ------------------------------------------------------------
 
 def allreduce_(tensors, mesh: mc.Mesh, rank: int) -> None:

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("MESHCOMM_CHECK", "0")   # shapes are known: skip the per-call metadata check
 import meshcomm as mc  # noqa: E402
-from _common import (STATS, base_parser, finish_check, maxdiff, report, sent_bytes, setup,  # noqa: E402
-                     sync)
+from _common import (STATS, base_parser, finish_check, maxdiff, prepare_groups, report,  # noqa: E402
+                     sent_bytes, setup, sync)
 
 # -- the model: full weights, and each tensor-parallel rank's slice of them --------------------
 
@@ -288,6 +288,12 @@ def main():
     model = Stage(full, bounds[s], bounds[s + 1], a.layers, heads, TP(meshes[s], rank)).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     pipe = Pipeline(meshes, s, model, rank, a.schedule, a.micro, (a.mb, a.seq, a.d))
+    # every process creates every group the stages' plans use, in one order (torch needs it)
+    shape = (a.mb, a.seq, a.d)
+    prepare_groups([mc.plan(shape, "float32", mc.Layout(m, (), partial=("tp",)), mc.Layout(m, ()))
+                    for m in meshes if m.size > 1] +
+                   [mc.plan(shape, "float32", *pipe.layouts((k, j, 0)))
+                    for j in range(len(meshes) - 1) for k in ("A", "G")])
     if rank == 0:
         print(f"stages (devices, TP degree, layers): "
               f"{[(m.device_ids, m.size, (bounds[k], bounds[k + 1])) for k, m in enumerate(meshes)]}, "

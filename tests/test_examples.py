@@ -108,3 +108,14 @@ def test_pipeline_schedules_are_complete_and_ordered(kind, stages, micro):
     for s in range(stages - 1):
         acts = [c for c in order if c[0] == "A" and c[1] == s]
         assert [c[2] for c in acts] == list(range(micro))
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_examples_torch_backend_n4():
+    """The same checks over torch.distributed (gloo): the pipeline creates its groups up front."""
+    specs = ["pipelined_gpt --check --steps 1 --backend torch", "moe --check --steps 1 --backend torch",
+             "dlrm --check --steps 1 --backend torch"]
+    r, out, codes = run(specs, nproc=4)
+    for k in range(3):
+        assert codes.get(k) == {q: 0 for q in range(4)}, f"{specs[k]}: {codes.get(k)}\n{out[-4000:]}"
