@@ -69,6 +69,22 @@ def _counts(c, device: int, n: int, axis: str) -> tuple[int, ...]:
     return row
 
 
+def _matrix_rows(c, owned: Sequence[int]):
+    """A counts matrix (one row per owned device, in mesh order) as {device: row}."""
+    if isinstance(c, Mapping) or len(owned) < 2:
+        return c
+    if arrays.is_torch(c):
+        c = c.tolist()
+    try:
+        m = np.asarray(c)
+    except (TypeError, ValueError):
+        return c
+    if m.ndim == 2 and m.shape[0] == len(owned):
+        return {d: m[k] for k, d in enumerate(owned)}
+    raise TypeError(f"counts must be a dict {{device: counts}} or a matrix with one row per device "
+                    f"({len(owned)} rows, in mesh order), got shape {m.shape}")
+
+
 def _per_device(v, owned: Sequence[int], what: str) -> dict[int, Any]:
     if isinstance(v, Mapping):
         extra = [d for d in v if d not in owned]
@@ -111,8 +127,10 @@ def all_to_all_v(x, send_counts, mesh: Mesh, axis: str, recv_counts=None, backen
     Without a launcher `x`, `send_counts` (and `recv_counts`) are dicts {device: value} for
     every device of `mesh`; under a launcher each process passes its own devices' (or bare
     values when it owns one device). `recv_counts` saves the count exchange; the inverse
-    (combine) is the same call with the counts swapped. NumPy or torch rows (any trailing
-    shape). Returns the same structure, or a Handle when `async_op`.
+    (combine) is the same call with the counts swapped. Counts may also be a matrix with one
+    row per device (mesh order). Under a launcher recv_counts are trusted: they must match
+    what the senders send. NumPy or torch rows (any trailing shape). Returns the same
+    structure, or a Handle when `async_op`; `topology`/`algorithm` steer the planner.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a meshcomm.Mesh, got {type(mesh).__name__}")
@@ -131,7 +149,7 @@ def all_to_all_v(x, send_counts, mesh: Mesh, axis: str, recv_counts=None, backen
         return Handle(result=None) if async_op else None
     bare = not isinstance(x, Mapping)
     xs = _per_device(x, owned, "x")
-    scs = _per_device(send_counts, owned, "send_counts")
+    scs = _per_device(_matrix_rows(send_counts, owned), owned, "send_counts")
     missing = [d for d in owned if d not in xs or d not in scs]
     if missing:
         where = "without a launcher this process owns every device" if local else \
@@ -154,7 +172,7 @@ def all_to_all_v(x, send_counts, mesh: Mesh, axis: str, recv_counts=None, backen
                              f"has {tuple(like.shape[1:])} {like.dtype}; all rows must match")
     rcs = None
     if recv_counts is not None:
-        rcs = _per_device(recv_counts, owned, "recv_counts")
+        rcs = _per_device(_matrix_rows(recv_counts, owned), owned, "recv_counts")
         rcs = {d: _counts(rcs[d], d, n, axis) for d in owned if d in rcs}
         if len(rcs) != len(owned):
             raise ValueError(f"recv_counts needs an entry for every device this process owns {owned}")

@@ -129,6 +129,20 @@ def test_local_torch_keeps_kind_and_grad_free_values():
         np.testing.assert_array_equal(y[d].numpy(), ref[d])
 
 
+def test_local_counts_as_matrix_and_bare_single_device():
+    mesh = MESHES[0]
+    rng = np.random.default_rng(3)
+    counts, xs = random_case(rng, mesh, "ep", 4)
+    mat = np.stack([counts[d] for d in mesh.device_ids])
+    ref = reference(xs, counts, axis_groups(mesh, "ep"))
+    y = mc.all_to_all_v(xs, mat, mesh, "ep", recv_counts=mat.T)
+    for d in y:
+        np.testing.assert_array_equal(y[d], ref[d])
+    one = mc.Mesh([5], ("ep",))
+    x = np.arange(6.0).reshape(3, 2)
+    np.testing.assert_array_equal(mc.all_to_all_v(x, [3], one, "ep"), x)
+
+
 def test_local_errors_name_the_device():
     mesh = MESHES[0]
     xs = {d: np.zeros((2, 1)) for d in mesh.device_ids}
