@@ -69,30 +69,40 @@ def max_min_rates(usage: np.ndarray, capacity: np.ndarray) -> np.ndarray:
     bytes/s. Every flow's rate rises at the same pace until a resource it uses saturates;
     then it is frozen and the rest go on. Returns rates[f].
     """
-    nf, nr = usage.shape
+    usage = np.asarray(usage)
+    f, r = np.nonzero(usage)
+    return _max_min_sparse(usage.shape[0], f, r, usage[f, r].astype(float),
+                           np.asarray(capacity, dtype=float))
+
+
+def _max_min_sparse(nf: int, fi: np.ndarray, ri: np.ndarray, cnt: np.ndarray,
+                    capacity: np.ndarray) -> np.ndarray:
+    """Progressive filling on a sparse usage list: entry k says flow fi[k] crosses resource
+    ri[k] cnt[k] times. Each round costs O(entries) and saturates at least one resource."""
+    nr = len(capacity)
     rates = np.zeros(nf)
     if nf == 0:
         return rates
     free = np.ones(nf, dtype=bool)
     used = np.zeros(nr)
-    live = usage.sum(axis=0) > 0
+    uses_any = np.zeros(nf, dtype=bool)
+    uses_any[fi] = True
+    rates[~uses_any] = np.inf                    # flows on no link are not limited
+    free &= uses_any
     while free.any():
-        demand = usage[free].sum(axis=0)           # per resource: sum of usage of free flows
-        act = (demand > 0) & live
-        if not act.any():                          # free flows that use no resource
-            rates[free] = np.inf
-            break
+        live = free[fi]
+        demand = np.bincount(ri[live], weights=cnt[live], minlength=nr)
+        act = demand > 0
         head = np.full(nr, np.inf)
         head[act] = (capacity[act] - used[act]) / demand[act]
         delta = max(0.0, float(head.min()))
         rates[free] += delta
         used += delta * demand
         sat = act & (head <= delta * (1 + 1e-12) + 1e-300)
-        hit = free & (usage[:, sat].sum(axis=1) > 0)
-        if not hit.any():                          # numerical corner: freeze the tightest
-            hit = free & (usage[:, int(np.argmin(head))] > 0)
-        free &= ~hit
-        live &= ~sat
+        hit = live & sat[ri]
+        if not hit.any():                        # numerical corner: freeze the tightest
+            hit = live & (ri == int(np.argmin(head)))
+        free[fi[hit]] = False
     return rates
 
 
@@ -156,7 +166,7 @@ def simulate_detailed(plan, topology: Topology) -> SimResult:
     nparts = [len(t.participants) for t in transfers]
 
     pending: list[tuple[float, int]] = []     # (data start time, transfer) heap
-    active: dict[int, float] = {}             # transfer -> bytes left
+    active: dict[int, float] = {}             # transfers whose bytes flow now
     done = 0
     now = 0.0
 
@@ -180,41 +190,59 @@ def simulate_detailed(plan, topology: Topology) -> SimResult:
     for d in list(queue):
         post(d)
 
-    rates: dict[int, float] = {}
+    # usage of every transfer as CSR rows (resource, crossings), for the active-flow arrays
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    for i, u in enumerate(uses):
+        indptr[i + 1] = indptr[i] + len(u)
+    res_all = np.fromiter((r for u in uses for r in u), dtype=np.int64, count=int(indptr[-1]))
+    cnt_all = np.fromiter((c for u in uses for c in u.values()), dtype=float, count=int(indptr[-1]))
+    nbytes = np.array([float(t.nbytes) for t in transfers])
+    left = np.zeros(n)
+    rate = np.zeros(n)
+    active_ids = np.zeros(0, dtype=np.int64)
     dirty = True
     while done < n:
         if dirty:
-            ids = list(active)
-            if ids:
-                usage = np.zeros((len(ids), len(cap)))
-                for row, i in enumerate(ids):
-                    for r, c in uses[i].items():
-                        usage[row, r] = c
-                rv = max_min_rates(usage, cap)
-                rates = dict(zip(ids, rv))
-            else:
-                rates = {}
+            active_ids = np.array(sorted(active), dtype=np.int64)
+            rate[:] = 0.0
+            if len(active_ids):
+                lens = indptr[active_ids + 1] - indptr[active_ids]
+                fi = np.repeat(np.arange(len(active_ids)), lens)
+                starts = np.repeat(indptr[active_ids] - np.concatenate(([0], np.cumsum(lens)[:-1])), lens)
+                pos = np.arange(int(lens.sum())) + starts
+                rate[active_ids] = _max_min_sparse(len(active_ids), fi, res_all[pos], cnt_all[pos], cap)
             dirty = False
         # next event: a flow finishing or a transfer starting
-        t_fin = min((now + left / rates[i] for i, left in active.items() if rates[i] > 0),
-                    default=np.inf)
+        if len(active_ids):
+            r = rate[active_ids]
+            lf = left[active_ids]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                eta = np.where(r > 0, lf / r, np.inf)
+            t_fin = now + float(eta.min())
+        else:
+            t_fin = np.inf
         t_start = pending[0][0] if pending else np.inf
         t_next = min(t_fin, t_start)
         if t_next == np.inf:
             raise RuntimeError("simulation stalled: transfers can never start "
                                "(a plan whose order deadlocks?)")
         dt = t_next - now
-        for i in active:
-            active[i] -= rates[i] * dt
         now = t_next
-        finished = [i for i, left in active.items()
-                    if left <= 1e-9 * max(1.0, transfers[i].nbytes) or
-                    (rates[i] > 0 and now + left / rates[i] <= now * (1 + 1e-12))]
+        finished = []
+        if len(active_ids):
+            left[active_ids] -= rate[active_ids] * dt
+            lf = left[active_ids]
+            r = rate[active_ids]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                done_mask = (lf <= 1e-9 * np.maximum(1.0, nbytes[active_ids])) | \
+                    ((r > 0) & (now + lf / r <= now * (1 + 1e-12)))
+            finished = active_ids[done_mask].tolist()
         while pending and pending[0][0] <= now:
             _, i = heapq.heappop(pending)
             start[i] = now
             if uses[i] and transfers[i].nbytes > 0:
-                active[i] = float(transfers[i].nbytes)
+                active[i] = 1.0
+                left[i] = nbytes[i]
                 dirty = True
             else:
                 finished.append(i)
