@@ -144,6 +144,10 @@ def all_to_all_v(x, send_counts, mesh: Mesh, axis: str, recv_counts=None, backen
         owned = list(mesh.device_ids)
     else:
         dpp = ctx.devices_per_process
+        bad = [d for d in mesh.device_ids if d >= ctx.world_size * dpp]
+        if bad:
+            raise ValueError(f"mesh device(s) {bad[:8]} have no process: with {ctx.world_size} processes "
+                             f"and devices_per_process={dpp}, device ids must be < {ctx.world_size * dpp}")
         owned = [d for d in mesh.device_ids if d // dpp == ctx.rank]
     if not owned:
         return Handle(result=None) if async_op else None

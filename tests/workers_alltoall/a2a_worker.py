@@ -94,6 +94,22 @@ def main():
         want = np.repeat(np.arange(world), [sc[rank]] * world).astype(np.float32)
         np.testing.assert_array_equal(y[:, 0], want)
         ncases += 1
+    # a mesh on some processes only: the others get None and take no part
+    sub = mc.Mesh([0, world * dpp - 1], ("ep",))
+    mine = [d for d in sub.device_ids if d // dpp == rank]
+    y = mc.all_to_all_v({d: np.full((2, 1), d, np.int32) for d in mine}, {d: [1, 1] for d in mine}, sub, "ep")
+    if mine:
+        for d in mine:
+            np.testing.assert_array_equal(y[d][:, 0], list(sub.device_ids))
+    else:
+        assert y is None
+    # a device without a process is refused before any communication, naming it
+    try:
+        mc.all_to_all_v({}, {}, mc.Mesh([0, world * dpp + 3], ("ep",)), "ep")
+        raise AssertionError("no error for a device without a process")
+    except ValueError as e:
+        assert str(world * dpp + 3) in str(e), e
+    ncases += 2
     print(f"A2A OK {rank} {ncases} {n_two}", flush=True)
 
 
