@@ -12,9 +12,11 @@ Per device (intra-node links), the same two rules where the element lives on one
 link, a sole holder (of an addend) that another device needs sends it once. This assumes
 no plan routes data out of a node and back into the same node.
 
-For a partial dst (pending sums kept or created) any one replica group may take the whole
-value, so only a node (device) on which every dst replica sits must receive, and a sole
-holder must send only when no dst replica sits on its node (device).
+For a partial dst (pending sums kept or created) the dst replica groups together hold the
+value, split among them as the plan likes. So a node must receive what it lacks only when it
+has a member of every group (it could then rebuild the whole value), and a sole holder of an
+addend need not send it when some group lies entirely on its node (that group may carry it).
+With one group (a dst without pending sums) these are the two rules above.
 
 The time bound is the largest over links of bytes / bandwidth. The simulator moves bytes
 no faster than link bandwidth, so no plan simulates faster; nor does any plan's
@@ -58,7 +60,6 @@ def lower_bound_bytes(shape, itemsize: int, src, dst, topology: Topology | str |
         raise ValueError(f"itemsize must be a positive int, got {itemsize!r}")
     node = topo.node_of
     st, dt = src.tiles(shape), dst.tiles(shape)
-    dst_partial = dst.num_addends > 1
     links: dict[tuple[str, int], int] = defaultdict(int)
     for sc, dc, box in pieces(src, dst, shape):
         nb = box_size(box) * itemsize
@@ -69,44 +70,32 @@ def lower_bound_bytes(shape, itemsize: int, src, dst, topology: Topology | str |
         addend_nodes = [{node(d) for d in devs} for devs in addends.values()]
         full_nodes = set.intersection(*addend_nodes)          # nodes holding every addend
         sole_nodes = {next(iter(s)) for s in addend_nodes if len(s) == 1}
-        needers = [d for devs in dgroups.values() for d in devs]
+        groups = [set(devs) for devs in dgroups.values()]
+        needers = set().union(*groups)
         need_nodes = {node(d) for d in needers}
-        # -- NICs
-        if dst_partial:
-            if len(need_nodes) == 1:
-                (n,) = need_nodes
-                if n not in full_nodes:
-                    links[("nic_in", n)] += nb
-            for n in sole_nodes:
-                if n not in need_nodes:
-                    links[("nic_out", n)] += nb
-        else:
-            for n in need_nodes:
-                if n not in full_nodes:
-                    links[("nic_in", n)] += nb
-            for n in sole_nodes:
-                if need_nodes - {n}:
-                    links[("nic_out", n)] += nb
-        # -- device links, where everything sits on one node
+        group_nodes = [{node(d) for d in g} for g in groups]
+        # -- NICs. A node with a member of every dst replica group can rebuild the whole value
+        # from what its devices hold, so it must receive what it lacks; a sole holder of an
+        # addend keeps it home only if some group lies entirely on its node.
+        for n in need_nodes:
+            if n not in full_nodes and all(n in gn for gn in group_nodes):
+                links[("nic_in", n)] += nb
+        for n in sole_nodes:
+            if not any(gn == {n} for gn in group_nodes):
+                links[("nic_out", n)] += nb
+        # -- device links, where everything sits on one node (no route leaves and re-enters it)
         holders = {d for devs in addends.values() for d in devs}
         if len(need_nodes | {node(d) for d in holders}) != 1:
             continue
         addend_sets = [set(devs) for devs in addends.values()]
         full_devs = set.intersection(*addend_sets)
         sole_devs = {next(iter(s)) for s in addend_sets if len(s) == 1}
-        if dst_partial:
-            if len(needers) == 1 and needers[0] not in full_devs:
-                links[("dev_in", needers[0])] += nb
-            for d in sole_devs:
-                if d not in needers:
-                    links[("dev_out", d)] += nb
-        else:
-            for d in needers:
-                if d not in full_devs:
-                    links[("dev_in", d)] += nb
-            for d in sole_devs:
-                if set(needers) - {d}:
-                    links[("dev_out", d)] += nb
+        for d in needers:
+            if d not in full_devs and all(d in g for g in groups):
+                links[("dev_in", d)] += nb
+        for d in sole_devs:
+            if not any(g == {d} for g in groups):
+                links[("dev_out", d)] += nb
     links = dict(links)
     nic = max((v for (k, _), v in links.items() if k.startswith("nic")), default=0)
     dev = max((v for (k, _), v in links.items() if k.startswith("dev")), default=0)
