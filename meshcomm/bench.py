@@ -268,6 +268,8 @@ def cmd_sim(args) -> int:
           f"x<name> = baseline time / meshcomm time)")
     print(format_sim_table(rows))
     for label, s in summary.items():
+        if not s["cases"]:
+            continue
         print(f"{label} cases ({s['cases']}): geomean speedup over send_recv "
               f"{s['geomean_speedup_over_send_recv']:.2f}x, over alpa_broadcast "
               f"{s['geomean_speedup_over_alpa_broadcast']:.2f}x, over allgather_slice "
