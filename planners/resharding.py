@@ -71,6 +71,7 @@ class _Loads:
         self.nic_in = defaultdict(int)
         self.dev_out = defaultdict(int)
         self.dev_in = defaultdict(int)
+        self.reduced_at = defaultdict(int)     # elements reduced onto each node (root choice)
 
     def add_route(self, route: tuple[int, ...], n: int) -> None:
         node = self.topo.node_of
@@ -120,6 +121,11 @@ class _Builder:
         return tuple(d for n in nodes for d in sorted(by_node[n]))
 
 
+# Pieces at least this large are split among receiving nodes (reductions) or pending-sum
+# groups (partial dst); smaller ones stay whole, since a message costs a latency.
+SPLIT_BYTES = 256 * 1024
+
+
 def plan_reshard(shape: tuple[int, ...], dtype: str, itemsize: int, src, dst,
                  topology: Topology) -> Plan:
     t0 = time.perf_counter()
@@ -129,19 +135,25 @@ def plan_reshard(shape: tuple[int, ...], dtype: str, itemsize: int, src, dst,
     deliveries: list[tuple[Box, tuple[int, ...], tuple[int, ...]]] = []   # (box, holders, needers)
     reductions = []
     passthrough = src.num_addends == dst.num_addends and src.num_addends > 1
-    if dst.num_addends > 1 and not passthrough:
-        zero_fill = {d for d, a in dt.addend_of.items() if a != 0 and box_size(dt.boxes[d]) > 0}
-    for sc, dc, box in pieces(src, dst, shape):
+    split_dst = dst.num_addends > 1 and not passthrough
+    if split_dst:
+        # a partial dst holds the value as a pending sum: each piece goes to one replica group
+        # (or, when large, a part of it to every group); the rest of every tile is zeros
+        zero_fill = {d for d, box in dt.boxes.items() if box_size(box) > 0}
+    for i, (sc, dc, box) in enumerate(pieces(src, dst, shape)):
         sgroups, dgroups = st.classes[sc], dt.classes[dc]
-        if src.num_addends == 1:
-            deliveries.append((box, sgroups[0], dgroups[0]))
-        elif passthrough:
+        if passthrough:
             for a in sgroups:
                 deliveries.append((box, sgroups[a], dgroups[a]))
-        else:
-            reductions.append((box, sgroups, dgroups[0]))
+            continue
+        targets = _split_among_groups(box, dgroups, i, itemsize) if split_dst else [(box, dgroups[0])]
+        for part, needers in targets:
+            if src.num_addends == 1:
+                deliveries.append((part, sgroups[0], needers))
+            else:
+                reductions.append((part, sgroups, needers))
     for box, sgroups, needers in reductions:
-        _plan_reduction(b, box, sgroups, needers)
+        _plan_reduction(b, box, sgroups, needers, itemsize)
     _plan_deliveries(b, deliveries)
     transfers = _finish(b, itemsize)
     return Plan(shape=shape, dtype=dtype, itemsize=itemsize, src=src, dst=dst, topology=topology,
@@ -149,9 +161,42 @@ def plan_reshard(shape: tuple[int, ...], dtype: str, itemsize: int, src, dst,
                 plan_seconds=time.perf_counter() - t0)
 
 
+def _split_among_groups(box: Box, dgroups: dict, index: int, itemsize: int):
+    """[(part, needers)]: a large piece split evenly over the pending-sum groups, a small
+    one whole to one group (rotating, so groups share the load)."""
+    groups = list(dgroups.values())
+    k, n = len(groups), box_size(box)
+    if n * itemsize < SPLIT_BYTES or n < k:
+        return [(box, groups[index % k])]
+    return [(sub, groups[j]) for j in range(k)
+            for sub in row_major_range(box, n * j // k, n * (j + 1) // k)]
+
+
 # -- partial sums ---------------------------------------------------------------------
 
-def _plan_reduction(b: _Builder, box: Box, sgroups: dict[int, tuple[int, ...]], needers: tuple[int, ...]) -> None:
+def _plan_reduction(b: _Builder, box: Box, sgroups: dict[int, tuple[int, ...]],
+                    needers: tuple[int, ...], itemsize: int) -> None:
+    """Reduce a piece once and fan it out. A large piece needed on several nodes is split
+    among those nodes (inside one node: among the needers), each part reduced onto a
+    different one (reduce-scatter, then the fan-out plays allgather), so both directions
+    of every link work in both stages."""
+    node = b.topo.node_of
+    nodes = sorted({node(d) for d in needers})
+    # split over the needers' nodes, or over the needers themselves inside one node
+    units = [tuple(d for d in needers if node(d) == nd) for nd in nodes] if len(nodes) > 1 \
+        else [(d,) for d in needers]
+    n = box_size(box)
+    if len(units) == 1 or n * itemsize < SPLIT_BYTES:
+        _reduce_piece(b, box, sgroups, needers, needers)
+        return
+    k = min(len(units), n)
+    for j in range(k):
+        for sub in row_major_range(box, n * j // k, n * (j + 1) // k):
+            _reduce_piece(b, sub, sgroups, needers, units[j])
+
+
+def _reduce_piece(b: _Builder, box: Box, sgroups: dict[int, tuple[int, ...]],
+                  needers: tuple[int, ...], candidates: tuple[int, ...]) -> None:
     node = b.topo.node_of
     holder_nodes = defaultdict(set)           # node -> addends held there
     holders = set()
@@ -160,9 +205,12 @@ def _plan_reduction(b: _Builder, box: Box, sgroups: dict[int, tuple[int, ...]], 
             holder_nodes[node(d)].add(a)
             holders.add(d)
     # the root: a needer on the node with most addends, preferring one that holds an addend
-    root = min(needers, key=lambda d: (-len(holder_nodes.get(node(d), ())), d not in holders,
-                                       b.loads.nic_in[node(d)], b.loads.dev_in[d], d))
+    # (balanced on earlier reductions only: counting the stage-1 fan-out would make every
+    # piece root on the same node, serialising an all-reduce into gather-then-broadcast)
+    root = min(candidates, key=lambda d: (-len(holder_nodes.get(node(d), ())), d not in holders,
+                                          b.loads.reduced_at[node(d)], b.loads.dev_in[d], d))
     rn = node(root)
+    b.loads.reduced_at[rn] += box_size(box)
     contributors = []
     for a, devs in sgroups.items():
         if root in devs:
@@ -173,8 +221,12 @@ def _plan_reduction(b: _Builder, box: Box, sgroups: dict[int, tuple[int, ...]], 
             contributors.append(b.pick(local, b.loads.dev_out))
         else:
             contributors.append(min(devs, key=lambda d: (b.loads.nic_out[node(d)], b.loads.dev_out[d], d)))
-    # chain: remote nodes first (grouped), the root's node last, the root itself at the end
-    chain = sorted(contributors, key=lambda d: (node(d) == rn, d == root, node(d), d))
+    # chain: remote nodes first, grouped by node in ring order starting after the root's
+    # node (so pieces rooted on different nodes start their chains on different devices
+    # and every device receives equally often), the root's node last, the root at the end
+    ring = 1 << 40
+    chain = sorted(contributors, key=lambda d: (node(d) == rn, d == root, (node(d) - rn - 1) % ring,
+                                                (d - root - 1) % ring))
     b.emit(tuple(chain), (root,), box, reduce=True)
     rest = [d for d in needers if d != root]
     if rest:
