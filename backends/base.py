@@ -84,16 +84,19 @@ class DoneWork(Work):
         return True
 
 
+SPIN, YIELD, SLEEP_MAX = 8, int(os.environ.get("MESHCOMM_POLL_YIELDS", 4000)), 2e-4
+
+
 def backoff(spins: int) -> None:
     """Politeness while polling: spin a little, then yield the core, then sleep briefly.
-    (The machines this runs on are often oversubscribed: a spinning rank would steal the
-    core its peer needs to make progress.)"""
-    if spins < 8:
+    (Machines are often oversubscribed: a spinning rank would steal the core its peer
+    needs to make progress; a long sleep would delay its own progress.)"""
+    if spins < SPIN:
         return
-    if spins < 400:
+    if spins < YIELD:
         os.sched_yield()
         return
-    time.sleep(min(1e-3, 2e-5 * (spins - 399)))
+    time.sleep(min(SLEEP_MAX, 1e-5 * (spins - YIELD + 1)))
 
 
 def timeout_error(rank, works: Sequence[Work], timeout: float | None) -> PeerTimeoutError:
@@ -145,6 +148,13 @@ class Backend:
 
     def prepare_groups(self, groups: Sequence[tuple[int, ...]], deadline: float | None) -> None:
         """Create (collectively, in this order) the groups not cached yet."""
+
+    def has_groups(self, groups: Sequence[tuple[int, ...]]) -> bool:
+        """True when every group in `groups` is already created (nothing collective to do)."""
+        return not groups
+
+    def reset(self) -> None:
+        """Drop in-flight state after an aborted call (collective: every rank calls it)."""
 
     def flush(self) -> None:
         """Issue any operations the backend batches (torch: batch_isend_irecv)."""
@@ -327,68 +337,123 @@ def execute(plan, shards: Mapping[int, object], like, *, rank: int, devices_per_
     """Run this rank's part of `plan`. `shards`: {src device: tile} this rank owns; `like`:
     an array giving kind/dtype/device of new tiles. Returns ({dst device: tile} this rank
     owns, a fence the consumer waits on before using them)."""
-    dpp = devices_per_process
-    rank_of = lambda d: d // dpp  # noqa: E731
-    shape = plan.shape
-    st, dt = plan.src.tiles(shape), plan.dst.tiles(shape)
-    zero = set(plan.zero_fill)
-    out = {}
-    for d, box in dt.boxes.items():
-        if rank_of(d) == rank:
-            out[d] = _alloc(like, tuple(b - a for a, b in box), zero=d in zero or box_size(box) == 0)
-    coll = collective_reduce_ok(plan.dtype)
-    steps = compile_steps(plan, rank, dpp, coll)
+    ex = Execution(plan, shards, like, rank=rank, devices_per_process=devices_per_process,
+                   backend=backend, device_kind=device_kind, producer_fences=producer_fences)
+    ex.prepare(deadline)
+    ex.start()
+    return ex.finish(deadline)
 
-    def choose(s: Step) -> Backend:
-        return backend.choose(s.table_op, s.nbytes, len(s.ranks), device_kind)
 
-    need = groups_needed(plan, dpp, coll, choose)
-    for b in backend.members():
-        b.prepare_groups(need.get(b.name, []), deadline)
+class Execution:
+    """`execute` in steps: `prepare` (create groups, collective), `start` (issue the first
+    stage, non-blocking: nothing waits), `finish` (everything else), or `abort` after a
+    `start` whose plan turned out not to be agreed on (cancels what it can)."""
 
-    device = streams.device_of(like)
-    ex = _Run(plan, shards, out, like, rank, rank_of, st, dt, device)
-    cur: Backend | None = None
-    cur_stream = streams.comm_stream("local", device)
-    for f in producer_fences:       # compute -> comm: wait for the producers of the inputs
-        f.wait_on(cur_stream)
-    stage = None
-    pending: list = []
+    def __init__(self, plan, shards, like, *, rank, devices_per_process, backend: Backend,
+                 device_kind="cpu", producer_fences=()):
+        dpp = devices_per_process
+        self.rank_of = rank_of = lambda d: d // dpp  # noqa: E731
+        self.plan, self.backend, self.device_kind = plan, backend, device_kind
+        st, dt = plan.src.tiles(plan.shape), plan.dst.tiles(plan.shape)
+        zero = set(plan.zero_fill)
+        self.out = {}
+        for d, box in dt.boxes.items():
+            if rank_of(d) == rank:
+                self.out[d] = _alloc(like, tuple(b - a for a, b in box), zero=d in zero or box_size(box) == 0)
+        self.coll = collective_reduce_ok(plan.dtype)
+        self.dpp = dpp
+        self.steps = compile_steps(plan, rank, dpp, self.coll)
+        self.device = streams.device_of(like)
+        self.run = _Run(plan, shards, self.out, like, rank, rank_of, st, dt, self.device)
+        self.producer_fences = producer_fences
+        self.pending: list = []
+        self._gen = None
+        self._deadline = None
 
-    def drain():
-        if not pending:
-            return
-        works = [w for _, ws, _ in pending for w in ws]
-        cur.wait_all(works, deadline)
-        with streams.use(cur_stream):
-            for _, _, fin in pending:
-                if fin is not None:
-                    fin()
-        pending.clear()
+    def _choose(self, s: Step) -> Backend:
+        return self.backend.choose(s.table_op, s.nbytes, len(s.ranks), self.device_kind)
 
-    for s in steps:
-        if s.stage != stage:
-            drain()                 # stage barrier
-            stage = s.stage
-        if s.prim == "local":
+    def groups(self) -> dict[str, list]:
+        return groups_needed(self.plan, self.dpp, self.coll, self._choose)
+
+    def groups_ready(self) -> bool:
+        """True when `prepare` would create nothing (safe to `start` before agreeing)."""
+        need = self.groups()
+        return all(b.has_groups(need.get(b.name, [])) for b in self.backend.members())
+
+    def prepare(self, deadline):
+        need = self.groups()
+        for b in self.backend.members():
+            b.prepare_groups(need.get(b.name, []), deadline)
+
+    def start(self) -> None:
+        self._gen = self._program()
+        next(self._gen)                 # runs up to the first wait
+
+    def finish(self, deadline):
+        if self._gen is None:
+            self.start()
+        self._deadline = deadline
+        for _ in self._gen:
+            pass
+        return self.out, self._done
+
+    def abort(self) -> None:
+        for _, works, _ in self.pending:
+            for w in works:
+                cancel = getattr(w, "cancel", None)
+                if cancel is not None:
+                    cancel()
+        self.pending.clear()
+        self._gen = None
+
+    def _program(self):
+        plan, pending, run = self.plan, self.pending, self.run
+        cur = None
+        cur_stream = streams.comm_stream("local", self.device)
+        for f in self.producer_fences:  # compute -> comm: wait for the producers of the inputs
+            f.wait_on(cur_stream)
+        started = False
+        stage = None
+
+        def drain():
+            works = [w for _, ws, _ in pending for w in ws]
+            cur.wait_all(works, self._deadline)
             with streams.use(cur_stream):
-                ex.local(plan.transfers[s.index])
-            continue
-        b = choose(s)
-        if b is not cur:
-            drain()                 # fence before switching backends
-            if cur is not None:
-                issued[("switch", f"{cur.name}>{b.name}")] += 1
-            new_stream = streams.comm_stream(b.name, device)
-            streams.record(cur_stream).wait_on(new_stream)
-            cur, cur_stream = b, new_stream
-        with streams.use(cur_stream):
-            works, fin = ex.issue(s, plan.transfers[s.index], b, cur_stream)
-        pending.append((s, works, fin))
-        issued[(b.name, s.prim)] += 1
-    drain()
-    # comm -> compute: the consumer waits on this before using the result
-    return out, streams.record(cur_stream)
+                for _, _, fin in pending:
+                    if fin is not None:
+                        fin()
+            pending.clear()
+
+        for s in self.steps:
+            if s.stage != stage or (s.prim != "local" and self._choose(s) is not cur):
+                if pending:
+                    if not started:
+                        started = True
+                        yield           # start() returns here: the first stage is in flight
+                    drain()             # stage barrier, or fence before switching backends
+                stage = s.stage
+            if s.prim == "local":
+                with streams.use(cur_stream):
+                    run.local(plan.transfers[s.index])
+                continue
+            b = self._choose(s)
+            if b is not cur:
+                if cur is not None:
+                    issued[("switch", f"{cur.name}>{b.name}")] += 1
+                new_stream = streams.comm_stream(b.name, self.device)
+                streams.record(cur_stream).wait_on(new_stream)
+                cur, cur_stream = b, new_stream
+            with streams.use(cur_stream):
+                works, fin = run.issue(s, plan.transfers[s.index], b, cur_stream)
+            pending.append((s, works, fin))
+            issued[(b.name, s.prim)] += 1
+        if not started:
+            yield
+        if pending:
+            drain()
+        # comm -> compute: the consumer waits on this before using the result
+        self._done = streams.record(cur_stream)
 
 
 class _Run:
@@ -402,11 +467,37 @@ class _Run:
     def _src(self, t):
         return (self.shards, self.st.boxes) if t.src_buf == "src" else (self.out, self.dt.boxes)
 
-    def _packed(self, t, s):
+    def _packed(self, t, s, copy=False):
+        """The boxes of device s's tile as one 1-d message. Without `copy`, a single box
+        that is contiguous in the tile is returned as a view (no packing copy)."""
         bufs, origin = self._src(t)
         if s not in bufs:
             raise ValueError(f"rank {self.rank} owns src device {s} but was given no tile for it")
-        return pack(bufs[s], [local_slices(b, origin[s]) for b in t.boxes])
+        slices = [local_slices(b, origin[s]) for b in t.boxes]
+        if not copy and len(slices) == 1:
+            v = _contiguous_view(bufs[s], slices[0])
+            if v is not None:
+                return v
+        return pack(bufs[s], slices)
+
+    def _recv_into(self, t, mine, wire):
+        """A receive buffer that IS the dst tile's memory, when one owned dst device gets the
+        message as one contiguous box of its tile (no unpacking copy); else None."""
+        if len(mine) != 1 or len(t.boxes) != 1:
+            return None
+        tile = self.out[mine[0]]
+        if wire == "numpy" and _is_torch(tile) and tile.device.type != "cpu":
+            return None                             # host staging needs its own buffer
+        v = _contiguous_view(tile, local_slices(t.boxes[0], self.dt.boxes[mine[0]]))
+        if v is None:
+            return None
+        b = _as_bytes(v)
+        if wire == "numpy" and _is_torch(b):
+            return b.numpy()
+        if wire == "torch" and not _is_torch(b):
+            import torch
+            return torch.from_numpy(b)
+        return b
 
     def _unpack_to(self, t, d, value):
         unpack(value, self.out[d], [local_slices(b, self.dt.boxes[d]) for b in t.boxes])
@@ -415,7 +506,7 @@ class _Run:
         if t.kind == "reduce":
             acc = None
             for s in t.srcs:
-                v = self._packed(t, s)
+                v = self._packed(t, s, copy=True)
                 if acc is None:
                     acc = v
                 else:
@@ -440,6 +531,11 @@ class _Run:
                     peer = s.ranks[0] if s.ranks[1] == me else s.ranks[1]
                     return [b.isend(w, peer, tag)], None
                 return [b.bcast(w, s.root, s.ranks)], None
+            direct = self._recv_into(t, mine, b.wire)
+            if direct is not None:
+                if s.prim == "p2p":
+                    return [b.irecv(direct, s.root, tag)], None
+                return [b.bcast(direct, s.root, s.ranks)], None
             buf = empty_wire(s.nbytes, b.wire, self.like)
 
             def fin():
@@ -455,7 +551,7 @@ class _Run:
             acc = None
             for src in t.srcs:
                 if rank_of(src) == me:
-                    v = self._packed(t, src)
+                    v = self._packed(t, src, copy=True)
                     acc = v if acc is None else acc.__iadd__(v)
             n = s.nbytes // self.plan.itemsize
             if acc is None:
@@ -473,7 +569,7 @@ class _Run:
             parts = [self._packed(t, src) for src in mine]
             v = parts[0] if len(parts) == 1 else _concat(parts)
             return [b.isend(to_wire(v, b.wire, stream), s.root, tag)], None
-        own = {src: self._packed(t, src) for src in t.srcs if rank_of(src) == me}
+        own = {src: self._packed(t, src, copy=True) for src in t.srcs if rank_of(src) == me}
         bufs, works = {}, []
         for q in s.ranks:
             if q == me:
@@ -495,6 +591,16 @@ class _Run:
                 acc = pieces[src] if acc is None else acc.__iadd__(pieces[src])
             self._unpack_to(t, root_dev, acc)
         return works, fin
+
+
+def _contiguous_view(tile, sl):
+    """tile[sl] as a 1-d view when that region is contiguous in memory, else None."""
+    v = tile[sl]
+    if _is_torch(v):
+        return v.reshape(-1) if v.is_contiguous() else None
+    if isinstance(v, np.ndarray) and v.flags.c_contiguous:
+        return v.reshape(-1)
+    return None
 
 
 def _concat(parts):

@@ -10,6 +10,9 @@ each backend issued.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+
 from . import tuning
 from .base import Backend
 
@@ -23,6 +26,10 @@ class MixedBackend(Backend):
         self.mpi, self.torch = mpi, torch
         self.by_name = {"mpi": mpi, "torch": torch}
         self.table = table if table is not None else tuning.table_from_env()
+        rules = json.dumps(self.table.to_dict()["rules"], sort_keys=True)
+        # processes compare this (runtime's metadata check): they must share one table, since
+        # the choice decides which groups torch's new_group creates, collectively
+        self.signature = "mixed:" + hashlib.sha1(rules.encode()).hexdigest()[:12]
         self.rank, self.world_size, self.timeout = mpi.rank, mpi.world_size, mpi.timeout
         if torch.rank != mpi.rank or torch.world_size != mpi.world_size:
             raise RuntimeError(f"MPI rank {mpi.rank}/{mpi.world_size} and torch.distributed rank "

@@ -24,7 +24,7 @@ import numpy as np
 
 from meshcomm.errors import PeerTimeoutError
 
-from .base import TAG_MOD, Backend, Work, backoff, timeout_error, wait_polling
+from .base import TAG_MOD, Backend, Work, backoff, wait_polling
 
 __all__ = ["MPIBackend"]
 
@@ -39,6 +39,13 @@ class _MPIWork(Work):
 
     def __init__(self, req, buf, op, peers, rank):
         self.req, self.buf, self.op, self.peers, self.rank = req, buf, op, peers, rank
+
+    def cancel(self) -> None:
+        if self.op == "recv":
+            try:
+                self.req.Cancel()
+            except Exception:
+                pass
 
     def test(self) -> bool:
         try:
@@ -59,6 +66,7 @@ class MPIBackend(Backend):
             raise RuntimeError("meshcomm's MPI backend needs MPI initialised with at least "
                                "MPI_THREAD_SERIALIZED (mpi4py.rc.thread_level); got "
                                f"level {MPI.Query_thread()}")
+        self._base = base
         self.comm = base.Dup()
         self.meta = base.Dup()
         for c in (self.comm, self.meta):
@@ -105,6 +113,21 @@ class MPIBackend(Backend):
             req = sub.Ireduce(buf, None, op=MPI.SUM, root=i)
         others = tuple(r for r in ranks if r != self.rank)
         return _MPIWork(req, buf, f"reduce in group {list(ranks)}", others, self.rank)
+
+    def has_groups(self, groups):
+        return all(g in self._groups or len(g) == self.world_size for g in groups)
+
+    def reset(self):
+        """After an aborted call (every rank calls this, see meshcomm.runtime): messages of
+        the aborted plan may still be in flight, so move to fresh communicators."""
+        MPI = _mpi()
+        old, self.comm = self.comm, self._base.Dup()
+        self.comm.Set_errhandler(MPI.ERRORS_RETURN)
+        for c in self._groups.values():
+            if c is not None:
+                c.Free()
+        self._groups.clear()
+        old.Free()
 
     def prepare_groups(self, groups: Sequence[tuple[int, ...]], deadline):
         new = [g for g in groups if g not in self._groups and len(g) < self.world_size]

@@ -166,6 +166,9 @@ class TorchBackend(Backend):
                                 group=self._group(ranks), async_op=True)
         return _TorchWork(f"reduce in group {list(ranks)}", tuple(r for r in ranks if r != self.rank), buf, work)
 
+    def has_groups(self, groups):
+        return all(g in self._groups or len(g) == self.world_size for g in groups)
+
     def prepare_groups(self, groups: Sequence[tuple[int, ...]], deadline):
         # Called by EVERY rank with the same list (the plan's groups, in plan order):
         # new_group is collective over the whole world, members or not.

@@ -24,15 +24,18 @@ Under a launcher (`mpiexec`, or `torchrun` for the torch backend)::
   `meshcomm.errors.PeerTimeoutError` naming it, within `MESHCOMM_TIMEOUT` seconds
   (default 300; `init(timeout=...)` overrides) of the call starting to communicate. After
   such an error the context should be finalized.
-* Asynchronous use: `reshard(..., async_op=True)` returns a `meshcomm.Handle`; all
-  communication of a context runs on one background thread, in call order, so calls are
-  serialized the same way on every process and the caller can compute meanwhile.
+* Asynchronous use: `reshard(..., async_op=True)` returns a `meshcomm.Handle`; its
+  communication runs on the context's background thread while the caller computes. All
+  calls of a context communicate one at a time, in call order (a synchronous call first
+  waits for the asynchronous ones issued before it, then runs on the calling thread), so
+  every process serializes them the same way. Call reshard from one thread per process.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import os
 import sys
+import threading
 import time
 from typing import Any, Mapping
 
@@ -131,6 +134,8 @@ class Context:
         for b in self._backends.values():
             b.timeout = timeout
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshcomm-comm")
+        self._lock = threading.Lock()       # one communication at a time, in call order
+        self._last: concurrent.futures.Future | None = None
 
     def __repr__(self) -> str:
         return (f"Context(backend={self.backend_name!r}, rank={self.rank}/{self.world_size}, "
@@ -147,6 +152,32 @@ class Context:
             raise ValueError(f"backend {name!r} is not available in this context (initialised with "
                              f"backend={self.backend_name!r}; available: {sorted(self._backends)})")
         return self._backends[name]
+
+    def primitives(self, name: str | None = None):
+        """A concrete backend (isend/irecv/bcast/reduce/wait_all) for code beside reshard
+        (all-to-all). Under "mixed" the tuning table's "alltoall" rule for this world picks it."""
+        be = self.get_backend(name)
+        if be.name == "mixed":
+            be = be.choose("alltoall", 0, self.world_size, "cpu")
+        return be
+
+    def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
+        """Run `fn` on this context's communication thread, after every reshard issued before
+        it (use it for other communication, so that tags and order never interleave)."""
+        def locked():
+            with self._lock:
+                return fn(*args, **kwargs)
+        self._last = self._pool.submit(locked)
+        return self._last
+
+    def _call(self, fn, *args, **kwargs):
+        """Run `fn` now on the calling thread, after the asynchronous work issued before
+        (a synchronous call skips the hand-off to the communication thread)."""
+        last = self._last
+        if last is not None:
+            concurrent.futures.wait([last])
+        with self._lock:
+            return fn(*args, **kwargs)
 
     # -- ownership ---------------------------------------------------------------------
     def rank_of(self, device: int) -> int:
@@ -219,10 +250,15 @@ class Context:
         job = dict(be=be, src=src, dst=dst, shards=shards, shape_kw=shape, dtype_kw=dtype,
                    local=(err, local_shape, name, itemsize, kind, devtype),
                    need_exchange=need_exchange, fences=tuple(fences.values()))
-        fut = self._pool.submit(self._run, **job)
+        if async_op:
+            fut = self.submit(self._run, **job)
+            result = fut.result
+        else:
+            res = self._call(self._run, **job)
+            result = lambda: res  # noqa: E731
 
         def finish():
-            out, done, out_kind = fut.result()
+            out, done, out_kind = result()
             for d, v in out.items():
                 done.wait_on(streams.current_stream(streams.device_of(v)))
                 break
@@ -243,34 +279,55 @@ class Context:
             import torch  # noqa: F401
         err, shape, name, itemsize, kind, devtype = local
         deadline = time.monotonic() + self.timeout
+        ex = None
+        run_kw = dict(rank=self.rank, devices_per_process=self.devices_per_process, backend=be,
+                      producer_fences=fences)
         if need_exchange:
             plan_fp = None
+            opt = False
             if err is None and shape is not None and name is not None:
-                plan_fp = api.plan(shape, name, src, dst).fingerprint
+                p = api.plan(shape, name, src, dst)
+                plan_fp = p.fingerprint
+                if _optimistic(be) and shards:
+                    # Start the first stage now, before the exchange confirms the plan (its
+                    # messages travel while the metadata does); undone below on disagreement.
+                    ex = base.Execution(p, shards, next(iter(shards.values())),
+                                        device_kind=devtype or "cpu", **run_kw)
+                    if ex.groups_ready():
+                        ex.start()
+                        opt = True
+                    else:
+                        ex = None
             blob = {"err": None if err is None else (type(err).__name__, str(err)),
                     "layouts": _layouts_fp(src, dst), "desc": f"src={src} dst={dst}",
-                    "backend": be.name, "shape": shape, "dtype": None if name is None else (name, itemsize),
+                    "backend": getattr(be, "signature", be.name), "shape": shape,
+                    "dtype": None if name is None else (name, itemsize),
                     "tiles": {d: tuple(v.shape) for d, v in shards.items()},
-                    "kind": kind, "devtype": devtype, "plan": plan_fp}
+                    "kind": kind, "devtype": devtype, "plan": plan_fp, "opt": opt}
             blobs = be.allgather_obj(blob, deadline)
-            if err is not None:
-                raise err
-            shape, name, itemsize, kind, devtype = _agree(blobs, src, self.rank)
+            try:
+                if err is not None:
+                    raise err
+                shape, name, itemsize, kind, devtype = _agree(blobs, src, self.rank)
+            except (ValueError, TypeError):
+                if any(b["opt"] for b in blobs):     # every rank sees this: all reset together
+                    if ex is not None:
+                        ex.abort()
+                    be.reset()
+                    base.issued[("reset", be.name)] += 1
+                raise
         else:
             shape = src.check_shape(api.normalize_shape(shape_kw))
             name, itemsize = arrays.normalize_dtype(dtype_kw)
             if kind is None:
                 kind = "torch" if type(dtype_kw).__module__.startswith("torch") else "numpy"
                 devtype = "cpu"
-        p = api.plan(shape, name, src, dst)
-        if shards:
-            like = next(iter(shards.values()))
-        else:
-            like = _empty_like(kind, name, devtype)
-        out, done = base.execute(p, shards, like, rank=self.rank,
-                                 devices_per_process=self.devices_per_process, backend=be,
-                                 deadline=deadline, device_kind=devtype or "cpu",
-                                 producer_fences=fences)
+        if ex is None:
+            p = api.plan(shape, name, src, dst)
+            like = next(iter(shards.values())) if shards else _empty_like(kind, name, devtype)
+            ex = base.Execution(p, shards, like, device_kind=devtype or "cpu", **run_kw)
+            ex.prepare(deadline)
+        out, done = ex.finish(deadline)
         return out, done, kind
 
     def close(self):
@@ -279,6 +336,13 @@ class Context:
             b = self._backends.get(name)
             if b is not None:
                 b.close()
+
+
+def _optimistic(be) -> bool:
+    """Whether a process may start sending before the metadata exchange confirms the plan
+    (MPI only: a disagreement then resets its communicators; MESHCOMM_OPTIMISTIC=0 turns
+    it off)."""
+    return be.name == "mpi" and os.environ.get("MESHCOMM_OPTIMISTIC", "1") != "0"
 
 
 def _layouts_fp(src, dst) -> str:

@@ -166,6 +166,16 @@ def run_timeouts(ctx, backends, stats, timeout):
     os.environ["MESHCOMM_CHECK"] = "1"
 
 
+def report(args, result: dict) -> None:
+    """Print one RESULT line and, with --out, write it to OUT/rank<r>.json (stdout lines of
+    several processes may interleave)."""
+    line = json.dumps(result)
+    print("RESULT " + line, flush=True)
+    if args.out:
+        with open(os.path.join(args.out, f"rank{result['rank']}.json"), "w") as f:
+            f.write(line)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--init", default="mixed", help="comma list: init/finalize each in turn")
@@ -176,6 +186,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checks", action="store_true")
     ap.add_argument("--timeout-test", action="store_true")
+    ap.add_argument("--out", default="", help="a folder for one rank<r>.json result per process")
     args = ap.parse_args()
     stats: dict = {}
     from collections import Counter
@@ -194,7 +205,7 @@ def main():
             from meshcomm.backends.torch_dist import under_mpi_launcher
             mpi = under_mpi_launcher()
             if not mpi and ctx.rank == ctx.world_size - 1:
-                print("RESULT " + json.dumps({"rank": ctx.rank, "exited_early": True}), flush=True)
+                report(args, {"rank": ctx.rank, "exited_early": True})
                 os._exit(0)
             run_timeouts(ctx, backends, stats, ctx.timeout)
             if mpi:
@@ -204,7 +215,7 @@ def main():
             stats["streams_record"] = streams.stats["record"]
             stats["streams_wait_on"] = streams.stats["wait_on"]
             stats["seconds"] = round(time.time() - t0, 1)
-            print("RESULT " + json.dumps({"rank": ctx.rank, **stats}), flush=True)
+            report(args, {"rank": ctx.rank, **stats})
             if mpi:
                 MPI.Finalize()
             os._exit(0)                     # after timeouts the process groups are not clean
@@ -214,7 +225,7 @@ def main():
     stats["streams_record"] = streams.stats["record"]
     stats["streams_wait_on"] = streams.stats["wait_on"]
     stats["seconds"] = round(time.time() - t0, 1)
-    print("RESULT " + json.dumps({"rank": rank, **stats}), flush=True)
+    report(args, {"rank": rank, **stats})
 
 
 if __name__ == "__main__":
