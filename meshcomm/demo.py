@@ -10,7 +10,8 @@ becomes 2x2 and the two meshes sit on devices 0..3 and 4..7; tensors are ~16 MiB
 Every process builds the same seeded global tensor, takes its src tiles, calls
 `meshcomm.reshard` (SPMD) and checks its dst tiles against `meshcomm.shard` of the same data
 (rank 0 also reassembles the whole result with `meshcomm.unshard`). Per case it prints the
-median time (max over processes) of a few repeats after a warm-up, the plan's bytes moved, the
+median time (max over processes) of a few rounds after a warm-up (the baseline and the backends
+take turns within each round, so all see the same machine load), the plan's bytes moved, the
 effective bandwidth (bytes moved / time), and, for comparison, an allgather-then-slice of the
 same data ("ag+slice": meshcomm.planners.baselines.allgather_slice, every dst device receives
 the whole tensor along ring-allgather chains and keeps its box, run by the same executor over
@@ -227,7 +228,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mib", type=float, default=16.0, help="tensor size in MiB, default 16")
     ap.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
                     help="comma-separated backends to run (default mpi,torch,mixed)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per case (median)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timed rounds per case (median; methods interleaved within a round)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cases", default="", help="comma-separated case names to run (default all)")
     ap.add_argument("--no-extra", action="store_true", help="only Alpa's cases")

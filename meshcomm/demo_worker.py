@@ -25,19 +25,6 @@ def _my_src(case: Case, g: np.ndarray, me: int, seed: int) -> dict:
     return {me: np.ascontiguousarray(g[box])}
 
 
-def _timed(comm, fn, repeats: int):
-    from mpi4py import MPI
-    out = fn()                                   # warm-up
-    times = []
-    for _ in range(repeats):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        out = fn()
-        t = time.perf_counter() - t0
-        times.append(comm.allreduce(t, op=MPI.MAX))
-    return out, statistics.median(times)
-
-
 def _exact(comm, case: Case, g: np.ndarray, y: dict, me: int) -> bool:
     """Every rank checks its own dst tile against the data; rank 0 also reassembles the
     whole result with meshcomm.unshard and compares it with the global tensor."""
@@ -142,34 +129,48 @@ def worker_main(cases: list[Case], args) -> int:
         g = global_array(case.shape, args.seed + i, case.dtype)
         x = _my_src(case, g, me, args.seed)
         p = mc.plan(case.shape, case.dtype, case.src, case.dst)
-        base_t = None
+        # (label, callable, bytes moved): baselines first, then each backend
+        methods = []
         if args.mpi_allgather and not case.src.is_partial:
             run, moved = _mpi_allgatherv_then_slice(comm, case, x, me)
-            y, t = _timed(comm, run, args.repeats)
-            ok = _exact(comm, case, g, y, me)
-            bad += not ok
-            if me == 0:
-                print(row(case, "Allgatherv", t, moved, "yes" if ok else "NO"), flush=True)
+            methods.append(("Allgatherv", run, moved))
         if not args.no_baseline:
             run, moved = _plan_allgather_then_slice(ctx, case, x, me)
-            y, base_t = _timed(comm, run, args.repeats)
-            ok = _exact(comm, case, g, y, me)
-            bad += not ok
-            if me == 0:
-                print(row(case, "ag+slice", base_t, moved, "yes" if ok else "NO"), flush=True)
+            methods.append(("ag+slice", run, moved))
         for b in backends:
             def call(b=b):
                 return mc.reshard(x, case.src, case.dst, shape=case.shape, dtype=case.dtype, backend=b)
+            methods.append((b, call, p.bytes_moved))
+        # warm-up each method once (checking exactness), then interleave the timed rounds so
+        # every method sees the same machine load (the ratios are taken within one round set)
+        oks, splits = {}, {}
+        for label, fn, _ in methods:
             before = Counter(issued)
-            y, t = _timed(comm, call, args.repeats)
-            split = _split(comm, before, args.repeats + 1) if b == "mixed" else ""
-            ok = _exact(comm, case, g, y or {}, me)
+            y = fn()
+            oks[label] = _exact(comm, case, g, y or {}, me)
+            if label == "mixed":
+                splits[label] = _split(comm, before, 1)
+        times = {label: [] for label, _, _ in methods}
+        for _ in range(args.repeats):
+            for label, fn, _ in methods:
+                comm.Barrier()
+                t0 = time.perf_counter()
+                fn()
+                times[label].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+        med = {label: statistics.median(ts) for label, ts in times.items()}
+        base_t = med.get("ag+slice")
+        for label, _, moved in methods:
+            ok = oks[label]
             bad += not ok
-            if base_t is not None and case.name.startswith("alpa"):
-                speedups[b].append(base_t / t)
+            t = med[label]
+            extra = ""
+            if label in speedups and base_t is not None:
+                extra = f"  {base_t / t:5.2f}x vs ag+slice"
+                if case.name.startswith("alpa"):
+                    speedups[label].append(base_t / t)
             if me == 0:
-                extra = f"  {base_t / t:5.2f}x vs allgather" if base_t else ""
-                print(row(case, b, t, p.bytes_moved, "yes" if ok else "NO") + extra + split, flush=True)
+                print(row(case, label, t, moved, "yes" if ok else "NO") + extra + splits.get(label, ""),
+                      flush=True)
         del g, x
     if me == 0:
         for b, s in speedups.items():
