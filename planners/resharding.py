@@ -112,6 +112,8 @@ class _Builder:
     def chain_order(self, root: int, needers: list[int]) -> tuple[int, ...]:
         """Needers grouped by node: the root's node first, then nodes by rising NIC out-load
         (the last node relays nothing, so the busiest goes last)."""
+        if len(needers) == 1:
+            return (needers[0],)
         node = self.topo.node_of
         by_node = defaultdict(list)
         for d in needers:
@@ -239,6 +241,9 @@ def _plan_deliveries(b: _Builder, deliveries) -> None:
     node = b.topo.node_of
     groups: dict[tuple, list] = defaultdict(list)   # (holder nodes, lacking nodes) -> pieces
     for box, holders, needers in deliveries:
+        if len(holders) == 1 and len(needers) == 1:          # the common fully-sharded case
+            b.emit(holders, needers, box)
+            continue
         hset = set(holders)
         rest = []
         for d in needers:
@@ -260,7 +265,14 @@ def _plan_deliveries(b: _Builder, deliveries) -> None:
                 _deliver_in_node(b, box, h_by_node[n], devs)
             else:
                 lacking[n] = devs
-        if lacking:
+        if not lacking:
+            continue
+        if len(h_by_node) == 1:
+            # one holder node: no sender to choose, one chain through the lacking nodes
+            (hs,) = h_by_node.values()
+            root = b.pick(hs, b.loads.dev_out)
+            b.emit((root,), b.chain_order(root, [d for devs in lacking.values() for d in devs]), box)
+        else:
             key = (tuple(sorted(h_by_node)), tuple(sorted(lacking)))
             groups[key].append((box, dict(h_by_node), lacking))
     if groups:
