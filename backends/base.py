@@ -33,6 +33,11 @@ How a process runs a plan (`execute`):
   are created in the same order everywhere.
 * Deadlines: every wait polls with a deadline (`MESHCOMM_TIMEOUT` after the call started)
   and raises `PeerTimeoutError` naming the peer ranks it waited for.
+* `Execution` splits a run into `prepare` (groups), `start` (issue the first stage, wait
+  for nothing) and `finish`, so the runtime can overlap the first stage with its metadata
+  check, and `abort` it if the processes disagree.
+* Zero copies where possible: a single box contiguous in its tile is sent from (or
+  received into) the tile's memory; otherwise boxes are packed/unpacked.
 * CUDA: packing, unpacking and communication run on the backend's stream
   (backends/streams.py); an MPI-bound device buffer is synchronised and staged through the
   host. On CPU the same calls are no-ops.
@@ -418,8 +423,8 @@ class Execution:
 
         def drain():
             works = [w for _, ws, _ in pending for w in ws]
-            cur.wait_all(works, self._deadline)
-            with streams.use(cur_stream):
+            with streams.use(cur_stream):   # NCCL: the wait orders the current (comm) stream
+                cur.wait_all(works, self._deadline)
                 for _, _, fin in pending:
                     if fin is not None:
                         fin()

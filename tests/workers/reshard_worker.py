@@ -133,6 +133,14 @@ def run_checks(ctx, backends, stats):
         ref = mc.reshard({0: x}, one, dst, backend="local")
         check_result(ctx, y, ref, dst, False, f"after mismatches [{b}]")
         stats["no_src"] += 1
+        # processes without src tiles guess the last agreed shape/dtype for these layouts
+        # (MPI): right guesses, then a new shape and a new dtype (wrong guesses: reset, rerun)
+        for k, z in enumerate([x, x + 1, np.arange(5 * n * 4, dtype=np.float32).reshape(5 * n, 4),
+                               np.arange(5 * n * 4, dtype=np.int32).reshape(5 * n, 4)]):
+            y = mc.reshard({0: z} if r == 0 else {}, one, dst, backend=b)
+            ref = mc.reshard({0: z}, one, dst, backend="local")
+            check_result(ctx, y, ref, dst, False, f"guess {k} [{b}]")
+            stats["guess_ok"] += 1
 
 
 def run_timeouts(ctx, backends, stats, timeout):
