@@ -16,18 +16,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from meshcomm.planners.schedule import fmt_bytes
+
 __all__ = ["draw_plan", "KIND_COLORS"]
 
 KIND_COLORS = {"send": "#1f77b4", "bcast": "#ff7f0e", "reduce": "#2ca02c", "copy": "#7f7f7f"}
 _SIDE_X = {"src": 0.0, "dst": 1.0}
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _edges(plan):
@@ -191,7 +187,7 @@ def draw_plan(plan, path, *, max_devices: int = 96, max_groups: int = 48, title:
     counts = plan.counts
     handles = [Line2D([0], [0], color=KIND_COLORS[k], lw=3, ls="--" if k == "copy" else "-",
                       label=f"{k} ({counts.get(k, 0)})") for k in ("send", "bcast", "reduce", "copy")]
-    handles.append(Line2D([0], [0], color="black", lw=0.6, label=f"width: bytes (max {_fmt_bytes(max_nb)})"))
+    handles.append(Line2D([0], [0], color="black", lw=0.6, label=f"width: bytes (max {fmt_bytes(max_nb)})"))
     ax.legend(handles=handles, loc="lower center", ncol=5, fontsize=8.5, frameon=False,
               bbox_to_anchor=(0.5, -0.02))
 
@@ -201,7 +197,7 @@ def draw_plan(plan, path, *, max_devices: int = 96, max_groups: int = 48, title:
         f"  ->  {plan.dst.spec_str()}" + (f" P({','.join(plan.dst.partial)})" if plan.dst.partial else "")
     level = "" if not per_node else "; drawn per node" if g == 1 else f"; drawn per {g} nodes"
     sub = (f"{len(plan.transfers)} transfers, {plan.messages} messages, "
-           f"{_fmt_bytes(plan.bytes_moved)} moved, busiest NIC {_fmt_bytes(plan.max_link_bytes(level='nic'))}; "
+           f"{fmt_bytes(plan.bytes_moved)} moved, busiest NIC {fmt_bytes(plan.max_link_bytes(level='nic'))}; "
            f"topology {topo.name} ({topo.devices_per_node} dev/node){level}")
     fig.suptitle(head, fontsize=11.5, fontweight="bold", y=1 - 0.25 / height)
     fig.text(0.5, 1 - 0.62 / height, sub, ha="center", va="top", fontsize=9.5, color="#333333")

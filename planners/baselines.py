@@ -34,7 +34,7 @@ from typing import Callable
 
 from .boxes import Box, box_size, intersect, row_major_range
 from .resharding import pieces
-from .schedule import Plan, Transfer
+from .schedule import Plan, Transfer, coalesce, transfer_kind
 from .topology import Topology
 
 __all__ = ["send_recv", "alpa_broadcast", "allgather_slice", "dtensor_style", "Steps",
@@ -54,23 +54,11 @@ class _Emitter:
         srcs, dsts = tuple(srcs), tuple(dsts)
         if box_size(box) == 0 or not dsts:
             return
-        if reduce:
-            kind = "reduce"
-        elif len(dsts) == 1 and srcs == dsts:
-            kind = "copy"
-        elif len(dsts) == 1:
-            kind = "send"
-        else:
-            kind = "bcast"
+        kind = transfer_kind(srcs, dsts, reduce)
         self.items.setdefault((kind, srcs, dsts, stage, src_buf), []).append(box)
 
     def transfers(self, itemsize: int) -> tuple[Transfer, ...]:
-        out = []
-        for (kind, srcs, dsts, stage, src_buf), boxes in self.items.items():
-            boxes = tuple(sorted(boxes))
-            out.append(Transfer(kind, srcs, dsts, boxes, sum(box_size(b) for b in boxes) * itemsize,
-                                stage, src_buf))
-        return tuple(sorted(out, key=lambda t: t.stage))      # stable: emission order in a stage
+        return tuple(sorted(coalesce(self.items, itemsize), key=lambda t: t.stage))      # stable: emission order in a stage
 
 
 def _itemsize(dtype) -> tuple[str, int]:

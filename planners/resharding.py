@@ -29,7 +29,7 @@ from typing import Iterable
 import networkx as nx
 
 from .boxes import Box, box_size, interval_pairs, row_major_range
-from .schedule import Plan, Transfer
+from .schedule import Plan, Transfer, coalesce, transfer_kind
 from .topology import Topology
 
 __all__ = ["plan_reshard", "pieces", "transfer_graph"]
@@ -92,14 +92,7 @@ class _Builder:
 
     def emit(self, srcs: tuple[int, ...], dsts: tuple[int, ...], box: Box, *,
              reduce: bool = False, stage: int = 0, src_buf: str = "src") -> None:
-        if reduce:
-            kind = "reduce"
-        elif len(dsts) == 1 and srcs == dsts:
-            kind = "copy"
-        elif len(dsts) == 1:
-            kind = "send"
-        else:
-            kind = "bcast"
+        kind = transfer_kind(srcs, dsts, reduce)
         self.items[(kind, srcs, dsts, stage, src_buf)].append(box)
         if kind != "copy":
             n = box_size(box)
@@ -421,11 +414,7 @@ _KIND_ORDER = {"copy": 0, "reduce": 1, "send": 2, "bcast": 3}
 
 
 def _finish(b: _Builder, itemsize: int) -> tuple[Transfer, ...]:
-    ts = []
-    for (kind, srcs, dsts, stage, src_buf), boxes in b.items.items():
-        boxes = tuple(sorted(boxes))
-        ts.append(Transfer(kind, srcs, dsts, boxes, sum(box_size(x) for x in boxes) * itemsize,
-                           stage, src_buf))
+    ts = coalesce(b.items, itemsize)
     # list scheduling into rounds: big messages first, each device in one transfer per round
     ts.sort(key=lambda t: (t.stage, -t.nbytes, _KIND_ORDER[t.kind], t.srcs, t.dsts))
     next_free: dict[int, int] = defaultdict(int)

@@ -25,7 +25,7 @@ from typing import Iterable
 from .boxes import Box, box_size, box_str
 from .topology import Topology
 
-__all__ = ["Transfer", "Plan", "KINDS"]
+__all__ = ["Transfer", "Plan", "KINDS", "transfer_kind", "coalesce", "fmt_bytes"]
 
 KINDS = ("copy", "send", "bcast", "reduce")
 
@@ -70,6 +70,25 @@ class Transfer:
         d = ",".join(map(str, self.dsts))
         bx = " ".join(box_str(b) for b in self.boxes[:3]) + (" ..." if len(self.boxes) > 3 else "")
         return f"{self.kind:6s} {s} {arrow} {d}  {self.nbytes}B  {bx}"
+
+
+def transfer_kind(srcs: tuple[int, ...], dsts: tuple[int, ...], reduce: bool = False) -> str:
+    """The kind a transfer from `srcs` to `dsts` has (see the module docstring)."""
+    if reduce:
+        return "reduce"
+    if len(dsts) == 1:
+        return "copy" if srcs == dsts else "send"
+    return "bcast"
+
+
+def coalesce(items: dict, itemsize: int) -> list[Transfer]:
+    """{(kind, srcs, dsts, stage, src_buf): [boxes]} -> one Transfer (one message) per key."""
+    out = []
+    for (kind, srcs, dsts, stage, src_buf), boxes in items.items():
+        boxes = tuple(sorted(boxes))
+        out.append(Transfer(kind, srcs, dsts, boxes, sum(box_size(b) for b in boxes) * itemsize,
+                            stage, src_buf))
+    return out
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -168,7 +187,7 @@ class Plan:
         c = self.counts
         return (f"{len(self.transfers)} transfers ({c['send']} send, {c['bcast']} bcast, "
                 f"{c['reduce']} reduce, {c['copy']} copy), {self.messages} messages, "
-                f"{_fmt_bytes(self.bytes_moved)} moved, {_fmt_bytes(self.bytes_copied)} copied locally")
+                f"{fmt_bytes(self.bytes_moved)} moved, {fmt_bytes(self.bytes_copied)} copied locally")
 
     def explain(self, limit: int | None = 50, topology: Topology | None = None) -> str:
         topo = topology or self.topology
@@ -191,8 +210,8 @@ class Plan:
         if self.zero_fill:
             lines.append(f"zero-filled dst tiles (partial dst): {list(self.zero_fill)}")
         lines.append("total: " + self.summary())
-        lines.append(f"busiest link: NIC {_fmt_bytes(self.max_link_bytes(topo, 'nic'))}, "
-                     f"device {_fmt_bytes(self.max_link_bytes(topo, 'dev'))}")
+        lines.append(f"busiest link: NIC {fmt_bytes(self.max_link_bytes(topo, 'nic'))}, "
+                     f"device {fmt_bytes(self.max_link_bytes(topo, 'dev'))}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -201,7 +220,7 @@ class Plan:
     __repr__ = __str__
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
