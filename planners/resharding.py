@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections import defaultdict
 from typing import Iterable
