@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import sys
 import time

@@ -165,3 +165,18 @@ def test_table_from_env(tmp_path, monkeypatch):
     assert t.lookup("send", 0, 2) == "mpi" and t.lookup("send", 16, 2) == "torch"
     monkeypatch.delenv("MESHCOMM_TUNING")
     assert tuning.table_from_env() == tuning.default_table()
+
+
+def test_init_rejects_bad_arguments_and_errors_are_both_kinds():
+    import meshcomm as mc
+    from meshcomm.errors import PeerTimeoutError
+    with pytest.raises(ValueError, match="backend must be one of"):
+        mc.init(backend="nccl")
+    with pytest.raises(ValueError, match="devices_per_process"):
+        mc.init(backend="mpi", devices_per_process=0)
+    with pytest.raises(ValueError, match="timeout"):
+        mc.init(backend="mpi", timeout=-1)
+    assert mc.runtime.current() is None
+    e = PeerTimeoutError("rank 1: peer rank(s) [3] did not arrive", [3], "metadata")
+    assert isinstance(e, TimeoutError) and isinstance(e, RuntimeError) and e.peers == (3,)
+    mc.finalize()                       # no context: a no-op
