@@ -12,6 +12,9 @@ Under a launcher (`mpiexec`, or `torchrun` for the torch backend)::
   MASTER_ADDR/MASTER_PORT then come from MPI); "mixed" needs mpiexec and runs both, picking
   one per transfer from the tuning table (`MESHCOMM_TUNING`). Under "mixed",
   `reshard(..., backend="mpi" | "torch")` forces one of them.
+* Every process passes the src tiles it owns (a dict, or a bare array when it owns one src
+  device); entries for devices other processes own are ignored, so SPMD code may pass
+  `meshcomm.shard(x, src)` whole. It gets back the dst tiles it owns.
 * `reshard` validates locally, then (by default) all processes exchange a little metadata:
   their shape/dtype/tile shapes (a process holding no src tile learns shape and dtype this
   way), the array kind, the backend, and fingerprints of the layouts and of the plan
@@ -226,6 +229,9 @@ class Context:
         try:
             self._check_owners(src, "src")
             self._check_owners(dst, "dst")
+            if isinstance(x, Mapping):      # tiles of devices other processes own: ignored
+                api._check_keys(x, src, "src")
+                x = {d: v for d, v in x.items() if d in owned_src}
             shards, bare = api.normalize_input(x, src, owned=owned_src)
             missing = [d for d in owned_src if d not in shards]
             if missing:
