@@ -55,6 +55,57 @@ class _MPIWork(Work):
                                    f"failed: {e}", self.peers, self.op) from e
 
 
+INIT_TAG = 32000     # the tag of the join check on the launcher's communicator
+
+
+def _dumps(obj):
+    return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+
+
+def timed_allgather(comm, obj, deadline, tag, timeout, what, why):
+    """Every rank's `obj` (small, picklable) through point-to-point messages, polled with a
+    deadline: ranks that did not send in time are named in the PeerTimeoutError."""
+    MPI = _mpi()
+    rank, n = comm.Get_rank(), comm.Get_size()
+    data = _dumps(obj)
+    out = [None] * n
+    out[rank] = obj
+    sends = [_MPIWork(comm.Isend(data, dest=r, tag=tag), data, f"{what} send", (r,), rank)
+             for r in range(n) if r != rank]
+    pending = [r for r in range(n) if r != rank]
+    status = MPI.Status()
+    spins = 0
+    while pending:
+        got = []
+        for r in pending:
+            if comm.Iprobe(source=r, tag=tag, status=status):
+                buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+                comm.Recv(buf, source=r, tag=tag)
+                out[r] = pickle.loads(buf.tobytes())
+                got.append(r)
+        if got:
+            pending = [r for r in pending if r not in got]
+            spins = 0
+            continue
+        if deadline is not None and time.monotonic() > deadline:
+            t = f"{timeout:g}s" if timeout is not None else "the timeout"
+            raise PeerTimeoutError(
+                f"rank {rank}: peer rank(s) {pending} did not arrive at {what} within {t} "
+                f"(MESHCOMM_TIMEOUT): they {why}, or died", pending, what)
+        spins += 1
+        backoff(spins)
+    wait_polling(sends, deadline, rank, timeout)
+    return out
+
+
+def timed_dup(comm, deadline):
+    """Comm.Idup polled with a deadline (a blocking Dup would hang on a missing peer)."""
+    new, req = comm.Idup()
+    w = _MPIWork(req, None, "communicator duplication", tuple(range(comm.Get_size())), comm.Get_rank())
+    wait_polling([w], deadline)
+    return new
+
+
 class MPIBackend(Backend):
     name = "mpi"
     wire = "numpy"
@@ -67,8 +118,11 @@ class MPIBackend(Backend):
                                "MPI_THREAD_SERIALIZED (mpi4py.rc.thread_level); got "
                                f"level {MPI.Query_thread()}")
         self._base = base
-        self.comm = base.Dup()
-        self.meta = base.Dup()
+        # who is here? (a peer that never calls init is named, instead of a hang in Dup)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        timed_allgather(base, None, deadline, INIT_TAG, timeout, "meshcomm.init", "did not call init")
+        self.comm = timed_dup(base, deadline)
+        self.meta = timed_dup(base, deadline)
         for c in (self.comm, self.meta):
             c.Set_errhandler(MPI.ERRORS_RETURN)
         self.rank = self.comm.Get_rank()
@@ -145,40 +199,10 @@ class MPIBackend(Backend):
 
     # -- metadata: an allgather of small objects that names missing peers --------------
     def allgather_obj(self, obj, deadline):
-        MPI = _mpi()
         tag = self._meta_seq % TAG_MOD
         self._meta_seq += 1
-        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
-        out = [None] * self.world_size
-        out[self.rank] = obj
-        sends = [_MPIWork(self.meta.Isend(data, dest=r, tag=tag), data, "metadata send", (r,), self.rank)
-                 for r in range(self.world_size) if r != self.rank]
-        pending = [r for r in range(self.world_size) if r != self.rank]
-        status = MPI.Status()
-        spins = 0
-        while pending:
-            got = []
-            for r in pending:
-                if self.meta.Iprobe(source=r, tag=tag, status=status):
-                    n = status.Get_count(MPI.BYTE)
-                    buf = np.empty(n, dtype=np.uint8)
-                    self.meta.Recv(buf, source=r, tag=tag)
-                    out[r] = pickle.loads(buf.tobytes())
-                    got.append(r)
-            if got:
-                pending = [r for r in pending if r not in got]
-                spins = 0
-                continue
-            if deadline is not None and time.monotonic() > deadline:
-                t = f"{self.timeout:g}s" if self.timeout is not None else "the timeout"
-                raise PeerTimeoutError(
-                    f"rank {self.rank}: peer rank(s) {pending} did not arrive at the metadata "
-                    f"exchange within {t} (MESHCOMM_TIMEOUT): they did not call reshard, or died",
-                    pending, "metadata")
-            spins += 1
-            backoff(spins)
-        wait_polling(sends, deadline, self.rank, self.timeout)
-        return out
+        return timed_allgather(self.meta, obj, deadline, tag, self.timeout,
+                               "the metadata exchange", "did not call reshard")
 
     def close(self):
         for c in self._groups.values():

@@ -89,8 +89,11 @@ class TorchBackend(Backend):
             if mpi_comm is None:
                 from mpi4py import MPI
                 mpi_comm = MPI.COMM_WORLD
+            from .mpi import INIT_TAG, timed_allgather
             rank, world = mpi_comm.Get_rank(), mpi_comm.Get_size()
-            hosts = mpi_comm.allgather(socket.gethostname())
+            deadline = None if timeout is None else time.monotonic() + timeout
+            hosts = timed_allgather(mpi_comm, socket.gethostname(), deadline, INIT_TAG + 1, timeout,
+                                    "meshcomm.init", "did not call init")
             if rank == 0:
                 user = not _DERIVED and "MASTER_ADDR" in os.environ   # the user chose them
                 addr = os.environ["MASTER_ADDR"] if user else (
@@ -100,7 +103,8 @@ class TorchBackend(Backend):
                 info = (addr, port)
             else:
                 info = None
-            addr, port = mpi_comm.bcast(info, root=0)
+            addr, port = timed_allgather(mpi_comm, info, deadline, INIT_TAG + 2, timeout,
+                                         "meshcomm.init", "did not call init")[0]
             local = [i for i, h in enumerate(hosts) if h == hosts[rank]].index(rank)
             os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank),
                               WORLD_SIZE=str(world), LOCAL_RANK=str(local))
@@ -115,8 +119,18 @@ class TorchBackend(Backend):
             local = int(os.environ.get("LOCAL_RANK", rank))
             torch.cuda.set_device(local % torch.cuda.device_count())
         kw = {} if timeout is None else {"timeout": _td(timeout)}
-        dist.init_process_group(backend=backend, init_method="env://", rank=rank,
-                                world_size=world, **kw)
+        try:
+            dist.init_process_group(backend=backend, init_method="env://", rank=rank,
+                                    world_size=world, **kw)
+        except Exception as e:
+            if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
+                raise
+            t = f"{timeout:g}s" if timeout is not None else "the timeout"
+            others = [r for r in range(world) if r != rank]
+            raise PeerTimeoutError(
+                f"rank {rank}: torch.distributed rendezvous did not complete within {t} "
+                f"(MESHCOMM_TIMEOUT): a peer among ranks {others} did not call init, or died: "
+                f"{str(e).splitlines()[0]}", others, "init") from e
         return cls(rank, world, timeout, owns_pg=True)
 
     # -- point to point (batched) --------------------------------------------------------

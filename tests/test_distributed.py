@@ -180,3 +180,19 @@ def test_init_rejects_bad_arguments_and_errors_are_both_kinds():
     e = PeerTimeoutError("rank 1: peer rank(s) [3] did not arrive", [3], "metadata")
     assert isinstance(e, TimeoutError) and isinstance(e, RuntimeError) and e.peers == (3,)
     mc.finalize()                       # no context: a no-op
+
+
+def test_a_peer_that_never_joins_init(tmp_path):
+    """The last of 4 ranks never calls init: init raises on the others, naming it, with each
+    backend (MPI's join check, the torch rendezvous derived from MPI, mixed)."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    t = 3
+    res = launch([MPIEXEC, "-n", "4", sys.executable, "-m", "mpi4py",
+                  str(ROOT / "tests" / "workers" / "join_worker.py")],
+                 {"MESHCOMM_TIMEOUT": str(t)}, 120, tmp_path / "out")
+    assert [r["rank"] for r in res] == [0, 1, 2, 3]
+    for r in res[:3]:
+        for b in ("mpi", "torch", "mixed"):
+            assert r[b]["peers"] == [3] and r[b]["names_lag"], (b, r)
+            assert r[b]["seconds"] < t + 4, (b, r)
