@@ -31,7 +31,9 @@ Under a launcher (`mpiexec`, or `torchrun` for the torch backend)::
   no src tile starts early too when the same layouts were resharded before: it guesses
   the shape/dtype agreed last time; a wrong guess anywhere makes every process reset and
   run the call again without guessing.
-* Timeouts: a peer that does not arrive (or dies) makes `reshard` raise
+* Timeouts: a peer that never calls `init` makes `init` raise `PeerTimeoutError` on the
+  others within `MESHCOMM_TIMEOUT` (under MPI it is named; under torchrun the rendezvous
+  error names the group). A peer that does not arrive (or dies) makes `reshard` raise
   `meshcomm.errors.PeerTimeoutError` naming it, within `MESHCOMM_TIMEOUT` seconds
   (default 300; `init(timeout=...)` overrides) of the call starting to communicate. After
   such an error the context should be finalized.

@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -196,9 +197,7 @@ def main():
     ap.add_argument("--timeout-test", action="store_true")
     ap.add_argument("--out", default="", help="a folder for one rank<r>.json result per process")
     args = ap.parse_args()
-    stats: dict = {}
-    from collections import Counter
-    stats = Counter()
+    stats: Counter = Counter()
     t0 = time.time()
     inits = args.init.split(",")
     for k, name in enumerate(inits):
