@@ -71,10 +71,12 @@ class _Loads:
         self.dev_out = defaultdict(int)
         self.dev_in = defaultdict(int)
         self.reduced_at = defaultdict(int)     # elements reduced onto each node (root choice)
+        self.sent = defaultdict(int)           # elements each device sends, on any link
 
     def add_route(self, route: tuple[int, ...], n: int) -> None:
         node = self.topo.node_of
         for u, v in zip(route[:-1], route[1:]):
+            self.sent[u] += n
             if node(u) != node(v):
                 self.nic_out[node(u)] += n
                 self.nic_in[node(v)] += n
@@ -262,7 +264,7 @@ def _plan_deliveries(b: _Builder, deliveries) -> None:
         if len(h_by_node) == 1:
             # one holder node: no sender to choose, one chain through the lacking nodes
             (hs,) = h_by_node.values()
-            root = b.pick(hs, b.loads.dev_out)
+            root = b.pick(hs, b.loads.sent)
             b.emit((root,), b.chain_order(root, [d for devs in lacking.values() for d in devs]), box)
         else:
             key = (tuple(sorted(h_by_node)), tuple(sorted(lacking)))
@@ -274,7 +276,7 @@ def _plan_deliveries(b: _Builder, deliveries) -> None:
 def _deliver_in_node(b: _Builder, box: Box, holders: list[int], needers: list[int]) -> None:
     """Feed needers from holders on the same node: distinct senders where there are enough,
     else the piece is split among the holders and each part broadcast to all needers."""
-    hs = sorted(holders, key=lambda d: (b.loads.dev_out[d], d))
+    hs = sorted(holders, key=lambda d: (b.loads.sent[d], d))
     if len(needers) <= len(hs):
         for d, h in zip(sorted(needers), hs):
             b.emit((h,), (d,), box)
@@ -325,7 +327,7 @@ def _assign_senders(b: _Builder, groups: dict[tuple, list]) -> None:
                     s = quotas[qi][0]
                     take = min(left, n - pos)
                     for sub in row_major_range(box, pos, pos + take):
-                        root = b.pick(h_by_node[s], b.loads.dev_out)
+                        root = b.pick(h_by_node[s], b.loads.sent)
                         b.emit((root,), b.chain_order(root, needers), sub)
                     pos += take
                     left -= take
