@@ -25,14 +25,14 @@ import argparse
 import json
 import math
 import os
-import statistics
-import time
 from importlib import resources
 
 import numpy as np
+
 from mpi4py import MPI
 
 import meshcomm as mc
+from meshcomm.spmd_timing import time_repeats
 from meshcomm.backends.base import Work, wait_polling
 
 BASELINES = {"blocking": "MPI_Allgatherv", "polite": "MPI_Iallgatherv polled like meshcomm polls",
@@ -66,15 +66,7 @@ def shape_for(mib: float, ndim: int = 3) -> tuple[int, ...]:
 
 
 def timed(comm, fn, reps, warmup):
-    ts, out = [], None
-    for i in range(warmup + reps):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        out = fn()
-        t = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-        if i >= warmup:
-            ts.append(t)
-    return statistics.median(ts), out
+    return time_repeats(comm, fn, reps, warmup)
 
 
 class _Req(Work):

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["kind_of", "normalize_dtype", "dtype_of", "to_numpy", "from_numpy", "is_torch", "is_jax"]
+__all__ = ["kind_of", "normalize_dtype", "dtype_of", "to_numpy", "is_torch", "is_jax"]
 
 
 def is_torch(x) -> bool:

@@ -493,6 +493,7 @@ def _run_mpi_part(args, cases) -> list[dict] | None:
     import meshcomm as mc
     from .backends import base
     from .planners import baselines
+    from .spmd_timing import time_repeats
     import os
     comm = MPI.COMM_WORLD
     me = comm.rank
@@ -504,14 +505,8 @@ def _run_mpi_part(args, cases) -> list[dict] | None:
     backends = [b for b in args.backends.split(",") if b]
 
     def timed(fn):
-        out = fn()
-        ts = []
-        for _ in range(args.repeats):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            out = fn()
-            ts.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-        return out, statistics.median(ts)
+        t, out = time_repeats(comm, fn, args.repeats, warmup=1)
+        return out, t
 
     def exact(case, g, y) -> bool:
         ok = True

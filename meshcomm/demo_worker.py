@@ -13,6 +13,7 @@ import numpy as np
 
 from .backends.base import issued
 from .demo import HEADER, Case, global_array, row
+from .spmd_timing import time_once
 
 
 def _my_src(case: Case, g: np.ndarray, me: int, seed: int) -> dict:
@@ -153,10 +154,7 @@ def worker_main(cases: list[Case], args) -> int:
         times = {label: [] for label, _, _ in methods}
         for _ in range(args.repeats):
             for label, fn, _ in methods:
-                comm.Barrier()
-                t0 = time.perf_counter()
-                fn()
-                times[label].append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+                times[label].append(time_once(comm, fn)[0])
         med = {label: statistics.median(ts) for label, ts in times.items()}
         base_t = med.get("ag+slice")
         for label, _, moved in methods:

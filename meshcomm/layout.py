@@ -18,8 +18,6 @@ import functools
 import math
 from typing import Any, Iterable, Mapping, Sequence, Union
 
-import numpy as np
-
 from .mesh import Mesh
 
 __all__ = ["Blocks", "Layout", "Box", "chunk_bounds", "normalize_shape"]
