@@ -19,12 +19,36 @@ __all__ = ["plan", "reshard", "shard", "unshard", "infer_shape", "Handle"]
 def plan(shape, dtype, src: Layout, dst: Layout, topology: Topology | str | None = None) -> Plan:
     """The schedule that moves a `shape`/`dtype` tensor from `src` to `dst`. Pure,
     deterministic and cached: asking again with equal arguments returns the same Plan."""
+    try:                        # the same call again: one dict lookup
+        return _SEEN[(shape, dtype, src, dst, topology)]
+    except (KeyError, TypeError):
+        pass
     _check_layouts(src, dst)
+    key = (shape, dtype, src, dst, topology)
     shape = normalize_shape(shape)
     src.check_shape(shape)
     dst.check_shape(shape)
     name, itemsize = arrays.normalize_dtype(dtype)
-    return _cached_plan(shape, name, itemsize, src, dst, Topology.coerce(topology))
+    p = _cached_plan(shape, name, itemsize, src, dst, Topology.coerce(topology))
+    try:
+        if len(_SEEN) >= 512:
+            _SEEN.clear()
+        _SEEN[key] = p
+    except TypeError:           # an unhashable spelling of the shape (a list): no shortcut
+        pass
+    return p
+
+
+_SEEN: dict = {}
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached plan and tiling (for cold-planning measurements and tests)."""
+    from . import layout
+    _SEEN.clear()
+    _cached_plan.cache_clear()
+    layout._CHECKED.clear()
+    layout._tiling.cache_clear()
 
 
 @functools.lru_cache(maxsize=512)

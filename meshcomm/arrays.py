@@ -35,9 +35,26 @@ _TORCH_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16",
                 "double": "float64", "bool": "bool"}
 
 
+_DTYPES: dict = {}
+
+
 def normalize_dtype(dtype: Any) -> tuple[str, int]:
     """(canonical name, itemsize) for anything numpy.dtype accepts, torch dtypes and
-    bfloat16/float8 names (via ml_dtypes when installed)."""
+    bfloat16/float8 names (via ml_dtypes when installed). Cached per hashable dtype."""
+    try:
+        return _DTYPES[(type(dtype), dtype)]
+    except (KeyError, TypeError):
+        pass
+    out = _normalize_dtype(dtype)
+    try:
+        if len(_DTYPES) < 256:
+            _DTYPES[(type(dtype), dtype)] = out
+    except TypeError:
+        pass
+    return out
+
+
+def _normalize_dtype(dtype: Any) -> tuple[str, int]:
     t = sys.modules.get("torch")
     if t is not None and isinstance(dtype, getattr(t, "dtype", ())):
         name = str(dtype).removeprefix("torch.")

@@ -312,7 +312,7 @@ def plan_cases(max_devices: int = 4096):
 def plan_rows(topology, repeats: int = 5, cached_repeats: int = 200, max_devices: int = 4096,
               progress: bool = True) -> list[dict]:
     from tqdm import tqdm
-    from . import api, layout as layout_mod
+    from . import api
     from .planners.topology import Topology
     topo = Topology.coerce(topology)
     rows = []
@@ -322,8 +322,7 @@ def plan_rows(topology, repeats: int = 5, cached_repeats: int = 200, max_devices
         cold, cold_cpu = [], []
         p = None
         for _ in range(repeats):
-            api._cached_plan.cache_clear()
-            layout_mod._tiling.cache_clear()
+            api.clear_plan_cache()
             t0, c0 = time.perf_counter(), time.process_time()
             p = api.plan(shape, "float32", src, dst, topology=topo)
             cold.append(time.perf_counter() - t0)

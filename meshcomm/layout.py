@@ -206,7 +206,16 @@ class Layout:
 
     def tiles(self, shape) -> "Tiling":
         """Cached per-shape facts: boxes per device, shard classes, addends."""
-        return _tiling(self, self.check_shape(shape))
+        if type(shape) is tuple:
+            t = _CHECKED.get((self, shape))
+            if t is not None:
+                return t
+        t = _tiling(self, self.check_shape(shape))
+        if type(shape) is tuple:
+            if len(_CHECKED) >= 4096:
+                _CHECKED.clear()
+            _CHECKED[(self, shape)] = t
+        return t
 
     def index_map(self, shape) -> dict[int, tuple[slice, ...]]:
         """Device id -> the box of the global tensor it holds, as concrete slices."""
@@ -282,6 +291,9 @@ def box_size(box: Box) -> int:
     for a, b in box:
         n *= b - a
     return n
+
+
+_CHECKED: dict = {}     # (layout, shape as given) -> Tiling, for shapes already validated
 
 
 @functools.lru_cache(maxsize=4096)

@@ -46,6 +46,7 @@ Under a launcher (`mpiexec`, or `torchrun` for the torch backend)::
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import sys
 import threading
@@ -202,11 +203,10 @@ class Context:
         from .layout import Layout
         from .mesh import Mesh
         if isinstance(mesh_or_devices, Layout):
-            devs = mesh_or_devices.mesh.device_ids
-        elif isinstance(mesh_or_devices, Mesh):
-            devs = mesh_or_devices.device_ids
-        else:
-            devs = [int(d) for d in mesh_or_devices]
+            mesh_or_devices = mesh_or_devices.mesh
+        if isinstance(mesh_or_devices, Mesh):
+            return _owned(mesh_or_devices, self.rank, self.devices_per_process)
+        devs = [int(d) for d in mesh_or_devices]
         return tuple(d for d in devs if self.rank_of(d) == self.rank)
 
     def _check_owners(self, layout, what):
@@ -374,6 +374,11 @@ class Context:
             b = self._backends.get(name)
             if b is not None:
                 b.close()
+
+
+@functools.lru_cache(maxsize=1024)
+def _owned(mesh, rank: int, dpp: int) -> tuple[int, ...]:
+    return tuple(d for d in mesh.device_ids if d // dpp == rank)
 
 
 def _optimistic(be) -> bool:

@@ -1,0 +1,110 @@
+"""Broadcast inside one host: MPICH's Ibcast vs the root's Isend to each member.
+
+    .venv/bin/mpiexec -n 8 .venv/bin/python benchmarks/bcast_p2p.py [--reps 15] [--json FILE]
+
+Two parts, 8 processes on this host:
+
+* primitives: MPI_Ibcast on a sub-communicator of root + m members vs m Isend/Irecv pairs
+  (both polled the way meshcomm polls), message sizes 1 KiB .. 16 MiB, m = 3 and 7;
+* end to end: `meshcomm.reshard` of a replicated float32 tensor from device 0 to devices
+  1..m (one broadcast in the plan) with the MPI backend's broadcast done each way
+  (`MESHCOMM_MPI_BCAST=collective|p2p`; the default, auto, picks p2p inside one host).
+
+Per repeat the slowest rank's time (polite barriers, meshcomm.spmd_timing); median of
+--reps after a warm-up; ratios are collective / p2p within the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+import meshcomm as mc
+from meshcomm.spmd_timing import time_repeats
+
+
+def poll(reqs):
+    while not MPI.Request.Testall(reqs):
+        os.sched_yield()
+
+
+def primitives(comm, reps):
+    me, rows = comm.rank, []
+    for m in (3, 7):
+        if m >= comm.size:
+            continue
+        sub = comm.Split(0 if me <= m else MPI.UNDEFINED, me)
+        for nbytes in (1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24):
+            buf = np.ones(nbytes, np.uint8)
+
+            def ibcast():
+                if sub != MPI.COMM_NULL:
+                    poll([sub.Ibcast(buf, root=0)])
+
+            def fanout():
+                if me == 0:
+                    poll([comm.Isend(buf, d, 5) for d in range(1, m + 1)])
+                elif me <= m:
+                    poll([comm.Irecv(buf, 0, 5)])
+            n = reps if nbytes >= 1 << 20 else 3 * reps
+            t_c, _ = time_repeats(comm, ibcast, n, 2)
+            t_p, _ = time_repeats(comm, fanout, n, 2)
+            rows.append({"part": "primitive", "members": m, "bytes": nbytes,
+                         "collective_s": t_c, "p2p_s": t_p})
+        if sub != MPI.COMM_NULL:
+            sub.Free()
+    return rows
+
+
+def end_to_end(comm, ctx, reps):
+    me, rows = comm.rank, []
+    be = ctx.get_backend("mpi")
+    for m in (3, 7):
+        if m >= comm.size:
+            continue
+        for nbytes in (1 << 12, 1 << 20, 1 << 24):
+            n = nbytes // 4
+            src = mc.Layout(mc.Mesh([[0]], ("x", "y")), (None,))
+            dst = mc.Layout(mc.Mesh([list(range(1, m + 1))], ("x", "y")), (None,))
+            x = {0: np.arange(n, dtype=np.float32)} if me == 0 else {}
+            t = {}
+            for mode in ("collective", "p2p"):
+                be.bcast_mode = mode
+
+                def call():
+                    return mc.reshard(x, src, dst, shape=(n,), dtype="float32", backend="mpi")
+                t[mode], y = time_repeats(comm, call, reps if nbytes >= 1 << 20 else 3 * reps, 1)
+                ok = me not in dst.mesh or np.array_equal(y[me], np.arange(n, dtype=np.float32))
+                assert comm.allreduce(int(not ok)) == 0, f"inexact result with bcast {mode}"
+            be.bcast_mode = "auto"
+            rows.append({"part": "reshard", "members": m, "bytes": nbytes,
+                         "collective_s": t["collective"], "p2p_s": t["p2p"]})
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    comm = MPI.COMM_WORLD
+    ctx = mc.init(backend="mpi")
+    rows = primitives(comm, args.reps) + end_to_end(comm, ctx, args.reps)
+    if comm.rank == 0:
+        print(f"broadcast inside one host: {comm.size} processes, median of {args.reps} "
+              f"(x3 below 1 MiB), per repeat the slowest rank")
+        print(f"{'part':10s} {'members':>7s} {'bytes':>9s} {'Ibcast us':>10s} {'p2p us':>10s} {'Ibcast/p2p':>10s}")
+        for r in rows:
+            print(f"{r['part']:10s} {r['members']:7d} {r['bytes']:9d} {r['collective_s'] * 1e6:10.1f} "
+                  f"{r['p2p_s'] * 1e6:10.1f} {r['collective_s'] / r['p2p_s']:9.2f}x")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+    mc.finalize()
+
+
+if __name__ == "__main__":
+    main()
