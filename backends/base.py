@@ -15,9 +15,10 @@ How a process runs a plan (`execute`):
   reaching 3 or more, `bcast` on the group of those ranks. A reduce sums the contributors
   in the plan's order of `srcs` (bitwise the same as the local backend): each contributing
   rank sends its packed tiles to the root rank, which adds them up in order. For integer
-  dtypes (exact in any order) a reduce over 3+ ranks uses the backend's `reduce` instead;
-  `MESHCOMM_REDUCE=collective` also uses it for float32/float64 (faster, not bitwise
-  reproducible), `MESHCOMM_REDUCE=ordered` never.
+  dtypes (exact in any order) a reduce over 3+ ranks uses the backend's `reduce` instead,
+  unless the backend finds gathering faster (MPI with every rank on one host, where
+  MPICH's Ireduce measured 3-7x slower); `MESHCOMM_REDUCE=collective` uses the collective
+  for integers and float32/float64 (not bitwise reproducible), `ordered` never.
 * Stages: everything of stage k is issued non-blocking, in global order, then waited for,
   then unpacked, before stage k+1 (which may read what stage k wrote).
 * Backends may differ per transfer (`Backend.choose`, used by `mixed`). Before issuing on a
@@ -273,7 +274,10 @@ def _unique(seq):
     return tuple(dict.fromkeys(seq))
 
 
-def collective_reduce_ok(dtype: str) -> bool:
+def collective_reduce_ok(dtype: str, backend: "Backend | None" = None) -> bool:
+    """Whether a reduce over 3+ ranks uses the backend's collective reduce (else the root
+    gathers and adds in plan order). auto: integers, except where the backend reports its
+    collective reduce slower than gathering (`gather_reduces`: MPI inside one host)."""
     mode = os.environ.get("MESHCOMM_REDUCE", "auto")
     if mode == "ordered":
         return False
@@ -281,9 +285,9 @@ def collective_reduce_ok(dtype: str) -> bool:
         kind = np.dtype(dtype).kind
     except TypeError:
         return False
-    if kind in "iu":
-        return True
-    return mode == "collective" and dtype in ("float32", "float64")
+    if mode == "collective":
+        return kind in "iu" or dtype in ("float32", "float64")
+    return kind in "iu" and not getattr(backend, "gather_reduces", False)
 
 
 def _step_for(i, t, rank_of, collective_reduce: bool) -> Step:
@@ -364,7 +368,7 @@ class Execution:
         for d, box in dt.boxes.items():
             if rank_of(d) == rank:
                 self.out[d] = _alloc(like, tuple(b - a for a, b in box), zero=d in zero or box_size(box) == 0)
-        self.coll = collective_reduce_ok(plan.dtype)
+        self.coll = collective_reduce_ok(plan.dtype, backend)
         self.dpp = dpp
         self.steps = compile_steps(plan, rank, dpp, self.coll)
         self.device = streams.device_of(like)

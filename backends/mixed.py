@@ -41,6 +41,10 @@ class MixedBackend(Backend):
     def members(self):
         return (self.mpi, self.torch)
 
+    @property
+    def gather_reduces(self) -> bool:
+        return self.mpi.gather_reduces
+
     def allgather_obj(self, obj, deadline):
         return self.mpi.allgather_obj(obj, deadline)
 

@@ -10,8 +10,9 @@
 * A broadcast whose group sits on one host is the root's Isend to each member (on the
   group's communicator) rather than `Ibcast`: with MPI's shared-memory transport every
   receiver then copies straight from the root's buffer, in parallel, which measured about
-  2x faster than MPICH's `Ibcast` from 1 KiB to 16 MiB (BENCHMARKS.md). Across hosts
-  `Ibcast` keeps its trees. `MESHCOMM_MPI_BCAST=collective|p2p` forces one way.
+  2x faster than MPICH's `Ibcast` from 1 KiB to 16 MiB (BENCHMARKS.md). Likewise integer
+  reduces gather to the root there instead of `Ireduce` (3-7x faster here). Across hosts
+  MPI's own trees are kept. `MESHCOMM_MPI_COLLECTIVES=native|p2p` forces one way.
 * Every wait polls `Test` with a deadline instead of a blocking `Wait`, so a peer that
   never arrives raises `PeerTimeoutError` naming it.
 * Threads: meshcomm runs all communication of a context on one background thread; MPI
@@ -86,10 +87,10 @@ INIT_TAG = 32000     # the tag of the join check on the launcher's communicator
 BCAST_TAG = 7        # point-to-point broadcasts, on the group's own communicator
 
 
-def _bcast_mode() -> str:
-    mode = os.environ.get("MESHCOMM_MPI_BCAST", "auto")
-    if mode not in ("auto", "p2p", "collective"):
-        raise ValueError(f"MESHCOMM_MPI_BCAST must be auto, p2p or collective, got {mode!r}")
+def _collectives_mode() -> str:
+    mode = os.environ.get("MESHCOMM_MPI_COLLECTIVES", "auto")
+    if mode not in ("auto", "p2p", "native"):
+        raise ValueError(f"MESHCOMM_MPI_COLLECTIVES must be auto, p2p or native, got {mode!r}")
     return mode
 
 
@@ -158,7 +159,10 @@ class MPIBackend(Backend):
         # and on which host (broadcasts inside one host go point to point, see above)
         self.hosts = timed_allgather(base, MPI.Get_processor_name(), deadline, INIT_TAG, timeout,
                                      "meshcomm.init", "did not call init")
-        self.bcast_mode = _bcast_mode()
+        self.mode = _collectives_mode()
+        # every rank on one host: integer reduces gather to the root too (MPICH's Ireduce
+        # measured 3-7x slower over shared memory here); the same answer on every rank
+        self.gather_reduces = self.mode == "p2p" or (self.mode == "auto" and len(set(self.hosts)) == 1)
         self.comm = timed_dup(base, deadline)
         self.meta = timed_dup(base, deadline)
         self.bcomm = timed_dup(base, deadline)     # point-to-point broadcasts over everyone
@@ -192,8 +196,8 @@ class MPIBackend(Backend):
     def bcast_p2p(self, ranks) -> bool:
         """Whether a broadcast over `ranks` goes as point-to-point sends (same answer on
         every member: each sees the same hosts)."""
-        if self.bcast_mode != "auto":
-            return self.bcast_mode == "p2p"
+        if self.mode != "auto":
+            return self.mode == "p2p"
         return len({self.hosts[r] for r in ranks}) == 1
 
     def bcast(self, buf, root, ranks):

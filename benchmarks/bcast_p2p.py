@@ -8,7 +8,7 @@ Two parts, 8 processes on this host:
   (both polled the way meshcomm polls), message sizes 1 KiB .. 16 MiB, m = 3 and 7;
 * end to end: `meshcomm.reshard` of a replicated float32 tensor from device 0 to devices
   1..m (one broadcast in the plan) with the MPI backend's broadcast done each way
-  (`MESHCOMM_MPI_BCAST=collective|p2p`; the default, auto, picks p2p inside one host).
+  (`MESHCOMM_MPI_COLLECTIVES=native|p2p`; the default, auto, picks p2p inside one host).
 
 Per repeat the slowest rank's time (polite barriers, meshcomm.spmd_timing); median of
 --reps after a warm-up; ratios are collective / p2p within the same run.
@@ -71,17 +71,17 @@ def end_to_end(comm, ctx, reps):
             dst = mc.Layout(mc.Mesh([list(range(1, m + 1))], ("x", "y")), (None,))
             x = {0: np.arange(n, dtype=np.float32)} if me == 0 else {}
             t = {}
-            for mode in ("collective", "p2p"):
-                be.bcast_mode = mode
+            for mode in ("native", "p2p"):
+                be.mode = mode
 
                 def call():
                     return mc.reshard(x, src, dst, shape=(n,), dtype="float32", backend="mpi")
                 t[mode], y = time_repeats(comm, call, reps if nbytes >= 1 << 20 else 3 * reps, 1)
                 ok = me not in dst.mesh or np.array_equal(y[me], np.arange(n, dtype=np.float32))
                 assert comm.allreduce(int(not ok)) == 0, f"inexact result with bcast {mode}"
-            be.bcast_mode = "auto"
+            be.mode = "auto"
             rows.append({"part": "reshard", "members": m, "bytes": nbytes,
-                         "collective_s": t["collective"], "p2p_s": t["p2p"]})
+                         "collective_s": t["native"], "p2p_s": t["p2p"]})
     return rows
 
 

@@ -111,7 +111,7 @@ def prepare_groups(plans) -> None:
     be = ctx.backend
     deadline = time.monotonic() + ctx.timeout
     for p in plans:
-        coll = base.collective_reduce_ok(p.dtype)
+        coll = base.collective_reduce_ok(p.dtype, be)
         need = base.groups_needed(p, ctx.devices_per_process, coll,
                                   lambda s: be.choose(s.table_op, s.nbytes, len(s.ranks), "cpu"))
         for b in be.members():

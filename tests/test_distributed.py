@@ -112,10 +112,10 @@ def test_mpiexec_8_every_backend(tmp_path):
 
 def test_mpiexec_two_devices_per_process_and_reinit(tmp_path):
     # init("mpi") -> finalize -> init("torch") (rendezvous derived from MPI) -> init("mixed");
-    # MPI broadcasts as MPI_Ibcast here (elsewhere on one host they go point to point)
+    # MPI's own Ibcast/Ireduce here (elsewhere on one host they go point to point)
     cases = 16
     res = mpiexec(4, "--init", "mpi,torch,mixed", "--dpp", "2", "--cases", str(cases), "--seed", "2",
-                  out=tmp_path / "out", env={"MESHCOMM_MPI_BCAST": "collective"})
+                  out=tmp_path / "out", env={"MESHCOMM_MPI_COLLECTIVES": "native"})
     check_cases(res, 4, cases, ("mpi", "torch", "mixed"))
 
 
