@@ -65,10 +65,6 @@ def shape_for(mib: float, ndim: int = 3) -> tuple[int, ...]:
     return shape
 
 
-def timed(comm, fn, reps, warmup):
-    return time_repeats(comm, fn, reps, warmup)
-
-
 class _Req(Work):
     def __init__(self, req):
         self.req = req
@@ -170,8 +166,8 @@ def main():
         arg = mine if mine is not None else np.empty(0, np.float32)
         t_b, ok_ag = {}, True
         for name in baselines:
-            t_b[name], got_ag = timed(comm, lambda: base(arg, polite=name == "polite", direct=name == "direct"),
-                                      args.reps, args.warmup)
+            t_b[name], got_ag = time_repeats(comm, lambda: base(arg, polite=name == "polite", direct=name == "direct"),
+                                             args.reps, args.warmup)
             ok_ag = ok_ag and (want is None or np.array_equal(got_ag, want))
         t_ag = min(t_b.values())            # the fastest baseline
         p = mc.plan(shape, "float32", src, dst)
@@ -182,8 +178,8 @@ def main():
             if opt == "nocheck":        # no metadata exchange: shape and dtype given everywhere
                 os.environ["MESHCOMM_CHECK"] = "0"
                 kw = {"shape": shape, "dtype": "float32"}
-            t_rs, got = timed(comm, lambda: mc.reshard(inp, src, dst, backend=name, **kw),
-                              args.reps, args.warmup)
+            t_rs, got = time_repeats(comm, lambda: mc.reshard(inp, src, dst, backend=name, **kw),
+                                     args.reps, args.warmup)
             os.environ["MESHCOMM_CHECK"] = "1"
             ok = want is None or np.array_equal(got[rank], want)
             ok = comm.allreduce(bool(ok and ok_ag), op=MPI.LAND)

@@ -17,10 +17,21 @@ import time
 __all__ = ["polite_barrier", "time_once", "time_repeats"]
 
 
-def polite_barrier(comm) -> None:
+def polite_barrier(comm, timeout: float | None = None) -> None:
+    """Ibarrier polled with sched_yield; PeerTimeoutError after `timeout` seconds
+    (default MESHCOMM_TIMEOUT) instead of a hang when a rank never arrives."""
+    from .errors import PeerTimeoutError
+    from .runtime import _timeout
     req = comm.Ibarrier()
+    deadline = time.monotonic() + _timeout(timeout)
+    spins = 0
     while not req.Test():
         os.sched_yield()
+        spins += 1
+        if spins % 1024 == 0 and time.monotonic() > deadline:
+            raise PeerTimeoutError(f"rank {comm.Get_rank()}: a benchmark barrier did not complete "
+                                   "within MESHCOMM_TIMEOUT: some rank did not arrive or died",
+                                   (), "barrier")
 
 
 def time_once(comm, fn):
