@@ -128,8 +128,11 @@ def all_to_all_v(x, send_counts, mesh: Mesh, axis: str, recv_counts=None, backen
     every device of `mesh`; under a launcher each process passes its own devices' (or bare
     values when it owns one device). `recv_counts` saves the count exchange; the inverse
     (combine) is the same call with the counts swapped. Counts may also be a matrix with one
-    row per device (mesh order). Under a launcher recv_counts are trusted: they must match
-    what the senders send. NumPy or torch rows (any trailing shape). Returns the same
+    row per device (mesh order). Under a launcher recv_counts are checked against the
+    senders' counts with one round of small messages, and a mismatch raises ValueError on the
+    receiving process after the exchange (run with the senders' counts, so no peer hangs);
+    `MESHCOMM_CHECK=0` trusts them and skips that round (a wrong count is then undefined:
+    MPI reports a truncated message or leaves rows unfilled, gloo aborts). NumPy or torch rows (any trailing shape). Returns the same
     structure, or a Handle when `async_op`; `topology`/`algorithm` steer the planner.
     """
     if not isinstance(mesh, Mesh):
@@ -180,6 +183,7 @@ def all_to_all_v(x, send_counts, mesh: Mesh, axis: str, recv_counts=None, backen
         rcs = {d: _counts(rcs[d], d, n, axis) for d in owned if d in rcs}
         if len(rcs) != len(owned):
             raise ValueError(f"recv_counts needs an entry for every device this process owns {owned}")
+        _check_owned_counts(groups, scs, rcs, axis)
     row_elems = int(np.prod(like.shape[1:], dtype=np.int64))
     row_bytes = row_elems * arrays.dtype_of(like)[1]
     topo = Topology.coerce(topology)
@@ -249,6 +253,9 @@ class _DistRun:
         timeout = getattr(self.prim, "timeout", None)
         self.timeout = timeout if timeout is not None else float(os.environ.get("MESHCOMM_TIMEOUT", "60"))
         self.keep = []          # send buffers stay alive until their wait
+        # recv_counts are checked against the senders' counts (one round of small messages)
+        # unless MESHCOMM_CHECK=0, which trusts them and skips that round
+        self.check = os.environ.get("MESHCOMM_CHECK", "1") != "0"
         self.row_elems, self.row_bytes, self.sent_bytes = row_elems, row_bytes, 0
         # tags are taken now, in the caller's order (the same on every process of a group)
         self.tags = {g: _TAG_BASE + (next(_calls.setdefault(g, itertools.count())) % _TAG_SPAN) * 2
@@ -258,6 +265,7 @@ class _DistRun:
         groups, xs, scs, rcs, topo, algorithm = self.args
         row_bytes = self.row_bytes
         self.plans = []
+        wrong = []          # (device, recv_counts given, counts the senders send)
         multi_node = topo.devices_per_node > 1
         for g in groups:
             if not self.owned.intersection(g):
@@ -266,22 +274,25 @@ class _DistRun:
             mine = [d for d in g if d in self.owned]
             need_matrix = multi_node and algorithm != "pairwise" and \
                 len({topo.node_of(d) for d in g}) > 1
-            if rcs is not None and not need_matrix:
-                counts = _partial_matrix(g, scs, rcs)
+            if rcs is not None and not need_matrix and not self.check:
+                counts = _partial_matrix(g, scs, rcs)     # trusted: no exchange
                 algo = "pairwise"
             else:
                 counts = self._exchange_counts(g, mine, scs, tag)
-                algo = algorithm
+                algo = algorithm if rcs is None or need_matrix else "pairwise"
             p = plan_alltoall(g, counts, row_bytes, topo, algo)
             if rcs is not None:
-                for f in mine:
-                    if p.recv_counts(f) != rcs[f]:
-                        raise ValueError(f"recv_counts of device {f} are {list(rcs[f])} but the senders "
-                                         f"send it {list(p.recv_counts(f))}")
+                wrong.extend((f, rcs[f], p.recv_counts(f)) for f in mine if p.recv_counts(f) != rcs[f])
             self.plans.append((p, tag + 1))
         self.hold = {d: _split(xs[d], scs[d], d, p.devices) for p, _ in self.plans
                      for d in p.devices if d in self.owned}
-        return self.finish(bare)
+        out = self.finish(bare)
+        if wrong:
+            # raised after the exchange ran with the senders' counts, so no peer waits on us
+            f, given, sent = wrong[0]
+            raise ValueError(f"recv_counts of device {f} are {list(given)} but the senders along "
+                             f"the axis send it {list(sent)}")
+        return out
 
     def _owner(self, d):
         return d // self.dpp
@@ -372,6 +383,20 @@ def _flat_cat(parts, like):
         import torch
         return torch.cat(flat)
     return np.concatenate(flat)
+
+
+def _check_owned_counts(groups, scs, rcs, axis):
+    """recv_counts entries whose sender this process owns must equal that sender's send
+    counts (a device's count to itself included): checked here, before any communication."""
+    for g in groups:
+        for j, f in enumerate(g):
+            if f not in rcs:
+                continue
+            for i, o in enumerate(g):
+                if o in scs and scs[o][j] != rcs[f][i]:
+                    raise ValueError(
+                        f"recv_counts of device {f} say {rcs[f][i]} rows from device {o} but the "
+                        f"send_counts of device {o} send it {scs[o][j]} (mesh axis {axis!r})")
 
 
 def _partial_matrix(g, scs, rcs):

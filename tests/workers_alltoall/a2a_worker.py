@@ -103,6 +103,30 @@ def main():
             np.testing.assert_array_equal(y[d][:, 0], list(sub.device_ids))
     else:
         assert y is None
+    # wrong recv_counts for a peer's rows: the receiving process gets a ValueError naming
+    # its device after the exchange, the others their right result, and nobody hangs
+    if world > 1:
+        mesh = mc.Mesh(np.arange(world * dpp), ("ep",))
+        n = mesh.size
+        mine = [d for d in mesh.device_ids if d // dpp == rank]
+        victim = n - 1                                   # owned by the last rank
+        x = {d: np.full((n, 1), d, np.int64) for d in mine}
+        sc = {d: [1] * n for d in mine}
+        rc = {d: [1] * n for d in mine}
+        if victim in rc:
+            rc[victim][0] = 2                            # device 0 (rank 0) sends it 1 row
+        try:
+            y = mc.all_to_all_v(x, sc, mesh, "ep", recv_counts=rc)
+            assert victim not in mine, "no error for wrong recv_counts"
+            for d in mine:
+                np.testing.assert_array_equal(y[d][:, 0], np.arange(n))
+        except ValueError as e:
+            assert victim in mine and f"device {victim}" in str(e), e
+        # and the next call still works on every process (tags and state stay in step)
+        y = mc.all_to_all_v(x, sc, mesh, "ep")
+        for d in mine:
+            np.testing.assert_array_equal(y[d][:, 0], np.arange(n))
+        ncases += 2
     # a device without a process is refused before any communication, naming it
     try:
         mc.all_to_all_v({}, {}, mc.Mesh([0, world * dpp + 3], ("ep",)), "ep")
