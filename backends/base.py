@@ -148,6 +148,12 @@ class Backend:
     def reduce(self, buf, root: int, ranks: tuple[int, ...]) -> Work: raise NotImplementedError
     def allgather_obj(self, obj, deadline: float | None) -> list: raise NotImplementedError
 
+    def allreduce_min(self, vec, deadline: float | None):
+        """The elementwise minimum of an int64 NumPy vector over all ranks (the metadata
+        check's collective form, see meshcomm.runtime). This default goes through
+        allgather_obj; backends override it with their tree/ring allreduce."""
+        return np.min(np.stack(self.allgather_obj(vec, deadline)), axis=0)
+
     def barrier(self, deadline: float | None) -> None:
         self.allgather_obj(None, deadline)
 

@@ -48,5 +48,8 @@ class MixedBackend(Backend):
     def allgather_obj(self, obj, deadline):
         return self.mpi.allgather_obj(obj, deadline)
 
+    def allreduce_min(self, vec, deadline):
+        return self.mpi.allreduce_min(vec, deadline)
+
     def close(self):
         pass            # the context closes the two members

@@ -266,6 +266,19 @@ class MPIBackend(Backend):
         return timed_allgather(self.meta, obj, deadline, tag, self.timeout,
                                "the metadata exchange", "did not call reshard")
 
+    def allreduce_min(self, vec, deadline):
+        """MPI_Iallreduce(MIN) on the metadata communicator, polled with the deadline. A
+        collective cannot tell which member is missing, so a timeout names every other rank."""
+        MPI = _mpi()
+        vec = np.ascontiguousarray(vec, dtype=np.int64)
+        out = np.empty_like(vec)
+        req = self.meta.Iallreduce(vec, out, op=MPI.MIN)
+        others = tuple(r for r in range(self.world_size) if r != self.rank)
+        wait_polling([_MPIWork(req, (vec, out), "the metadata check (an allreduce: any of them "
+                               "may be the one missing)", others, self.rank)],
+                     deadline, self.rank, self.timeout)
+        return out
+
     def close(self):
         for c in self._groups.values():
             if c is not None:

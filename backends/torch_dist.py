@@ -255,6 +255,20 @@ class TorchBackend(Backend):
             out[r] = pickle.loads(bytes(v))
         return out
 
+    def allreduce_min(self, vec, deadline):
+        """all_reduce(MIN) of a CPU int64 tensor (gloo: no round trips through the store
+        host); a timeout names every other rank, as any of them may be the one missing."""
+        import numpy as np
+        import torch
+        self.flush()
+        t = torch.from_numpy(np.array(vec, dtype=np.int64))
+        work = self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN, async_op=True)
+        others = tuple(r for r in range(self.world_size) if r != self.rank)
+        w = _TorchWork("the metadata check (an allreduce: any of them may be the one missing)",
+                       others, t, work)
+        self.wait_all([w], deadline)
+        return t.numpy()
+
     def close(self):
         self._groups.clear()
         self.store = None

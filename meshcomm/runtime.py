@@ -20,7 +20,13 @@ Under a launcher (`mpiexec`, or `torchrun` for the torch backend)::
   way), the array kind, the backend, and fingerprints of the layouts and of the plan
   (`Plan.fingerprint`). Processes that disagree, or a process whose input is invalid, make
   every process raise the same `ValueError` (`TypeError` on the faulty one) naming the
-  ranks. Set `MESHCOMM_CHECK=0` to skip the exchange when both `shape=` and `dtype=` are
+  ranks. Above 8 processes (or with MESHCOMM_CHECK_EXCHANGE=allreduce) the exchange is
+  first one MIN-allreduce of hashes of these fields (O(log N) messages per process instead
+  of 2(N-1)); when every process knows shape and dtype and all agree, that decides. Else
+  (disagreement, an error, a shape to infer) every process sees so in the same reduced
+  vector and runs the allgather, which names who differs. A timeout in the allreduce names
+  all other ranks: a collective cannot tell which one is missing.
+  Set `MESHCOMM_CHECK=0` to skip the exchange when both `shape=` and `dtype=` are
   given (pass them on every process or on none; a process without src tiles then gets
   torch tensors when `dtype` is a torch dtype, NumPy arrays otherwise).
   With the MPI backend a process that holds src tiles and knows the plan starts its first
@@ -326,24 +332,36 @@ class Context:
                 else:
                     ex, guess = None, None
             blob = {"err": None if err is None else (type(err).__name__, str(err)),
-                    "layouts": _layouts_fp(src, dst), "desc": f"src={src} dst={dst}",
+                    "layouts": _layouts_fp(src, dst), "desc": None,
                     "backend": getattr(be, "signature", be.name), "shape": shape,
                     "dtype": None if name is None else (name, itemsize),
                     "tiles": {d: tuple(v.shape) for d, v in shards.items()},
                     "kind": kind, "devtype": devtype, "plan": plan_fp, "opt": opt, "guess": guess}
-            blobs = be.allgather_obj(blob, deadline)
-            try:
-                if err is not None:
-                    raise err
-                shape, name, itemsize, kind, devtype = _agree(blobs, src, self.rank)
-            except (ValueError, TypeError):
-                if any(b["opt"] for b in blobs):     # every rank sees this: all reset together
-                    self._reset(be, ex)
-                raise
-            agreed = (api.plan(shape, name, src, dst).fingerprint, kind, devtype)
-            if any(b["guess"] is not None and tuple(b["guess"]) != agreed for b in blobs):
-                self._reset(be, ex)                   # a wrong guess somewhere: all start over
-                ex = None
+            agreed_fast = None
+            if _check_exchange(be) == "allreduce":
+                # one small allreduce; None when it cannot decide (a rank lacks the shape or
+                # dtype, or has an error) or the ranks disagree: then the allgather below runs
+                # on every rank (all see the same reduced vector) and names who and what
+                agreed_fast = _agree_collective(be.allreduce_min(_check_vector(blob), deadline), blob)
+            if agreed_fast is not None:
+                shape, name, itemsize, kind, devtype = agreed_fast
+                from meshcomm.backends import base as _base
+                _base.issued[("allreduce_check", be.name)] += 1
+            else:
+                blob["desc"] = f"src={src} dst={dst}"     # read only when layouts disagree
+                blobs = be.allgather_obj(blob, deadline)
+                try:
+                    if err is not None:
+                        raise err
+                    shape, name, itemsize, kind, devtype = _agree(blobs, src, self.rank)
+                except (ValueError, TypeError):
+                    if any(b["opt"] for b in blobs):     # every rank sees this: all reset together
+                        self._reset(be, ex)
+                    raise
+                agreed = (api.plan(shape, name, src, dst).fingerprint, kind, devtype)
+                if any(b["guess"] is not None and tuple(b["guess"]) != agreed for b in blobs):
+                    self._reset(be, ex)                   # a wrong guess somewhere: all start over
+                    ex = None
             if len(self._agreed) > 256:
                 self._agreed.clear()
             self._agreed[key] = (shape, name, itemsize, kind, devtype)
@@ -388,6 +406,76 @@ def _optimistic(be) -> bool:
     return be.name == "mpi" and os.environ.get("MESHCOMM_OPTIMISTIC", "1") != "0"
 
 
+def _check_exchange(be) -> str:
+    """How the metadata check travels: "allgather" (every rank's blob to every rank: names a
+    missing peer exactly, O(world) messages per rank) or "allreduce" (a min-allreduce of
+    hashes: O(log world); a timeout can only name the group). MESHCOMM_CHECK_EXCHANGE=
+    auto|allgather|allreduce; auto takes allreduce above 8 processes."""
+    mode = os.environ.get("MESHCOMM_CHECK_EXCHANGE", "auto")
+    if mode not in ("auto", "allgather", "allreduce"):
+        raise ValueError(f"MESHCOMM_CHECK_EXCHANGE must be auto, allgather or allreduce, got {mode!r}")
+    if mode == "auto":
+        return "allreduce" if be.world_size > 8 else "allgather"
+    return mode
+
+
+_NONE = np.iinfo(np.int64).max          # "no value" in the check vector (loses every min)
+_CHECKED = ("layouts", "backend", "shape", "dtype", "plan", "kind", "devtype")
+_CODES = {"kind": ("numpy", "torch", "jax"), "devtype": ("cpu", "cuda")}
+
+
+@functools.lru_cache(maxsize=4096)
+def _h62(v) -> int:
+    """A hash of repr(v), the same in every process (unlike hash()), in [0, 2**62)."""
+    import hashlib
+    return int.from_bytes(hashlib.blake2b(repr(v).encode(), digest_size=8).digest(), "little") >> 2
+
+
+def _check_vector(blob) -> np.ndarray:
+    """[ineligible, optimistic, min part of each field, min part of each negated field]:
+    after a MIN-allreduce, a field agrees on every rank that has it when min == max."""
+    eligible = blob["err"] is None and all(blob[k] is not None for k in ("shape", "dtype", "plan"))
+    key = tuple(tuple(v) if isinstance(v, list) else v for v in (blob[k] for k in _CHECKED))
+    return np.array(_check_row(key, eligible, bool(blob["opt"])), dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=1024)
+def _check_row(fields, eligible: bool, opt: bool) -> tuple[int, ...]:
+    vals = []
+    for k, v in zip(_CHECKED, fields):
+        if v is None:
+            vals.append(None)
+        elif k in _CODES:
+            vals.append(_CODES[k].index(v) + 1)
+        else:
+            vals.append(_h62(v))
+    lo = [_NONE if v is None else v for v in vals]
+    neg_hi = [_NONE if v is None else -v for v in vals]
+    return tuple([0 if eligible else -1, -1 if opt else 0] + lo + neg_hi)
+
+
+def _agree_collective(out, blob):
+    """(shape, dtype name, itemsize, kind, devtype) when every rank could decide and all
+    agree, else None (the caller falls back to the allgather, which names who disagrees)."""
+    n = len(_CHECKED)
+    if out[0] != 0:
+        return None
+    got = {}
+    for i, k in enumerate(_CHECKED):
+        lo, neg_hi = int(out[2 + i]), int(out[2 + n + i])
+        if lo == _NONE:                 # no rank has it (only kind/devtype may be missing)
+            got[k] = None
+            continue
+        if lo != -neg_hi:
+            return None
+        got[k] = lo
+    kind = _CODES["kind"][got["kind"] - 1] if got["kind"] is not None else "numpy"
+    devtype = _CODES["devtype"][got["devtype"] - 1] if got["devtype"] is not None else "cpu"
+    name, itemsize = blob["dtype"]
+    return tuple(blob["shape"]), name, itemsize, kind, devtype
+
+
+@functools.lru_cache(maxsize=1024)
 def _layouts_fp(src, dst) -> str:
     import hashlib
     return hashlib.sha1(repr((src, dst)).encode()).hexdigest()[:16]

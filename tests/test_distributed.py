@@ -103,6 +103,22 @@ def test_mpiexec_4_every_backend_mismatch_and_timeout(tmp_path):
     assert all(r["streams_record"] > 0 and r["streams_wait_on"] > 0 for r in res[:lag])
 
 
+def test_mpiexec_4_collective_check_mismatch_and_timeout(tmp_path):
+    # the metadata check as one min-allreduce (auto above 8 processes): agreeing calls decide
+    # on it alone; disagreements and unknown shapes fall back to the allgather and its errors
+    cases = 12
+    res = mpiexec(4, "--init", "mixed", "--backends", "mpi,torch", "--cases", str(cases), "--seed", "5",
+                  "--checks", "--timeout-test", out=tmp_path / "out",
+                  env={"MESHCOMM_TIMEOUT": str(TIMEOUT), "MESHCOMM_CHECK_EXCHANGE": "allreduce"})
+    check_cases(res, 4, cases, ("mpi", "torch"))
+    for r in res:
+        assert r["mismatch_ok"] == 4 * 2 and r["guess_ok"] == 4 * 2, r
+        assert r.get("issued_allreduce_check_mpi", 0) > 0 and r.get("issued_allreduce_check_torch", 0) > 0, r
+    for r in res[:3]:
+        for ph in ("metadata_mpi", "metadata_torch"):
+            assert 0 <= r[f"timeout_{ph}"] < TIMEOUT + 4, (ph, r)
+
+
 def test_mpiexec_8_every_backend(tmp_path):
     cases = 24
     res = mpiexec(8, "--init", "mixed", "--backends", "mpi,torch,mixed", "--cases", str(cases),
