@@ -11,7 +11,7 @@ Columns, per N (median of --reps per round, the median of 3 interleaved rounds, 
 rank per repeat, polite barriers: meshcomm.spmd_timing):
 * exchange only: the check's own communication with a realistic blob: `allgather` (every
   rank's pickled blob to every rank, the way that names a missing peer) and `allreduce`
-  (one MIN-allreduce of a 16-int64 vector of hashes);
+  (one MIN-allreduce of a 15-int64 vector of hashes);
 * whole reshard call: `check off` (MESHCOMM_CHECK=0, shape= and dtype= given), and the
   check through each exchange (MESHCOMM_CHECK_EXCHANGE=allgather|allreduce).
 On a machine with fewer cores than processes each dependent round of the allreduce waits

@@ -132,8 +132,9 @@ def all_to_all_v(x, send_counts, mesh: Mesh, axis: str, recv_counts=None, backen
     senders' counts with one round of small messages, and a mismatch raises ValueError on the
     receiving process after the exchange (run with the senders' counts, so no peer hangs);
     `MESHCOMM_CHECK=0` trusts them and skips that round (a wrong count is then undefined:
-    MPI reports a truncated message or leaves rows unfilled, gloo aborts). NumPy or torch rows (any trailing shape). Returns the same
-    structure, or a Handle when `async_op`; `topology`/`algorithm` steer the planner.
+    MPI reports a truncated message or leaves rows unfilled, gloo aborts). NumPy or torch
+    rows (any trailing shape). Returns the same structure, or a Handle when `async_op`;
+    `topology`/`algorithm` steer the planner.
     """
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a meshcomm.Mesh, got {type(mesh).__name__}")

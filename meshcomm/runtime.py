@@ -345,8 +345,7 @@ class Context:
                 agreed_fast = _agree_collective(be.allreduce_min(_check_vector(blob), deadline), blob)
             if agreed_fast is not None:
                 shape, name, itemsize, kind, devtype = agreed_fast
-                from meshcomm.backends import base as _base
-                _base.issued[("allreduce_check", be.name)] += 1
+                base.issued[("allreduce_check", be.name)] += 1
             else:
                 blob["desc"] = f"src={src} dst={dst}"     # read only when layouts disagree
                 blobs = be.allgather_obj(blob, deadline)
@@ -424,7 +423,6 @@ _CHECKED = ("layouts", "backend", "shape", "dtype", "plan", "kind", "devtype")
 _CODES = {"kind": ("numpy", "torch", "jax"), "devtype": ("cpu", "cuda")}
 
 
-@functools.lru_cache(maxsize=4096)
 def _h62(v) -> int:
     """A hash of repr(v), the same in every process (unlike hash()), in [0, 2**62)."""
     import hashlib
@@ -432,15 +430,14 @@ def _h62(v) -> int:
 
 
 def _check_vector(blob) -> np.ndarray:
-    """[ineligible, optimistic, min part of each field, min part of each negated field]:
-    after a MIN-allreduce, a field agrees on every rank that has it when min == max."""
+    """[ineligible, min part of each field, min part of each negated field]: after a
+    MIN-allreduce, a field agrees on every rank that has it when min == max."""
     eligible = blob["err"] is None and all(blob[k] is not None for k in ("shape", "dtype", "plan"))
-    key = tuple(tuple(v) if isinstance(v, list) else v for v in (blob[k] for k in _CHECKED))
-    return _check_row(key, eligible, bool(blob["opt"]))
+    return _check_row(tuple(blob[k] for k in _CHECKED), eligible)
 
 
 @functools.lru_cache(maxsize=1024)
-def _check_row(fields, eligible: bool, opt: bool) -> np.ndarray:
+def _check_row(fields, eligible: bool) -> np.ndarray:
     vals = []
     for k, v in zip(_CHECKED, fields):
         if v is None:
@@ -451,7 +448,7 @@ def _check_row(fields, eligible: bool, opt: bool) -> np.ndarray:
             vals.append(_h62(v))
     lo = [_NONE if v is None else v for v in vals]
     neg_hi = [_NONE if v is None else -v for v in vals]
-    row = np.array([0 if eligible else -1, -1 if opt else 0] + lo + neg_hi, dtype=np.int64)
+    row = np.array([0 if eligible else -1] + lo + neg_hi, dtype=np.int64)
     row.setflags(write=False)           # cached: shared by every call with these fields
     return row
 
@@ -460,8 +457,8 @@ def _agree_collective(out, blob):
     """(shape, dtype name, itemsize, kind, devtype) when every rank could decide and all
     agree, else None (the caller falls back to the allgather, which names who disagrees)."""
     n = len(_CHECKED)
-    out = out.tolist()                  # Python ints: faster than NumPy on 16 elements
-    lo, neg_hi = out[2:2 + n], out[2 + n:]
+    out = out.tolist()                  # Python ints: faster than NumPy on 15 elements
+    lo, neg_hi = out[1:1 + n], out[1 + n:]
     # min == max where some rank has the field; _NONE where none has it (kind/devtype only)
     if out[0] != 0 or any(a != -b and a != _NONE for a, b in zip(lo, neg_hi)):
         return None
