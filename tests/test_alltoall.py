@@ -155,6 +155,10 @@ def test_local_errors_name_the_device():
         mc.all_to_all_v(xs, counts, mesh, "tp")
     with pytest.raises(ValueError, match="recv_counts of device 2"):
         mc.all_to_all_v(xs, counts, mesh, "ep", recv_counts={d: [1, 1, 1, 1] for d in mesh.device_ids})
+    # a device's count to itself is checked too (it is never a message)
+    recv = {0: [2, 1, 1, 1], 1: [1, 1, 1, 1], 2: [0, 0, 0, 0], 3: [0, 0, 0, 0]}
+    with pytest.raises(ValueError, match="device 0 say 2 rows from device 0"):
+        mc.all_to_all_v(xs, counts, mesh, "ep", recv_counts=recv)
     with pytest.raises(ValueError, match=r"missing|device\(s\) \[3\]"):
         mc.all_to_all_v({d: xs[d] for d in (0, 1, 2)}, counts, mesh, "ep")
     with pytest.raises(TypeError):
