@@ -279,8 +279,8 @@ class _DistRun:
                 counts = _partial_matrix(g, scs, rcs)     # trusted: no exchange
                 algo = "pairwise"
             else:
-                counts = self._exchange_counts(g, mine, scs, tag)
-                algo = algorithm if rcs is None or need_matrix else "pairwise"
+                counts = self._exchange_counts(g, mine, scs, tag)    # the full matrix
+                algo = algorithm
             p = plan_alltoall(g, counts, row_bytes, topo, algo)
             if rcs is not None:
                 wrong.extend((f, rcs[f], p.recv_counts(f)) for f in mine if p.recv_counts(f) != rcs[f])
