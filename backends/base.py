@@ -61,6 +61,7 @@ from meshcomm.planners.boxes import box_size, local_slices
 from . import streams
 from .pack import pack, unpack
 
+from meshcomm.caches import memo
 __all__ = ["Work", "DoneWork", "Backend", "Step", "compile_steps", "groups_needed", "execute",
            "wait_polling", "backoff", "issued", "to_wire", "empty_wire", "from_wire", "TAG_MOD"]
 
@@ -313,13 +314,13 @@ def _step_for(i, t, rank_of, collective_reduce: bool) -> Step:
     return Step(i, t.stage, prim, root, tuple(sorted(ranks)), t.nbytes)
 
 
-@functools.lru_cache(maxsize=256)
+@memo(maxsize=256)
 def _all_steps(plan, devices_per_process: int, collective_reduce: bool) -> tuple[Step, ...]:
     rank_of = lambda d: d // devices_per_process  # noqa: E731
     return tuple(_step_for(i, t, rank_of, collective_reduce) for i, t in enumerate(plan.transfers))
 
 
-@functools.lru_cache(maxsize=256)
+@memo(maxsize=256)
 def compile_steps(plan, rank: int, devices_per_process: int, collective_reduce: bool) -> tuple[Step, ...]:
     """The steps `rank` takes part in, in global order."""
     return tuple(s for s in _all_steps(plan, devices_per_process, collective_reduce) if rank in s.ranks)

@@ -30,6 +30,7 @@ import json
 import os
 from typing import Any, Mapping, Sequence
 
+from meshcomm.caches import memo
 __all__ = ["FORMAT", "OPS", "BACKEND_NAMES", "Rule", "TuningTable", "load", "from_dict",
            "default_table", "table_from_env", "save", "FALLBACK"]
 
@@ -98,7 +99,7 @@ class TuningTable:
         return {r.backend for r in self.rules} | {FALLBACK}
 
 
-@functools.lru_cache(maxsize=4096)
+@memo(maxsize=4096)
 def _lookup(table: TuningTable, op: str, nbytes: int, group_size: int, device) -> str:
     for r in table.rules:
         if r.matches(op, nbytes, group_size, device):

@@ -24,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from meshcomm.caches import memo
 __all__ = ["available", "pack_cuda", "unpack_cuda", "plan_boxes", "BoxPlan", "KernelUnsupported",
            "SOURCE", "KERNEL_NAMES", "ADD_KERNELS", "add_kernel_for"]
 
@@ -219,7 +220,7 @@ def _functions(device: int) -> dict:
         return fns
 
 
-@functools.lru_cache(maxsize=None)
+@memo(maxsize=None)
 def _sm_count(device: int) -> int:
     cp = _cupy()
     return cp.cuda.Device(device).attributes["MultiProcessorCount"]

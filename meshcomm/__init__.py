@@ -6,16 +6,29 @@
     dst = mc.Layout(mc.Mesh([[8, 9], [10, 11]], ("x", "y")), (None, ("x", "y")))
     y = mc.reshard(mc.shard(x, src), src, dst)
 """
-from .mesh import Mesh
+import os as _os
+
+# planners/, backends/ and cuda/ sit at the repository's top level but import as
+# meshcomm.planners, meshcomm.backends and meshcomm.cuda. A wheel or an editable install maps
+# them (pyproject's package-dir); in a plain checkout (the repository root on sys.path, no
+# install) the package's search path is extended with the repository root, which holds them.
+_ROOT = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_ROOT, "planners", "__init__.py")) \
+        and _os.path.isfile(_os.path.join(_ROOT, "pyproject.toml")) and _ROOT not in __path__:
+    __path__.append(_ROOT)
+
+from .mesh import Mesh  # noqa: E402
 from .layout import Blocks, Layout
 from . import planners
 from .planners import Plan, Transfer, Topology, verify
-from .api import plan, reshard, shard, unshard, Handle
+from .api import plan, reshard, shard, unshard
+from .handle import Handle
+from .caches import clear_caches
 from .runtime import init, finalize
 
 __version__ = "0.1.0"
 
 __all__ = ["Mesh", "Layout", "Blocks", "Topology", "Plan", "Transfer", "plan", "reshard",
-           "shard", "unshard", "verify", "Handle", "planners", "init", "finalize"]
+           "shard", "unshard", "verify", "Handle", "planners", "init", "finalize", "clear_caches"]
 from .alltoall import all_to_all_v; __all__ += ["all_to_all_v"]  # noqa: E402,E702
 from .planners.bounds import lower_bound; __all__ += ["lower_bound"]  # noqa: E402,E702

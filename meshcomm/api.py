@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import arrays, runtime
+from .caches import clear_caches, memo, registry
 from .layout import Layout, normalize_shape
 from .planners import Plan, Topology, plan_reshard
 
@@ -31,27 +32,21 @@ def plan(shape, dtype, src: Layout, dst: Layout, topology: Topology | str | None
     name, itemsize = arrays.normalize_dtype(dtype)
     p = _cached_plan(shape, name, itemsize, src, dst, Topology.coerce(topology))
     try:
-        if len(_SEEN) >= 512:
-            _SEEN.clear()
-        _SEEN[key] = p
+        _SEEN.put(key, p)
     except TypeError:           # an unhashable spelling of the shape (a list): no shortcut
         pass
     return p
 
 
-_SEEN: dict = {}
+_SEEN = registry(512)
 
 
 def clear_plan_cache() -> None:
-    """Forget every cached plan and tiling (for cold-planning measurements and tests)."""
-    from . import layout
-    _SEEN.clear()
-    _cached_plan.cache_clear()
-    layout._CHECKED.clear()
-    layout._tiling.cache_clear()
+    """Forget every cached plan and tiling (kept for old callers: `meshcomm.clear_caches`)."""
+    clear_caches()
 
 
-@functools.lru_cache(maxsize=512)
+@memo(maxsize=512)
 def _cached_plan(shape, dtype, itemsize, src, dst, topology) -> Plan:
     return plan_reshard(shape, dtype, itemsize, src, dst, topology)
 

@@ -18,6 +18,7 @@ import functools
 import math
 from typing import Any, Iterable, Mapping, Sequence, Union
 
+from .caches import memo, registry
 from .mesh import Mesh
 
 __all__ = ["Blocks", "Layout", "Box", "chunk_bounds", "normalize_shape"]
@@ -212,9 +213,7 @@ class Layout:
                 return t
         t = _tiling(self, self.check_shape(shape))
         if type(shape) is tuple:
-            if len(_CHECKED) >= 4096:
-                _CHECKED.clear()
-            _CHECKED[(self, shape)] = t
+            _CHECKED.put((self, shape), t)
         return t
 
     def index_map(self, shape) -> dict[int, tuple[slice, ...]]:
@@ -293,10 +292,10 @@ def box_size(box: Box) -> int:
     return n
 
 
-_CHECKED: dict = {}     # (layout, shape as given) -> Tiling, for shapes already validated
+_CHECKED = registry(4096)     # (layout, shape as given) -> Tiling, for shapes already validated
 
 
-@functools.lru_cache(maxsize=4096)
+@memo(maxsize=4096)
 def _tiling(layout: Layout, shape: tuple[int, ...]) -> Tiling:
     mesh = layout.mesh
     ndim = len(shape)

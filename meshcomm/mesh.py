@@ -6,6 +6,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from .caches import memo
+
 __all__ = ["Mesh"]
 
 
@@ -154,7 +156,7 @@ class Mesh:
         return f"Mesh({self.devices.tolist()!r}, {self._axis_names!r})"
 
 
-@functools.lru_cache(maxsize=None)
+@memo(maxsize=None)
 def default_axis_names(ndim: int) -> tuple[str, ...]:
     base = ("x", "y", "z", "w", "v", "u")
     if ndim <= len(base):

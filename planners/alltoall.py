@@ -32,6 +32,7 @@ from typing import Sequence
 
 from .topology import Topology
 
+from meshcomm.caches import memo
 __all__ = ["Block", "Message", "AllToAllPlan", "plan_alltoall", "estimate", "check_alltoall", "ALGORITHMS"]
 
 ALGORITHMS = ("auto", "pairwise", "two_level")
@@ -248,7 +249,7 @@ def plan_alltoall(devices: Sequence[int], counts, row_bytes: int = 1,
     return _plan(devices, counts, int(row_bytes), topo, algorithm)
 
 
-@functools.lru_cache(maxsize=256)
+@memo(maxsize=256)
 def _plan(devices, counts, row_bytes, topo, algorithm) -> AllToAllPlan:
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown all-to-all algorithm {algorithm!r}; choose from {ALGORITHMS}")

@@ -1,0 +1,109 @@
+"""Every MESHCOMM_* environment variable: its type, its one default, and its meaning.
+
+Code reads a setting with `settings.get("TIMEOUT")` (the name without the prefix); the value
+is read from the environment on each call, so tests and launchers may change it between
+calls. A malformed value raises a ValueError naming the variable. The README's table of
+environment variables is `markdown_table()` (a test keeps the two equal).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+__all__ = ["Setting", "SETTINGS", "get", "markdown_table"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    name: str                      # without the MESHCOMM_ prefix
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+    shown_default: str = ""        # the README's default column when str(default) would mislead
+
+    @property
+    def var(self) -> str:
+        return "MESHCOMM_" + self.name
+
+
+def _bool(v: str) -> bool:
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected 0 or 1")
+
+
+def _positive_float(v: str) -> float:
+    x = float(v)
+    if not x > 0:
+        raise ValueError("expected a positive number")
+    return x
+
+
+def _int(v: str) -> int:
+    return int(v)
+
+
+def _str(v: str) -> str:
+    return v
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(v: str) -> str:
+        if v not in options:
+            raise ValueError(f"expected one of {', '.join(options)}")
+        return v
+    parse.options = options
+    return parse
+
+
+_ALL = (
+    Setting("TIMEOUT", _positive_float, 300.0,
+            "seconds a process waits for a peer before `PeerTimeoutError` naming it (every entry point; `init(timeout=...)` overrides)",
+            "300"),
+    Setting("CHECK", _bool, True,
+            "`0` skips the agreement check when `shape=` and `dtype=` are given, and trusts `all_to_all_v`'s `recv_counts` (no count exchange; a wrong count is then undefined)",
+            "1"),
+    Setting("CHECK_EXCHANGE", _choice("auto", "allgather", "allreduce"), "auto",
+            "how the check travels: `allgather` (every rank's metadata to every rank; a missing peer is named exactly) or `allreduce` (one MIN-allreduce of hashes, O(log N) messages per rank; a timeout names the group); auto: allreduce above 8 processes. Disagreements and calls whose shape a process cannot infer fall back to the allgather, which names who differs"),
+    Setting("OPTIMISTIC", _bool, True,
+            "MPI starts the first stage while the check is in flight; `0` waits for it", "1"),
+    Setting("TUNING", _str, None,
+            "path of a `meshcomm tune` table that `mixed` reads (a missing file is an error naming this variable)",
+            "built-in"),
+    Setting("REDUCE", _choice("auto", "ordered", "collective"), "auto",
+            "how sums over 3+ ranks run. auto: the backend's reduce for integers, except MPI on one host (the root gathers, faster there); floats in plan order. `collective`: the backend's reduce for integers and float32/64 (order not fixed); `ordered`: always gathered and added in plan order"),
+    Setting("MPI_COLLECTIVES", _choice("auto", "native", "p2p"), "auto",
+            "MPI broadcasts and integer reduces: `p2p` (the root sends to / gathers from each member), `native` (`MPI_Ibcast`/`MPI_Ireduce`); auto: p2p when all ranks are on one host"),
+    Setting("CUDA_KERNELS", _bool, True,
+            "`0` packs CUDA tensors with torch slicing instead of the kernels", "1"),
+    Setting("POLL_YIELDS", _int, 4000,
+            "polls of a pending operation that yield the core before the poller starts sleeping briefly"),
+    Setting("UNSAFE_NO_FENCE", _bool, False,
+            "`1` drops the CUDA stream fences (only to show that the fence test fails without them)", "0"),
+)
+
+SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}
+
+
+def get(name: str):
+    """The value of MESHCOMM_<name>: parsed from the environment, or its default."""
+    s = SETTINGS[name]
+    v = os.environ.get(s.var)
+    if v is None or v == "":
+        return s.default
+    try:
+        return s.parse(v.strip().lower() if s.parse is _bool else v.strip())
+    except ValueError as e:
+        raise ValueError(f"{s.var}={v!r} is not valid: {e}") from None
+
+
+def markdown_table() -> str:
+    """The README's table of environment variables."""
+    lines = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    for s in _ALL:
+        default = s.shown_default or str(s.default)
+        lines.append(f"| `{s.var}` | {default} | {s.doc} |")
+    return "\n".join(lines)
