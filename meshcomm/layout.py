@@ -108,7 +108,7 @@ def normalize_shape(shape) -> tuple[int, ...]:
 class Layout:
     """A mesh, a per-dimension spec and optional pending-sum axes. Immutable and hashable."""
 
-    __slots__ = ("mesh", "spec", "partial", "_hash")
+    __slots__ = ("mesh", "spec", "partial", "_hash", "_shown")
 
     def __init__(self, mesh: Mesh, spec: Sequence[Any] = (), partial: Union[Iterable[str], Mapping[str, str], None] = ()):
         if not isinstance(mesh, Mesh):
@@ -147,8 +147,12 @@ class Layout:
             if a in used:
                 raise ValueError(f"mesh axis {a!r} is used twice: by {used[a]} and by partial")
             used[a] = "partial"
+        shown = spec
+        while spec and spec[-1] is None:     # a shorter spec leaves the rest replicated: one
+            spec = spec[:-1]                 # canonical spec, so equivalent layouts are equal
         object.__setattr__(self, "mesh", mesh)
         object.__setattr__(self, "spec", spec)
+        object.__setattr__(self, "_shown", shown)
         object.__setattr__(self, "partial", partial)
         object.__setattr__(self, "_hash", hash((mesh, spec, partial)))
 
@@ -197,8 +201,8 @@ class Layout:
     def check_shape(self, shape) -> tuple[int, ...]:
         shape = normalize_shape(shape)
         if len(self.spec) > len(shape):
-            raise ValueError(f"spec {self.spec_str()} has {len(self.spec)} entries but the "
-                             f"tensor has {len(shape)} dimension(s) (shape {shape})")
+            raise ValueError(f"spec {self.spec_str(canonical=True)} has {len(self.spec)} entries "
+                             f"but the tensor has {len(shape)} dimension(s) (shape {shape})")
         for dim, e in enumerate(self.spec):
             if isinstance(e, Blocks) and sum(e.sizes) != shape[dim]:
                 raise ValueError(f"Blocks {e} for dimension {dim} sum to {sum(e.sizes)} but "
@@ -224,8 +228,10 @@ class Layout:
     def box(self, device: int, shape) -> Box:
         return self.tiles(shape).boxes[device]
 
-    def spec_str(self) -> str:
-        return "(" + ", ".join(_entry_str(e) for e in self.spec) + ")"
+    def spec_str(self, canonical: bool = False) -> str:
+        """The spec as written (trailing replicated entries kept), or as compared."""
+        spec = self.spec if canonical else self._shown
+        return "(" + ", ".join(_entry_str(e) for e in spec) + ")"
 
     # -- dunder ---------------------------------------------------------------------
     def __eq__(self, other) -> bool:
@@ -245,7 +251,11 @@ class Layout:
         return s
 
     def __repr__(self) -> str:
-        return f"Layout({self})"
+        """Canonical and complete: equivalent layouts have one repr (the runtime's agreement
+        check and Plan.fingerprint hash it), different ones differ (str abbreviates meshes)."""
+        partial = self.__reduce__()[1][2]
+        spec = tuple(e[0] if type(e) is tuple and len(e) == 1 else e for e in self.spec)
+        return f"Layout({self.mesh!r}, {spec!r}" + (f", partial={partial!r})" if partial else ")")
 
 
 def _entry_str(e: SpecEntry) -> str:

@@ -86,7 +86,7 @@ def test_layout_frozen_hashable_equal():
     b = mc.Layout(mc.Mesh([[0, 1, 2, 3], [4, 5, 6, 7]], ("x", "y")), (("x",), None))
     assert a == b and hash(a) == hash(b)
     assert a != mc.Layout(m, (None, "x"))
-    assert a != mc.Layout(m, ("x",))                  # a shorter spec is a different spec
+    assert a == mc.Layout(m, ("x",))                  # a shorter spec leaves the rest replicated
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.spec = (None,)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -97,6 +97,80 @@ def test_layout_frozen_hashable_equal():
     assert len({a, b, p1, p2}) == 2
     assert pickle.loads(pickle.dumps(p1)) == p1
     assert mc.Layout(m, "x") == a.__class__(m, ("x",))
+
+
+EQUIVALENT_SPECS = [
+    # (spec, partial) pairs that mean the same layout on a 2x4 mesh (x, y)
+    ((("x",), ()), (("x", None), ())),
+    (((), ()), ((None, None, None), ())),
+    (((), ()), (((), None), ())),
+    ((("x",), ()), (((("x",),)), ())),
+    ((("x",), ()), ("x", ())),
+    (((None, ("x", "y")), ()), ((None, ("x", "y"), None), ())),
+    (((None, "y"), ("x",)), ((None, ("y",), None), {"x": "sum"})),
+    (((None, "y"), ("x",)), ((None, "y"), "x")),
+    (((mc.Blocks("x", [3, 5]),), ()), ((mc.Blocks(("x",), (3, 5)), None), ())),
+    (((mc.Blocks("x", [3, 5]), "y"), ()), ((mc.Blocks(("x",), np.array([3, 5])), ("y",)), ())),
+]
+
+
+@pytest.mark.parametrize("one,other", EQUIVALENT_SPECS)
+def test_equivalent_layouts_are_equal(one, other):
+    """Processes that write one layout differently must agree: equal, equal hashes, equal
+    reprs (the runtime's agreement check hashes repr((src, dst))) and equal plan
+    fingerprints, also when each plan is made afresh."""
+    m = mc.Mesh([[0, 1, 2, 3], [4, 5, 6, 7]], ("x", "y"))
+    a, b = mc.Layout(m, one[0], partial=one[1]), mc.Layout(m, other[0], partial=other[1])
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert repr(a) == repr(b)
+    assert eval(repr(a), {"Layout": mc.Layout, "Mesh": mc.Mesh, "Blocks": mc.Blocks}) == a
+    assert pickle.loads(pickle.dumps(b)) == a
+    dst = mc.Layout(mc.Mesh([8, 9], "z"), ("z",))
+    mc.clear_caches()
+    fa = mc.plan((8, 4, 2), "float32", a, dst).fingerprint
+    mc.clear_caches()
+    fb = mc.plan((8, 4, 2), "float32", b, dst).fingerprint
+    assert fa == fb
+    assert a.index_map((8, 4, 2)) == b.index_map((8, 4, 2))
+
+
+def test_layouts_on_different_meshes_have_different_reprs():
+    """Two 16-device meshes whose short str is the same ("4x4[x,y]@0,1,...,15") are
+    different meshes: repr and plan fingerprints must tell them apart."""
+    ids = list(range(16))
+    ids[5], ids[6] = ids[6], ids[5]
+    m1 = mc.Mesh(np.array(ids).reshape(4, 4), ("x", "y"))
+    ids[5], ids[6], ids[9], ids[10] = ids[6], ids[5], ids[10], ids[9]
+    m2 = mc.Mesh(np.array(ids).reshape(4, 4), ("x", "y"))
+    a, b = mc.Layout(m1, ("x",)), mc.Layout(m2, ("x",))
+    assert str(a) == str(b) and a != b
+    assert repr(a) != repr(b)
+    dst = mc.Layout(mc.Mesh([20, 21], "z"), ("z",))
+    assert mc.plan((8, 8), "int32", a, dst).fingerprint != mc.plan((8, 8), "int32", b, dst).fingerprint
+
+
+def test_layouts_that_differ_are_unequal():
+    m = mc.Mesh([[0, 1, 2, 3], [4, 5, 6, 7]], ("x", "y"))
+    distinct = [mc.Layout(m, ()), mc.Layout(m, ("x",)), mc.Layout(m, (None, "x")),
+                mc.Layout(m, (("x", "y"),)), mc.Layout(m, (("y", "x"),)),
+                mc.Layout(m, ("x", "y")), mc.Layout(m, ("y", "x")),
+                mc.Layout(m, (mc.Blocks("x", [3, 5]),)), mc.Layout(m, (mc.Blocks("x", [5, 3]),)),
+                mc.Layout(m, (), partial=("x",)), mc.Layout(m, (), partial=("y",)),
+                mc.Layout(m, (), partial=("x", "y")),
+                mc.Layout(mc.Mesh([[0, 1, 2, 3], [4, 5, 6, 7]], ("a", "y")), ("a",))]
+    assert len(set(distinct)) == len(distinct)
+    assert len({repr(l) for l in distinct}) == len(distinct)
+
+
+def test_trailing_replicated_entries_beyond_the_tensor():
+    """Trailing None entries are dropped, so they may outnumber the tensor's dimensions;
+    a split dimension the tensor lacks is still refused."""
+    m = mc.Mesh([0, 1], "x")
+    lay = mc.Layout(m, ("x", None, None))
+    assert lay.spec == (("x",),)
+    assert lay.index_map((4,)) == {0: (slice(0, 2),), 1: (slice(2, 4),)}
+    with pytest.raises(ValueError, match=r"2 entries.*1 dimension"):
+        mc.Layout(m, (None, "x", None)).index_map((4,))
 
 
 def test_layout_str():
