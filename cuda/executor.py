@@ -3,7 +3,7 @@
 For every transfer the boxes of the sending tile are packed into one contiguous message (one
 kernel launch on CUDA), then unpacked into each receiving tile; a reduction packs each
 contributor and adds the messages in the contributors' order (unpack-add), exactly as the local
-backend sums. This is the data path of the distributed backends without the wire, and the
+backend sums (a plan whose reduce_op is prod, min or max combines with torch's op instead). This is the data path of the distributed backends without the wire, and the
 single-process path for CUDA tensors that exercises the kernels.
 
 Stream order on CUDA (DESIGN.md, Backends; backends/streams.py): the work runs on a communication
@@ -33,14 +33,15 @@ def execute_packed(plan, shards: Mapping[int, object], like=None, *, async_op: b
     tile}, or a meshcomm Handle when `async_op` (its wait() orders the caller's stream after the
     work and returns the tiles). On CUDA the work runs on `stream` (default: the "packed"
     communication stream of backends/streams.py); on CPU every fence is a no-op."""
-    from meshcomm.api import Handle
+    from meshcomm.handle import Handle
     if like is None:
         like = next(iter(shards.values()))
     st, dt = plan.src.tiles(plan.shape), plan.dst.tiles(plan.shape)
     zero = set(plan.zero_fill)
     out = {}
     for d, box in dt.boxes.items():
-        out[d] = alloc_like(like, tuple(b - a for a, b in box), zero=d in zero or box_size(box) == 0)
+        out[d] = alloc_like(like, tuple(b - a for a, b in box), zero=d in zero or box_size(box) == 0,
+                            op=plan.fill_op)
     if os.environ.get("MESHCOMM_UNSAFE_NO_FENCE") == "1":
         fence = False
     device = streams.device_of(like)
@@ -60,7 +61,7 @@ def execute_packed(plan, shards: Mapping[int, object], like=None, *, async_op: b
                 whole = [(slice(0, message_elems([local_slices(b, origin[s0]) for b in t.boxes])),)]
                 for s in t.srcs[1:]:
                     part = pack(bufs[s], [local_slices(b, origin[s]) for b in t.boxes])
-                    unpack(part, msg, whole, accumulate=True)
+                    unpack(part, msg, whole, accumulate=True, op=plan.reduce_op)
             for d in t.dsts:
                 unpack(msg, out[d], [local_slices(b, dt.boxes[d]) for b in t.boxes])
     done = streams.record(comm)

@@ -12,15 +12,16 @@ module validates input, exchanges counts when they are not given, and runs the p
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from . import arrays, runtime
-from .api import Handle
+from . import arrays, runtime, settings
+from .handle import Handle
 from .mesh import Mesh
+from .runtime import agreement
+from .validate import native_byte_order
 from .planners import Topology
 from .planners.alltoall import AllToAllPlan, plan_alltoall
 from .backends.base import empty_wire, from_wire, to_wire
@@ -57,10 +58,12 @@ def alltoall_plan(send_counts: Mapping[int, Sequence[int]], mesh: Mesh, axis: st
 def _counts(c, device: int, n: int, axis: str) -> tuple[int, ...]:
     if arrays.is_torch(c):
         c = c.tolist()
-    try:
-        row = tuple(int(v) for v in np.asarray(c).reshape(-1))
+    from .mesh import as_int
+    try:            # dtype=object keeps the values as given (2.5 stays 2.5, True stays True)
+        vals = np.asarray(c, dtype=object).reshape(-1).tolist()
     except (TypeError, ValueError):
         raise TypeError(f"counts of device {device} must be a sequence of ints, got {c!r}") from None
+    row = tuple(as_int(v, f"count {j} of device {device}") for j, v in enumerate(vals))
     if len(row) != n:
         raise ValueError(f"counts of device {device} have {len(row)} entries but mesh axis {axis!r} "
                          f"has {n} devices")
@@ -139,33 +142,44 @@ def all_to_all_v(x, send_counts, mesh: Mesh, axis: str, recv_counts=None, backen
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a meshcomm.Mesh, got {type(mesh).__name__}")
     groups = axis_groups(mesh, axis)
-    n = mesh.axis_size(axis)
     ctx = runtime.current()
-    local = ctx is None or backend == "local"
-    if local and backend not in (None, "local"):
-        raise ValueError(f"backend {backend!r} needs meshcomm.init(backend={backend!r}) under a launcher")
-    if local:
-        owned = list(mesh.device_ids)
-    else:
-        dpp = ctx.devices_per_process
-        bad = [d for d in mesh.device_ids if d >= ctx.world_size * dpp]
-        if bad:
-            raise ValueError(f"mesh device(s) {bad[:8]} have no process: with {ctx.world_size} processes "
-                             f"and devices_per_process={dpp}, device ids must be < {ctx.world_size * dpp}")
-        owned = [d for d in mesh.device_ids if d // dpp == ctx.rank]
-    if not owned:
-        return Handle(result=None) if async_op else None
+    if ctx is None or backend == "local":
+        runtime.no_context(backend, "all_to_all_v")
+        return _local(x, send_counts, mesh, axis, recv_counts, async_op, topology, algorithm, groups)
+    # Under a launcher every process validates, then (unless MESHCOMM_CHECK=0) all agree on the
+    # call before any row moves: one process's bad input makes every process raise.
+    be, err = ctx.resolve_backend(backend)
+    args = None
+    try:
+        if err is not None:
+            raise err
+        ctx.ownership.check_mesh(mesh)
+        owned = list(ctx.ownership.owned(mesh))
+        if owned:
+            args = _validate(x, send_counts, recv_counts, mesh, axis, owned, groups, f"process {ctx.rank} owns devices {owned}")
+    except (ValueError, TypeError) as e:
+        err = e
+    check = settings.get("CHECK")
+    if err is not None and not check:
+        raise err
     bare = not isinstance(x, Mapping)
+    run = _DistRun(ctx, be, groups, args, Topology.coerce(topology), algorithm, backend, mesh, axis, err, check)
+    wait = ctx.run(lambda: run.run(bare), async_op)
+    return Handle(wait_fn=wait) if async_op else wait()
+
+
+def _validate(x, send_counts, recv_counts, mesh, axis, owned, groups, where):
+    """(xs, scs, rcs, like, row_elems, row_bytes) for the devices this process owns."""
+    n = mesh.axis_size(axis)
     xs = _per_device(x, owned, "x")
     scs = _per_device(_matrix_rows(send_counts, owned), owned, "send_counts")
     missing = [d for d in owned if d not in xs or d not in scs]
     if missing:
-        where = "without a launcher this process owns every device" if local else \
-            f"process {ctx.rank} owns devices {owned}"
         raise ValueError(f"x and send_counts need an entry for device(s) {missing[:8]} ({where})")
     kinds = {arrays.kind_of(v) for v in xs.values()}
     if "jax" in kinds or len(kinds) > 1:
         raise TypeError(f"all_to_all_v takes NumPy arrays or torch tensors of one kind, got {sorted(kinds)}")
+    xs = {d: native_byte_order(v) for d, v in xs.items()}
     scs = {d: _counts(scs[d], d, n, axis) for d in owned}
     like = xs[owned[0]]
     for d in owned:
@@ -187,32 +201,31 @@ def all_to_all_v(x, send_counts, mesh: Mesh, axis: str, recv_counts=None, backen
         _check_owned_counts(groups, scs, rcs, axis)
     row_elems = int(np.prod(like.shape[1:], dtype=np.int64))
     row_bytes = row_elems * arrays.dtype_of(like)[1]
+    return xs, scs, rcs, like, row_elems, row_bytes
+
+
+def _local(x, send_counts, mesh, axis, recv_counts, async_op, topology, algorithm, groups):
+    """Without a launcher: every device's rows are here; run each group's plan in memory."""
+    owned = list(mesh.device_ids)
+    n = mesh.axis_size(axis)
+    bare = not isinstance(x, Mapping)
+    xs, scs, rcs, like, row_elems, row_bytes = _validate(
+        x, send_counts, recv_counts, mesh, axis, owned, groups,
+        "without meshcomm.init this process owns every device" + runtime.init_hint())
     topo = Topology.coerce(topology)
-
-    if local:
-        out = {}
-        for g in groups:
-            counts = [scs[d] for d in g]
-            if rcs is not None:
-                for j, f in enumerate(g):
-                    want = tuple(counts[i][j] for i in range(n))
-                    if rcs[f] != want:
-                        raise ValueError(f"recv_counts of device {f} are {list(rcs[f])} but the senders "
-                                         f"along axis {axis!r} send it {list(want)}")
-            p = plan_alltoall(g, counts, row_bytes, topo, algorithm)
-            out.update(_run_local(p, xs))
-        result = out[owned[0]] if bare and len(owned) == 1 else out
-        return Handle(result=result) if async_op else result
-
-    run = _DistRun(ctx, groups, owned, xs, scs, rcs, row_bytes, row_elems, topo, algorithm, backend, like)
-    # run on the context's communication thread: ordered with reshards, overlaps the caller
-    pool = getattr(ctx, "_pool", None)
-    if pool is not None:
-        fut = pool.submit(run.run, bare)
-        wait = fut.result
-    else:
-        wait = lambda: run.run(bare)  # noqa: E731
-    return Handle(wait_fn=wait) if async_op else wait()
+    out = {}
+    for g in groups:
+        counts = [scs[d] for d in g]
+        if rcs is not None:
+            for j, f in enumerate(g):
+                want = tuple(counts[i][j] for i in range(n))
+                if rcs[f] != want:
+                    raise ValueError(f"recv_counts of device {f} are {list(rcs[f])} but the senders "
+                                     f"along axis {axis!r} send it {list(want)}")
+        p = plan_alltoall(g, counts, row_bytes, topo, algorithm)
+        out.update(_run_local(p, xs))
+    result = out[owned[0]] if bare and len(owned) == 1 else out
+    return Handle(result=result) if async_op else result
 
 
 # -- execution --------------------------------------------------------------------------------
@@ -241,36 +254,56 @@ def _run_local(p: AllToAllPlan, xs) -> dict[int, Any]:
 
 
 class _DistRun:
-    """One all_to_all_v under a launcher: counts exchange (if needed), then the plan's
-    stages; messages of a stage are all posted (non-blocking) in global order, then waited."""
+    """One all_to_all_v under a launcher: the agreement check, the counts exchange (if
+    needed), then the plan's stages; messages of a stage are posted (non-blocking) in global
+    order, then waited for."""
 
-    def __init__(self, ctx, groups, owned, xs, scs, rcs, row_bytes, row_elems, topo, algorithm, backend, like):
-        self.args = (groups, xs, scs, rcs, topo, algorithm)
-        self.ctx, self.owned, self.like = ctx, set(owned), like
+    def __init__(self, ctx, be, groups, args, topo, algorithm, backend, mesh, axis, err, check):
+        self.ctx, self.be, self.err, self.check = ctx, be, err, check
+        self.mesh, self.axis, self.topo, self.algorithm = mesh, axis, topo, algorithm
         self.dpp = ctx.devices_per_process
-        dev = like.device if arrays.is_torch(like) else None
-        self.prim = _primitives(ctx, backend, int(sum(sum(c) for c in scs.values())) * row_bytes,
-                                "cuda" if dev is not None and dev.type == "cuda" else "cpu")
-        timeout = getattr(self.prim, "timeout", None)
-        self.timeout = timeout if timeout is not None else float(os.environ.get("MESHCOMM_TIMEOUT", "60"))
+        self.timeout = ctx.timeout
         self.keep = []          # send buffers stay alive until their wait
-        # recv_counts are checked against the senders' counts (one round of small messages)
-        # unless MESHCOMM_CHECK=0, which trusts them and skips that round
-        self.check = os.environ.get("MESHCOMM_CHECK", "1") != "0"
-        self.row_elems, self.row_bytes, self.sent_bytes = row_elems, row_bytes, 0
+        self.sent_bytes = 0
+        self.args = args
+        self.owned = set(args[0]) if args is not None else set()
+        if args is not None:
+            xs, scs, rcs, like, row_elems, row_bytes = args
+            self.like, self.row_elems, self.row_bytes = like, row_elems, row_bytes
+            dev = like.device if arrays.is_torch(like) else None
+            self.prim = _primitives(ctx, be, int(sum(sum(c) for c in scs.values())) * row_bytes,
+                                    "cuda" if dev is not None and dev.type == "cuda" else "cpu")
         # tags are taken now, in the caller's order (the same on every process of a group)
+        self.groups = [g for g in groups if self.owned.intersection(g)]
         self.tags = {g: _TAG_BASE + (next(_calls.setdefault(g, itertools.count())) % _TAG_SPAN) * 2
-                     for g in groups if self.owned.intersection(g)}
+                     for g in self.groups}
+
+    def _agree(self):
+        like = self.like if self.args is not None else None
+        dt = None if like is None else arrays.dtype_of(like)
+        kind = None if like is None else arrays.kind_of(like)
+        meta = agreement.Meta("all_to_all_v", (
+            ("op", "all_to_all_v"), ("mesh", repr(self.mesh)), ("axes", self.axis),
+            ("backend", getattr(self.be, "signature", self.be.name)), ("dtype", dt),
+            ("rows", None if like is None else tuple(like.shape[1:])), ("kind", kind)),
+            agreement.error_of(self.err))
+        out = agreement.exchange(self.ctx.backend, meta, time.monotonic() + self.timeout)
+        if out.metas is not None:
+            agreement.settle(out.metas, self.ctx.rank, self.err)
 
     def run(self, bare):
-        groups, xs, scs, rcs, topo, algorithm = self.args
-        row_bytes = self.row_bytes
+        if self.check:
+            self._agree()
+        elif self.err is not None:
+            raise self.err
+        if self.args is None:
+            return None
+        xs, scs, rcs, _, _, row_bytes = self.args
+        topo, algorithm = self.topo, self.algorithm
         self.plans = []
         wrong = []          # (device, recv_counts given, counts the senders send)
         multi_node = topo.devices_per_node > 1
-        for g in groups:
-            if not self.owned.intersection(g):
-                continue
+        for g in self.groups:
             tag = self.tags[g]
             mine = [d for d in g if d in self.owned]
             need_matrix = multi_node and algorithm != "pairwise" and \
@@ -414,7 +447,6 @@ def _partial_matrix(g, scs, rcs):
     return m
 
 
-def _primitives(ctx, backend, nbytes=0, device="cpu"):
+def _primitives(ctx, be, nbytes=0, device="cpu"):
     """The concrete backend whose isend/irecv run the exchange ("mixed" picks per size)."""
-    b = ctx.get_backend(backend)
-    return b.choose("send", nbytes, 2, device)
+    return be.choose("send", nbytes, 2, device)

@@ -96,7 +96,7 @@ def test_golden_files_have_no_strays():
 
 def test_explain_is_deterministic():
     for name in CASES:
-        mc.api.clear_plan_cache()
+        mc.clear_caches()
         a = render(name)
-        mc.api.clear_plan_cache()
+        mc.clear_caches()
         assert render(name) == a

@@ -315,7 +315,7 @@ def test_plan_is_cached_and_deterministic():
     p1 = mc.plan(shape, "int32", src, dst, topology="p3.8xlarge")
     p2 = mc.plan(list(shape), np.int32, src, dst, topology=mc.Topology.preset("p3.8xlarge"))
     assert p1 is p2
-    mc.api.clear_plan_cache()
+    mc.clear_caches()
     p3 = mc.plan(shape, "int32", src, dst, topology="p3.8xlarge")
     assert p3 is not p1 and p3.transfers == p1.transfers
 

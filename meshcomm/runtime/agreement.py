@@ -1,0 +1,180 @@
+"""The agreement check: one path by which every entry point makes all processes agree on a
+call (operation, layouts or group, backend, shape, dtype, counts, op) or all raise together.
+
+Each process describes its call as a `Meta`: ordered fields that must be equal wherever they
+are known, its local validation error if any, and a payload that is not compared (tile
+shapes, counts). `exchange` sends it to every process:
+
+* `allgather` (default up to 8 processes): every Meta reaches every process, so all of them
+  run `settle` on the same list and raise the same error (the process whose input was wrong
+  raises its own TypeError/ValueError; the others a ValueError naming its rank and cause).
+  A missing peer is named exactly.
+* `allreduce` (above 8 processes, or MESHCOMM_CHECK_EXCHANGE=allreduce): first one
+  MIN-allreduce of a vector of hashes, O(log N) messages per process. Where every process
+  could decide (no local error, nothing to infer) and all agree, that decides. Otherwise
+  every process sees so in the same reduced vector and runs the allgather, which names who
+  differs. A timeout in the allreduce can only name the group.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from .. import settings
+from ..caches import memo
+
+__all__ = ["Meta", "Outcome", "exchange", "settle", "check_mode", "error_of", "LABELS"]
+
+LABELS = {
+    "op": "the operation", "layouts": "the src/dst layouts", "mesh": "the mesh", "axes": "the mesh axes",
+    "backend": "the backend", "shape": "the global shape", "dtype": "the dtype", "kind": "the array kind",
+    "devtype": "the device type", "plan": "the plan (Plan.fingerprint)", "rows": "the row shape",
+    "reduce_op": "the reduction op", "root": "the root", "dim": "the dimension", "codec": "the compression",
+    "tile": "the tile shape", "algorithm": "the algorithm", "counts": "the counts",
+}
+CODES = {"kind": ("numpy", "torch", "jax"), "devtype": ("cpu", "cuda")}
+MAX_FIELDS = 12
+_NONE = int(np.iinfo(np.int64).max)         # "no value" in the check vector (loses every min)
+
+
+@dataclasses.dataclass
+class Meta:
+    """What one process says about a call before any of its data moves."""
+
+    op: str
+    fields: tuple[tuple[str, Any], ...]     # (name, value) in the order disagreements are reported
+    err: tuple[str, str] | None = None      # (exception type name, message) of a local error
+    extra: dict = dataclasses.field(default_factory=dict)   # per-process payload, not compared
+
+    def get(self, name: str):
+        for k, v in self.fields:
+            if k == name:
+                return v
+        return None
+
+
+def error_of(e: BaseException | None) -> tuple[str, str] | None:
+    return None if e is None else (type(e).__name__, str(e))
+
+
+def check_mode(be) -> str:
+    mode = settings.get("CHECK_EXCHANGE")
+    if mode == "auto":
+        return "allreduce" if be.world_size > 8 else "allgather"
+    return mode
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What `exchange` learnt: every process's Meta (`metas`, after the allgather), or only
+    that all agree (`metas` None: the allreduce decided; `reduced` is its vector)."""
+
+    fields: tuple
+    metas: list | None = None
+    reduced: list | None = None
+
+    def value(self, name: str, default=None):
+        """The agreed value of a field: from any process that knows it (a process without
+        tiles learns kind/devtype this way)."""
+        if self.metas is not None:
+            for m in self.metas:
+                v = m.get(name)
+                if v is not None:
+                    return v
+            return default
+        own = dict(self.fields).get(name)
+        if own is not None:
+            return own
+        if name in CODES:
+            i = [k for k, _ in self.fields].index(name)
+            c = self.reduced[1 + i]
+            return default if c == _NONE else CODES[name][c - 1]
+        return default
+
+
+def exchange(be, meta: Meta, deadline: float | None, eligible: bool = True) -> Outcome:
+    """Send `meta` to every process. With the collective form, a call where every process
+    is `eligible` (no error, nothing left to infer: every field but the coded ones known)
+    and all agree is decided by one allreduce; otherwise the allgather runs everywhere."""
+    if check_mode(be) == "allreduce":
+        ok = eligible and meta.err is None and all(v is not None for k, v in meta.fields if k not in CODES)
+        out = be.allreduce_min(_vector(meta.fields, ok), deadline).tolist()
+        if _decided(out):
+            return Outcome(meta.fields, None, out)
+    return Outcome(meta.fields, be.allgather_obj(meta, deadline))
+
+
+def settle(metas: Sequence[Meta], me: int, own_error: BaseException | None,
+           describe: Mapping[str, Callable[[Any, Meta], str]] | None = None) -> None:
+    """Raise, identically on every process, when any process had a local error or the
+    processes disagree on a field. `own_error` is re-raised as is on the process that had it."""
+    if own_error is not None:
+        raise own_error
+    errs = [(r, m) for r, m in enumerate(metas) if m.err is not None]
+    if errs:
+        op = metas[errs[0][0]].op
+        raise ValueError(f"{op} failed on other process(es): " +
+                         "; ".join(f"rank {r}: {m.err[0]}: {m.err[1]}" for r, m in errs[:4]))
+    names = [k for k, _ in metas[me].fields]
+    for m in metas:
+        for k, _ in m.fields:
+            if k not in names:
+                names.append(k)
+    for key in names:
+        groups: dict = {}
+        first: dict = {}
+        for r, m in enumerate(metas):
+            v = m.get(key)
+            if v is not None:
+                groups.setdefault(_hashable(v), []).append(r)
+                first.setdefault(_hashable(v), m)
+        if len(groups) > 1:
+            fmt = (describe or {}).get(key)
+            detail = "; ".join(f"rank(s) {rs}: {fmt(v, first[v]) if fmt else _show(v)}"
+                               for v, rs in groups.items())
+            raise ValueError(f"processes disagree on {LABELS.get(key, key)}: {detail}")
+
+
+def _show(v) -> str:
+    if isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str) and isinstance(v[1], int):
+        return v[0]                         # (dtype name, itemsize)
+    return str(v)
+
+
+def _hashable(v):
+    return tuple(v) if isinstance(v, list) else v
+
+
+def _h62(v) -> int:
+    """A hash of repr(v), the same in every process (unlike hash()), in [0, 2**62)."""
+    return int.from_bytes(hashlib.blake2b(repr(v).encode(), digest_size=8).digest(), "little") >> 2
+
+
+@memo(maxsize=1024)
+def _vector(fields: tuple, eligible: bool) -> np.ndarray:
+    """[ineligible, min part of each field, min part of each negated field]: after a
+    MIN-allreduce a field agrees on every process that has it when min == max."""
+    if len(fields) > MAX_FIELDS:
+        raise ValueError(f"an agreement check compares at most {MAX_FIELDS} fields")
+    vals = []
+    for k, v in fields:
+        if v is None:
+            vals.append(None)
+        elif k in CODES:
+            vals.append(CODES[k].index(v) + 1)
+        else:
+            vals.append(_h62((k, v)))
+    vals += [None] * (MAX_FIELDS - len(vals))
+    lo = [_NONE if v is None else v for v in vals]
+    neg_hi = [_NONE if v is None else -v for v in vals]
+    row = np.array([0 if eligible else -1] + lo + neg_hi, dtype=np.int64)
+    row.setflags(write=False)           # cached: shared by every call with these fields
+    return row
+
+
+def _decided(out: list) -> bool:
+    lo, neg_hi = out[1:1 + MAX_FIELDS], out[1 + MAX_FIELDS:]
+    return out[0] == 0 and all(a == -b or a == _NONE for a, b in zip(lo, neg_hi))

@@ -1,0 +1,230 @@
+"""The process-wide context: `init`/`finalize`, the backends, and the communication queue.
+
+All calls of a context communicate one at a time, in call order: an asynchronous call runs
+on the context's one background thread; a synchronous call first waits for the
+asynchronous ones issued before it, then runs on the calling thread. So every process
+serializes its calls the same way (call meshcomm from one thread per process).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from typing import Any, Mapping
+
+import numpy as np
+
+from .. import settings
+from .ownership import Ownership
+
+__all__ = ["init", "finalize", "current", "Context", "BACKEND_NAMES"]
+
+BACKEND_NAMES = ("mpi", "torch", "mixed")
+_CTX = None
+
+
+ALL_BACKENDS = (None, "local") + BACKEND_NAMES
+
+
+def check_backend_name(backend) -> None:
+    """A ValueError for a name that is not a backend at all (e.g. "nccl", which is what the
+    torch backend uses on CUDA)."""
+    if backend not in ALL_BACKENDS:
+        raise ValueError(f"backend must be one of None, 'local', 'mpi', 'torch', 'mixed', got {backend!r} "
+                         "(NCCL and gloo run under backend='torch')")
+
+
+def no_context(backend, what: str) -> None:
+    """Checks for a call without a context (one process owns every device): `backend` must
+    be None or "local"; under a launcher of several processes, say that init is missing."""
+    check_backend_name(backend)
+    if backend not in (None, "local"):
+        raise ValueError(f"backend {backend!r} needs meshcomm.init(backend={backend!r}) under a "
+                         f"launcher (mpiexec or torchrun); without one, {what} runs in this process")
+
+
+def init_hint() -> str:
+    """A sentence for errors of calls without a context that look like SPMD calls."""
+    from .ownership import launcher_world_size
+    n = launcher_world_size()
+    if n > 1:
+        return (f"; this process runs under a launcher with {n} processes but meshcomm.init() was "
+                "not called: call meshcomm.init(backend='mpi'|'torch'|'mixed') first")
+    return ""
+
+
+def current():
+    """The active distributed context, or None (single process owns all devices)."""
+    return _CTX
+
+
+def _set(ctx) -> None:
+    global _CTX
+    _CTX = ctx
+
+
+def resolve_timeout(timeout) -> float:
+    """`timeout` in seconds, or MESHCOMM_TIMEOUT's."""
+    if timeout is None:
+        return settings.get("TIMEOUT")
+    timeout = float(timeout)
+    if not timeout > 0:
+        raise ValueError(f"timeout must be positive seconds, got {timeout}")
+    return timeout
+
+
+def init(backend: str = "mpi", devices_per_process: int = 1, timeout: float | None = None) -> "Context":
+    """Join the launcher's processes and set the process-wide context (see meshcomm.runtime)."""
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
+    if isinstance(devices_per_process, bool) or not isinstance(devices_per_process, (int, np.integer)) \
+            or devices_per_process < 1:
+        raise ValueError(f"devices_per_process must be a positive int, got {devices_per_process!r}")
+    timeout = resolve_timeout(timeout)
+    if _CTX is not None:
+        if _CTX.backend_name == backend and _CTX.devices_per_process == devices_per_process:
+            return _CTX
+        raise RuntimeError(f"meshcomm is already initialised with backend={_CTX.backend_name!r}, "
+                           f"devices_per_process={_CTX.devices_per_process}; call "
+                           "meshcomm.finalize() first")
+    from meshcomm.backends.torch_dist import under_torchrun
+    backends: dict[str, Any] = {}
+    if backend in ("mpi", "mixed"):
+        from meshcomm.backends.mpi import MPIBackend
+        mpi = MPIBackend(timeout=timeout)
+        if under_torchrun() and mpi.world_size == 1 and int(os.environ["WORLD_SIZE"]) > 1:
+            mpi.close()
+            raise RuntimeError(f"backend {backend!r} needs MPI: launch with mpiexec (torchrun "
+                               "starts no MPI job); under torchrun use backend='torch'")
+        backends["mpi"] = mpi
+    if backend in ("torch", "mixed"):
+        from meshcomm.backends.torch_dist import TorchBackend
+        comm = None
+        if "mpi" in backends:
+            from mpi4py import MPI
+            comm = MPI.COMM_WORLD
+        backends["torch"] = TorchBackend.create(timeout, mpi_comm=comm)
+    if backend == "mixed":
+        from meshcomm.backends.mixed import MixedBackend
+        backends["mixed"] = MixedBackend(backends["mpi"], backends["torch"])
+    ctx = Context(backend, backends, int(devices_per_process), timeout)
+    _set(ctx)
+    return ctx
+
+
+def finalize() -> None:
+    """Wait for outstanding work, free communicators/process groups, clear the context."""
+    ctx = _CTX
+    if ctx is None:
+        return
+    try:
+        ctx.close()
+    finally:
+        _set(None)
+
+
+class Context:
+    """One process's view of a launched job: its backends, the devices it owns, and the
+    queue every communicating call goes through."""
+
+    def __init__(self, backend_name: str, backends: Mapping[str, Any], devices_per_process: int,
+                 timeout: float):
+        self.backend_name = backend_name
+        self._backends = dict(backends)
+        main = self._backends[backend_name]
+        self.rank, self.world_size = main.rank, main.world_size
+        self.devices_per_process = devices_per_process
+        self.ownership = Ownership(self.rank, self.world_size, devices_per_process)
+        self.timeout = timeout
+        for b in self._backends.values():
+            b.timeout = timeout
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshcomm-comm")
+        self._lock = threading.Lock()       # one communication at a time, in call order
+        self._last: concurrent.futures.Future | None = None
+        self.agreed: dict = {}      # (src, dst, backend) -> last agreed call facts (reshard)
+
+    def __repr__(self) -> str:
+        return (f"Context(backend={self.backend_name!r}, rank={self.rank}/{self.world_size}, "
+                f"devices_per_process={self.devices_per_process})")
+
+    @property
+    def backend(self):
+        return self._backends[self.backend_name]
+
+    def get_backend(self, name: str | None):
+        if name is None:
+            return self.backend
+        if name not in self._backends:
+            raise ValueError(f"backend {name!r} is not available in this context (initialised with "
+                             f"backend={self.backend_name!r}; available: {sorted(self._backends)})")
+        return self._backends[name]
+
+    def resolve_backend(self, name):
+        """(backend, error): the backend a call asked for, or the context's own one and the
+        error to share through the agreement check (an unknown or unavailable name)."""
+        try:
+            check_backend_name(name)
+            if name == "local":
+                raise ValueError("backend='local' runs in one process; under meshcomm.init every "
+                                 "process must take part in the same backend")
+            return self.get_backend(name), None
+        except ValueError as e:
+            return self.backend, e
+
+    def reset_started(self, names) -> None:
+        """After a disagreement: every process resets, in the same order, each backend on
+        which some process started a plan early (collective on each)."""
+        from meshcomm.backends import base
+        for name in sorted(set(names)):
+            self._backends[name].reset()
+            base.issued[("reset", name)] += 1
+
+    def primitives(self, name: str | None = None):
+        """A concrete backend (isend/irecv/bcast/reduce/wait_all) for code beside reshard
+        (all-to-all). Under "mixed" the tuning table's "alltoall" rule for this world picks it."""
+        be = self.get_backend(name)
+        if be.name == "mixed":
+            be = be.choose("alltoall", 0, self.world_size, "cpu")
+        return be
+
+    # -- ownership (kept as methods for callers of the 0.1 API) ----------------------------
+    def rank_of(self, device: int) -> int:
+        return self.ownership.rank_of(device)
+
+    def owned_devices(self, mesh_or_devices) -> tuple[int, ...]:
+        return self.ownership.owned(mesh_or_devices)
+
+    # -- the queue -----------------------------------------------------------------------
+    def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
+        """Run `fn` on this context's communication thread, after every call issued before it."""
+        def locked():
+            with self._lock:
+                return fn(*args, **kwargs)
+        self._last = self._pool.submit(locked)
+        return self._last
+
+    def call(self, fn, *args, **kwargs):
+        """Run `fn` now on the calling thread, after the asynchronous work issued before."""
+        last = self._last
+        if last is not None:
+            concurrent.futures.wait([last])
+        with self._lock:
+            return fn(*args, **kwargs)
+
+    def run(self, fn, async_op: bool):
+        """`fn()` through the queue: its result now, or a callable that waits for it."""
+        if async_op:
+            return self.submit(fn).result
+        res = self.call(fn)
+        return lambda: res
+
+    def reshard(self, x, src, dst, **kw):
+        from .reshard_call import reshard
+        return reshard(self, x, src, dst, **kw)
+
+    def close(self):
+        self._pool.shutdown(wait=True)
+        for name in ("mixed", "torch", "mpi"):
+            b = self._backends.get(name)
+            if b is not None:
+                b.close()

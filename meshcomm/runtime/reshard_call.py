@@ -1,0 +1,278 @@
+"""One distributed reshard, from validation to execution (see meshcomm.runtime).
+
+`reshard` validates locally (catching the error instead of raising it, so every process
+learns of it through the agreement check), fences the producers of CUDA inputs, then runs
+`_Call.run` through the context's queue: the agreement check (with MPI, the first stage may
+start before it completes), the plan, the executor.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Any, Mapping
+
+import numpy as np
+
+from .. import arrays, settings
+from ..caches import memo
+from ..handle import Handle
+from ..layout import normalize_shape
+from ..planning import plan
+from ..validate import (check_keys, check_layouts, check_tile_shapes, infer_shape, native_byte_order,
+                        normalize_input, resolve_shape_dtype)
+from . import agreement
+from .agreement import Meta
+
+__all__ = ["reshard"]
+
+
+@dataclasses.dataclass
+class Local:
+    """What one process knows of the call before talking to the others."""
+
+    err: BaseException | None = None
+    shape: tuple | None = None
+    dtype: str | None = None
+    itemsize: int | None = None
+    kind: str | None = None
+    devtype: str | None = None
+
+
+@dataclasses.dataclass
+class Agreed:
+    shape: tuple
+    dtype: str
+    itemsize: int
+    kind: str
+    devtype: str
+
+
+def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=False):
+    from meshcomm.backends import streams
+    check_layouts(src, dst)
+    be, err = ctx.resolve_backend(backend)
+    own = ctx.ownership
+    owned_src, owned_dst = own.owned(src), own.owned(dst)
+    loc, shards, bare = Local(), {}, False
+    try:
+        if err is not None:
+            raise err
+        own.check_mesh(src.mesh, "src")
+        own.check_mesh(dst.mesh, "dst")
+        if isinstance(x, Mapping):      # tiles of devices other processes own: ignored
+            check_keys(x, src, "src")
+            x = {d: v for d, v in x.items() if d in owned_src}
+        shards, bare = normalize_input(x, src, owned=owned_src)
+        missing = [d for d in owned_src if d not in shards]
+        if missing:
+            raise ValueError(f"rank {ctx.rank} owns src device(s) {missing[:8]} but x holds no "
+                             f"tile for them (every process passes the src tiles it owns)")
+        if bare and len(owned_dst) > 1:
+            raise ValueError(f"a bare array in gives a bare array out, but rank {ctx.rank} owns "
+                             f"{len(owned_dst)} dst devices {list(owned_dst)}; pass a dict")
+        shards = {d: native_byte_order(v) for d, v in shards.items()}
+        loc.shape, loc.dtype, loc.itemsize = resolve_shape_dtype(shards, src, shape, dtype)
+        if loc.shape is not None:
+            check_tile_shapes({d: v.shape for d, v in shards.items()}, src.tiles(loc.shape), "src",
+                              rank=ctx.rank)
+        if shards:
+            first = next(iter(shards.values()))
+            loc.kind = arrays.kind_of(first)
+            dev = streams.device_of(first)
+            loc.devtype = dev.type if dev is not None else "cpu"
+    except (ValueError, TypeError) as e:
+        loc.err = e
+    need_exchange = settings.get("CHECK") or shape is None or dtype is None
+    if loc.err is not None and not need_exchange:
+        raise loc.err
+    if loc.kind == "jax":
+        shards = {d: np.asarray(v) for d, v in shards.items()}
+    fences = {}
+    for v in shards.values():
+        dev = streams.device_of(v)
+        if streams.is_cuda(dev) and dev not in fences:
+            fences[dev] = streams.fence_from_current(dev)
+    if not fences:
+        fences[None] = streams.fence_from_current(None)
+    call = _Call(ctx, be, src, dst, shards, shape, dtype, loc, need_exchange, tuple(fences.values()))
+    result = ctx.run(call.run, async_op)
+
+    def finish():
+        out, done, out_kind = result()
+        for d, v in out.items():
+            done.wait_on(streams.current_stream(streams.device_of(v)))
+            break
+        if out_kind == "jax":
+            import jax
+            out = {d: jax.device_put(v, arrays.jax_device(d)) for d, v in out.items()}
+        if bare:
+            return next(iter(out.values())) if out else None
+        return out
+    if async_op:
+        return Handle(finish)
+    return finish()
+
+
+@dataclasses.dataclass
+class _Call:
+    ctx: Any
+    be: Any
+    src: Any
+    dst: Any
+    shards: dict
+    shape_kw: Any
+    dtype_kw: Any
+    loc: Local
+    need_exchange: bool
+    fences: tuple
+
+    def run(self):
+        from meshcomm.backends import base
+        if "torch" in sys.modules:      # if another thread is importing torch, wait for it
+            import torch  # noqa: F401
+        ctx, be, src, dst, shards, loc = self.ctx, self.be, self.src, self.dst, self.shards, self.loc
+        deadline = time.monotonic() + ctx.timeout
+        run_kw = dict(rank=ctx.rank, devices_per_process=ctx.devices_per_process, backend=be,
+                      producer_fences=self.fences)
+        ex = None
+        if self.need_exchange:
+            ex, agreed = self._agree(base, run_kw, deadline)
+        elif loc.err is not None:
+            raise loc.err
+        else:
+            shape = src.check_shape(normalize_shape(self.shape_kw))
+            name, itemsize = arrays.normalize_dtype(self.dtype_kw)
+            kind, devtype = loc.kind, loc.devtype
+            if kind is None:
+                kind = "torch" if type(self.dtype_kw).__module__.startswith("torch") else "numpy"
+                devtype = "cpu"
+            agreed = Agreed(shape, name, itemsize, kind, devtype)
+        if ex is None:
+            p = plan(agreed.shape, agreed.dtype, src, dst)
+            like = next(iter(shards.values())) if shards else empty_like(agreed.kind, agreed.dtype,
+                                                                         agreed.devtype)
+            ex = base.Execution(p, shards, like, device_kind=agreed.devtype or "cpu", **run_kw)
+            ex.prepare(deadline)
+        out, done = ex.finish(deadline)
+        return out, done, agreed.kind
+
+    def _agree(self, base, run_kw, deadline):
+        """The agreement check, with the first stage started early where that is safe.
+        Returns (the Execution already started or None, the agreed facts)."""
+        ctx, be, src, dst, shards, loc = self.ctx, self.be, self.src, self.dst, self.shards, self.loc
+        plan_fp = guess = ex = None
+        opt = False
+        key = (src, dst, getattr(be, "signature", be.name))
+        if loc.err is None and loc.shape is not None and loc.dtype is not None:
+            p = plan(loc.shape, loc.dtype, src, dst)
+            plan_fp = p.fingerprint
+            if _optimistic(be) and shards:
+                # Start the first stage now, before the exchange confirms the plan (its
+                # messages travel while the metadata does); undone below on disagreement.
+                ex = base.Execution(p, shards, next(iter(shards.values())),
+                                    device_kind=loc.devtype or "cpu", **run_kw)
+        elif loc.err is None and not shards and _optimistic(be) and key in ctx.agreed:
+            # No src tile here: guess what the last call with these layouts agreed on.
+            g = ctx.agreed[key]
+            if (loc.shape is None or loc.shape == g.shape) and (loc.dtype is None or loc.dtype == g.dtype):
+                p = plan(g.shape, g.dtype, src, dst)
+                guess = (p.fingerprint, g.kind, g.devtype)
+                ex = base.Execution(p, {}, empty_like(g.kind, g.dtype, g.devtype),
+                                    device_kind=g.devtype or "cpu", **run_kw)
+        if ex is not None:
+            if ex.groups_ready():
+                ex.start()
+                opt = True
+            else:
+                ex, guess = None, None
+        meta = Meta("reshard", (
+            ("op", "reshard"), ("layouts", _layouts_fp(src, dst)),
+            ("backend", getattr(be, "signature", be.name)), ("shape", loc.shape),
+            ("dtype", None if loc.dtype is None else (loc.dtype, loc.itemsize)),
+            ("kind", loc.kind), ("devtype", loc.devtype), ("plan", plan_fp)),
+            agreement.error_of(loc.err),
+            {"tiles": {d: tuple(v.shape) for d, v in shards.items()}, "opt": opt, "guess": guess})
+        out = agreement.exchange(ctx.backend, meta, deadline)   # every process meets on the same backend
+        if out.metas is None:               # the allreduce decided: all agree
+            agreed = Agreed(tuple(loc.shape), loc.dtype, loc.itemsize, out.value("kind", "numpy"),
+                            out.value("devtype", "cpu"))
+            base.issued[("allreduce_check", be.name)] += 1
+        else:
+            try:
+                agreement.settle(out.metas, ctx.rank, loc.err, {"layouts": _describe_layouts(src, dst, out)})
+                agreed = _infer(out, src, ctx.rank)
+            except (ValueError, TypeError):
+                started = [m.get("backend") for m in out.metas if m.extra["opt"]]
+                if started:                     # every process sees this: all reset together
+                    _abort(ex)
+                    ctx.reset_started(b.split(":")[0] for b in started)
+                raise
+            fp = (plan(agreed.shape, agreed.dtype, src, dst).fingerprint, agreed.kind, agreed.devtype)
+            if any(m.extra["guess"] is not None and tuple(m.extra["guess"]) != fp for m in out.metas):
+                _abort(ex)                      # a wrong guess somewhere: all start over
+                ctx.reset_started(b.split(":")[0] for b in
+                                  [m.get("backend") for m in out.metas if m.extra["opt"]])
+                ex = None
+        if len(ctx.agreed) > 256:
+            ctx.agreed.clear()
+        ctx.agreed[key] = agreed
+        return ex, agreed
+
+
+def _describe_layouts(src, dst, out):
+    mine = _layouts_fp(src, dst)
+
+    def fmt(v, meta):
+        return f"src={src} dst={dst}" if v == mine else f"layouts {v} (not this process's src={src} dst={dst})"
+    return fmt
+
+
+def _infer(out, src, me) -> Agreed:
+    """Shape and dtype from every process's facts (a process without tiles learns them)."""
+    metas = out.metas
+    tiles = {}
+    for m in metas:
+        tiles.update(m.extra["tiles"])
+    shape = out.value("shape")
+    if shape is None:
+        shape = infer_shape(src, tiles)
+    if shape is None:
+        raise ValueError("cannot infer the global shape from the src tiles of all processes "
+                         f"(devices {sorted(tiles)[:8]}); pass shape= to reshard")
+    dt = out.value("dtype")
+    if dt is None:
+        raise ValueError("no process holds a src tile, so the dtype is unknown; pass dtype=")
+    tiling = src.tiles(tuple(shape))
+    for r, m in enumerate(metas):
+        check_tile_shapes(m.extra["tiles"], tiling, "src", rank=r)
+    return Agreed(tuple(shape), dt[0], dt[1], out.value("kind", "numpy"), out.value("devtype", "cpu"))
+
+
+def _abort(ex):
+    if ex is not None:
+        ex.abort()
+
+
+def _optimistic(be) -> bool:
+    """Whether a process may start sending before the agreement confirms the plan (MPI
+    only: a disagreement then resets its communicators; MESHCOMM_OPTIMISTIC=0 turns it off)."""
+    return be.name == "mpi" and settings.get("OPTIMISTIC")
+
+
+@memo(maxsize=1024)
+def _layouts_fp(src, dst) -> str:
+    import hashlib
+    return hashlib.sha1(repr((src, dst)).encode()).hexdigest()[:16]
+
+
+def empty_like(kind, name, devtype):
+    """An empty array of the agreed kind, dtype and device (a process without tiles)."""
+    from ..arrays import numpy_dtype
+    if kind == "torch":
+        import torch
+        dev = "cpu"
+        if devtype == "cuda":
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return torch.empty(0, dtype=getattr(torch, name), device=dev)
+    return np.empty(0, dtype=numpy_dtype(name))

@@ -1,0 +1,198 @@
+"""Validation of what a caller passes (keys, layouts, tile shapes), and shape/dtype inference.
+
+Pure helpers shared by the one-process path (meshcomm.api) and the distributed runtime
+(meshcomm.runtime): every check raises ValueError/TypeError naming the device, dimension or
+shape at fault.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import numpy as np
+
+from . import arrays
+from .layout import Blocks, Layout, normalize_shape
+
+__all__ = ["check_layout", "check_layouts", "check_keys", "check_tile_shapes", "normalize_input",
+           "resolve_shape_dtype", "infer_shape", "native_byte_order"]
+
+
+def check_layout(layout, what: str = "layout") -> None:
+    if not isinstance(layout, Layout):
+        raise TypeError(f"{what} must be a meshcomm.Layout, got {type(layout).__name__}")
+
+
+def check_layouts(src, dst) -> None:
+    check_layout(src, "src")
+    check_layout(dst, "dst")
+
+
+def check_keys(shards: Mapping, layout: Layout, what: str) -> None:
+    mesh_devs = set(layout.mesh.device_ids)
+    for d in shards:
+        if not isinstance(d, (int, np.integer)) or isinstance(d, bool):
+            raise TypeError(f"shard keys must be device ids (int), got {d!r}")
+        if d not in mesh_devs:
+            raise ValueError(f"device {d} is not in the {what} mesh {layout.mesh}")
+
+
+def check_tile_shapes(shapes: Mapping[int, tuple], tiling, what: str, rank: int | None = None) -> None:
+    """{device: tile shape} against the boxes a layout gives those devices."""
+    who = "" if rank is None else f"rank {rank}: "
+    for d, shape in shapes.items():
+        box = tiling.boxes[d]
+        want = tuple(b - a for a, b in box)
+        if tuple(shape) != want:
+            raise ValueError(f"{who}the tile for {what} device {d} has shape {tuple(shape)} but the "
+                             f"{what} layout gives device {d} the box {list(box)} of shape {want} "
+                             f"(global shape {tiling.shape})")
+
+
+def native_byte_order(x):
+    """`x` itself, or a copy in the machine's byte order when a NumPy tile is byte-swapped
+    (a '>f4' tile would otherwise travel as raw bytes and be read as '<f4')."""
+    if isinstance(x, np.ndarray) and not x.dtype.isnative:
+        return x.astype(x.dtype.newbyteorder("="))
+    return x
+
+
+def normalize_input(x, src: Layout, owned: tuple[int, ...] | None = None) -> tuple[dict, bool]:
+    """{device: tile} from what the user passed; True if it was a bare array."""
+    if isinstance(x, Mapping):
+        check_keys(x, src, "src")
+        if owned is not None:
+            extra = [d for d in x if d not in owned]
+            if extra:
+                raise ValueError(f"this process does not own device(s) {extra} it passed shards for")
+        kinds = {arrays.kind_of(v) for v in x.values()}
+        if len(kinds) > 1:
+            raise TypeError(f"shards mix array kinds {sorted(kinds)}; pass one kind")
+        return dict(x), False
+    arrays.kind_of(x)
+    mine = [d for d in (owned if owned is not None else src.mesh.device_ids) if d in src.mesh]
+    if len(mine) != 1:
+        raise TypeError(f"a bare array is accepted only when this process owns exactly one src device "
+                        f"(it owns {len(mine)}); pass a dict {{device id: tile}}")
+    return {mine[0]: x}, True
+
+
+def resolve_shape_dtype(shards: Mapping[int, Any], src: Layout, shape, dtype):
+    """Validate or infer (shape, dtype name, itemsize) from the shards a process holds."""
+    dnames = {arrays.dtype_of(v) for v in shards.values()}
+    if len(dnames) > 1:
+        per = {}
+        for d, v in shards.items():
+            per.setdefault(arrays.dtype_of(v)[0], d)
+        raise TypeError("shards have different dtypes: " +
+                        ", ".join(f"device {d}: {n}" for n, d in sorted(per.items())))
+    if dtype is not None:
+        name, itemsize = arrays.normalize_dtype(dtype)
+        if dnames and dnames != {(name, itemsize)}:
+            got = next(iter(dnames))[0]
+            raise TypeError(f"dtype={name} but the shards have dtype {got}")
+    elif dnames:
+        name, itemsize = next(iter(dnames))
+    else:
+        name, itemsize = None, None
+    if shape is not None:
+        shape = src.check_shape(normalize_shape(shape))
+    else:
+        shape = infer_shape(src, {d: tuple(v.shape) for d, v in shards.items()})
+    return shape, name, itemsize
+
+
+def infer_shape(layout: Layout, tile_shapes: Mapping[int, tuple[int, ...]]) -> tuple[int, ...] | None:
+    """The global shape implied by some devices' tile shapes, or None when ambiguous.
+
+    A dimension is known when it is unsplit, split by Blocks, or when the tiles cover every
+    shard along it; otherwise it is known only if exactly one size gives these tile sizes
+    under torch.chunk splitting. Tiles that contradict each other or the layout raise a
+    ValueError naming the device.
+    """
+    if not tile_shapes:
+        return None
+    ndims = {}
+    for d, s in tile_shapes.items():
+        ndims.setdefault(len(s), d)
+    if len(ndims) != 1:
+        raise ValueError("tiles have different numbers of dimensions: " +
+                         ", ".join(f"device {d}: {n}-d" for n, d in sorted(ndims.items())))
+    ndim = next(iter(ndims))
+    if len(layout.spec) > ndim:
+        raise ValueError(f"spec {layout.spec_str()} has {len(layout.spec)} entries but the tiles "
+                         f"have {ndim} dimension(s)")
+    mesh = layout.mesh
+    shape = []
+    for dim in range(ndim):
+        e = layout.spec[dim] if dim < len(layout.spec) else None
+        sizes: dict[int, int] = {}
+        first: dict[int, int] = {}
+        for d, s in tile_shapes.items():
+            si = layout.shard_index(d)
+            idx = si[dim] if dim < len(si) else 0
+            if idx in sizes and sizes[idx] != s[dim]:
+                raise ValueError(f"dimension {dim}: device {d} holds the same shard as device "
+                                 f"{first[idx]} but its tile has size {s[dim]} there, not {sizes[idx]}")
+            sizes[idx] = s[dim]
+            first.setdefault(idx, d)
+        if e is None:
+            shape.append(sizes[0])
+            continue
+        if isinstance(e, Blocks):
+            for idx, n in sizes.items():
+                if n != e.sizes[idx]:
+                    raise ValueError(f"dimension {dim}: the tile of device {first[idx]} has size {n} "
+                                     f"but {e} gives its shard {idx} size {e.sizes[idx]}")
+            shape.append(sum(e.sizes))
+            continue
+        k = math.prod(mesh.axis_size(a) for a in e)
+        if len(sizes) == k:
+            _check_chunks(sizes, k, dim, first)
+            shape.append(sum(sizes.values()))
+            continue
+        n = _unique_chunk_total(sizes, k)
+        if n is None:
+            return None
+        shape.append(n)
+    return tuple(shape)
+
+
+def _check_chunks(sizes: Mapping[int, int], k: int, dim: int, first: Mapping[int, int]) -> None:
+    """Every shard along a dimension is known: their sizes must be torch.chunk's sizes of
+    their sum. If not, the dimension size that most tiles agree with decides whom to blame."""
+    n = sum(sizes.values())
+    if _chunk_sizes(n, k) == [sizes[i] for i in range(k)]:
+        return
+    hi = k * (max(sizes.values()) + 1)
+    cand = np.arange(hi + 1, dtype=np.int64)
+    c = -(-cand // k)
+    matches = np.zeros_like(cand)
+    for i, s in sizes.items():
+        matches += (np.minimum((i + 1) * c, cand) - np.minimum(i * c, cand)) == s
+    best = int(np.argmax(matches))
+    want = _chunk_sizes(best, k)
+    bad = [i for i in range(k) if sizes[i] != want[i]]
+    i = bad[0]
+    raise ValueError(f"dimension {dim}: the tile of device {first[i]} has size {sizes[i]}, but the "
+                     f"other tiles along it fit a dimension of {best} split {k} ways (torch.chunk), "
+                     f"which gives shard {i} size {want[i]}; use Blocks for other splits")
+
+
+def _chunk_sizes(n: int, k: int) -> list[int]:
+    c = -(-n // k)
+    return [min((i + 1) * c, n) - min(i * c, n) for i in range(k)]
+
+
+def _unique_chunk_total(sizes: Mapping[int, int], k: int) -> int | None:
+    hi = k * (max(sizes.values()) + 1)
+    if hi > 50_000_000:
+        return None
+    n = np.arange(hi + 1, dtype=np.int64)
+    c = -(-n // k)
+    ok = np.ones_like(n, dtype=bool)
+    for i, s in sizes.items():
+        got = np.minimum((i + 1) * c, n) - np.minimum(i * c, n)
+        ok &= got == s
+    cand = np.nonzero(ok)[0]
+    return int(cand[0]) if len(cand) == 1 else None
