@@ -15,7 +15,7 @@ in the group, m micro-batches per iteration, one iteration issues:
 | ---- | ------------------------------------- | ------------------------------ |
 | 0    | all_reduce (P*g)                      | 1 (gradients accumulated locally over the m micro-batches) |
 | 1    | reduce_scatter (P*g), all_gather (P*w) | 1 each (gradients kept whole, reduced once) |
-| 2    | reduce_scatter (P*g)                  | m (only the rank's gradient partition is kept, so each micro-batch's is reduced) |
+| 2    | reduce_scatter (P*g)                  | m (only the rank's gradient partition is kept) |
 |      | all_gather (P*w)                      | 1 (after the optimizer step)   |
 | 3    | all_gather (U*w) fwd, all_gather (U*w) bwd, reduce_scatter (U*g) | m per unit of U parameters |
 
