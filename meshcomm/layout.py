@@ -19,7 +19,7 @@ import math
 from typing import Any, Iterable, Mapping, Sequence, Union
 
 from .caches import memo, registry
-from .mesh import Mesh
+from .mesh import Mesh, as_int
 
 __all__ = ["Blocks", "Layout", "Box", "chunk_bounds", "normalize_shape"]
 
@@ -52,10 +52,12 @@ class Blocks:
         for a in axes:
             if not isinstance(a, str):
                 raise TypeError(f"Blocks axes must be mesh axis names (str), got {a!r}")
+        raw = self.sizes.tolist() if hasattr(self.sizes, "tolist") else self.sizes
         try:
-            sizes = tuple(int(s) for s in self.sizes)
+            raw = tuple(raw)
         except TypeError:
             raise TypeError(f"Blocks sizes must be a sequence of ints, got {self.sizes!r}") from None
+        sizes = tuple(as_int(s, f"Blocks size {i}") for i, s in enumerate(raw))
         if any(s < 0 for s in sizes):
             raise ValueError(f"Blocks sizes must be non-negative, got {sizes}")
         object.__setattr__(self, "axes", axes)
@@ -97,9 +99,10 @@ def _entry_axes(entry: SpecEntry) -> AxisNames:
 
 def normalize_shape(shape) -> tuple[int, ...]:
     try:
-        shape = tuple(int(s) for s in shape)
+        dims = tuple(shape)
     except TypeError:
         raise TypeError(f"shape must be a sequence of ints, got {shape!r}") from None
+    shape = tuple(as_int(s, f"shape {dims}: dimension {i}") for i, s in enumerate(dims))
     if any(s < 0 for s in shape):
         raise ValueError(f"shape must be non-negative, got {shape}")
     return shape

@@ -2,13 +2,45 @@
 from __future__ import annotations
 
 import functools
-from typing import Iterable, Sequence
+import operator
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from .caches import memo
 
-__all__ = ["Mesh"]
+__all__ = ["Mesh", "as_int"]
+
+
+def as_int(v: Any, what: str) -> int:
+    """`v` as a Python int when it is an integer (Python, NumPy, a 0-d integer tensor: anything
+    with __index__, bools excepted); else TypeError naming `what` and the value. Floats are
+    refused even when integral, as torch refuses float sizes: nothing is silently truncated."""
+    if not isinstance(v, (bool, np.bool_)):
+        try:
+            return operator.index(v)
+        except TypeError:
+            pass
+    raise TypeError(f"{what} must be an integer, got {v!r} ({type(v).__name__})")
+
+
+def _ragged_row(devices, path=()) -> tuple[int, ...]:
+    """The shape of nested rows of device ids; ValueError naming the first row whose length
+    differs from its first sibling's."""
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, (Sequence, np.ndarray)):
+        return ()
+    shapes = [_ragged_row(row, path + (i,)) for i, row in enumerate(devices)]
+    for i, sh in enumerate(shapes):
+        if sh != shapes[0]:
+            def what(p, s):
+                name = "row " + "".join(f"[{k}]" for k in p)
+                if not s:
+                    return f"{name} is a single id"
+                return f"{name} has {s[0]} entr{'y' if s[0] == 1 else 'ies'}" if len(s) == 1 else \
+                    f"{name} has shape {s}"
+            raise ValueError(f"Mesh devices are ragged: {what(path + (i,), sh)} but "
+                             f"{what(path + (0,), shapes[0])}; every row of a mesh has one length")
+    return (len(shapes),) + (shapes[0] if shapes else ())
 
 
 class Mesh:
@@ -25,20 +57,35 @@ class Mesh:
     __slots__ = ("_devices", "_axis_names", "_shape", "_flat", "_hash", "_coords")
 
     def __init__(self, devices, axis_names: Sequence[str] | str):
-        arr = np.asarray(devices)
+        try:
+            arr = np.asarray(devices)
+        except ValueError:                   # NumPy refuses ragged nested lists
+            _ragged_row(devices)
+            raise
+        if arr.dtype == object:
+            _ragged_row(devices)
         if isinstance(axis_names, str):
             axis_names = (axis_names,)
-        axis_names = tuple(axis_names)
+        try:
+            axis_names = tuple(axis_names)
+        except TypeError:
+            raise TypeError(f"Mesh axis names must be a string or a sequence of strings, "
+                            f"got {axis_names!r}") from None
         if arr.ndim == 0:
             raise ValueError("Mesh devices must be an array with at least one dimension, "
                              f"got the scalar {devices!r}")
         if arr.size == 0:
             raise ValueError(f"Mesh devices must not be empty (shape {arr.shape})")
-        if arr.dtype == object or not np.issubdtype(arr.dtype, np.integer):
-            if arr.dtype.kind == "f" and np.all(np.mod(arr, 1) == 0):
-                arr = arr.astype(np.int64)
-            else:
-                raise TypeError(f"Mesh devices must be integers, got dtype {arr.dtype}")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raw = arr if isinstance(devices, np.ndarray) else np.asarray(devices, dtype=object)
+            for i, v in enumerate(raw.reshape(-1).tolist()):     # as written, not as coerced
+                try:
+                    as_int(v, "")
+                except TypeError:
+                    where = tuple(int(c) for c in np.unravel_index(i, arr.shape))
+                    raise TypeError(f"Mesh device ids must be integers, got {v!r} at index {where} "
+                                    f"(dtype {arr.dtype})") from None
+            arr = arr.astype(np.int64)       # an object array of ints
         if len(axis_names) != arr.ndim:
             raise ValueError(f"Mesh of shape {arr.shape} has {arr.ndim} dimension(s) but "
                              f"{len(axis_names)} axis name(s) {axis_names}")

@@ -337,3 +337,81 @@ def test_every_message_names_something():
         with pytest.raises((ValueError, TypeError)) as ei:
             f()
         assert re.search(r"'[xz]'|device \d", str(ei.value)), str(ei.value)
+
+
+# -- numbers that must be integers ---------------------------------------------------------
+
+def test_blocks_sizes_must_be_integers():
+    """No silent truncation: 3.5 rows is not 3 rows. Like torch, float sizes are refused
+    even when integral; bools are not sizes."""
+    with raises(TypeError, r"Blocks size 0 must be an integer, got 3\.5"):
+        mc.Blocks("x", [3.5, 4.5])
+    with raises(TypeError, r"Blocks size 1 must be an integer, got 4\.0"):
+        mc.Blocks("x", [4, 4.0])
+    with raises(TypeError, r"Blocks size 0 must be an integer, got True"):
+        mc.Blocks("x", [True, 1])
+    with raises(TypeError, r"Blocks size 0 must be an integer, got 2\.0"):
+        mc.Blocks("x", np.array([2.0, 3.0]))
+    with raises(TypeError, r"Blocks size 1 must be an integer, got '2'"):
+        mc.Blocks("x", [1, "2"])
+    for sizes in (np.array([3, 5], dtype=np.int32), [np.int64(3), 5], torch.tensor([3, 5]), (3, 5)):
+        b = mc.Blocks("x", sizes)
+        assert b.sizes == (3, 5) and all(type(s) is int for s in b.sizes)
+
+
+def test_shapes_must_be_integers():
+    lay = mc.Layout(M4, ("x",))
+    with raises(TypeError, r"shape.*dimension 0.*2\.5"):
+        lay.index_map((2.5, 3))
+    with raises(TypeError, r"shape.*dimension 1.*4\.0"):
+        mc.plan((4, 4.0), "float32", lay, lay)
+    with raises(TypeError, r"shape.*dimension 0.*True"):
+        lay.index_map((True,))
+    assert lay.check_shape((np.int64(4), torch.tensor(2))) == (4, 2)
+
+
+def test_alltoall_counts_must_be_integers():
+    m = mc.Mesh([0, 1], "x")
+    x = {0: np.zeros((4, 2)), 1: np.zeros((4, 2))}
+    with raises(TypeError, r"count 1 of device 0 must be an integer, got 2\.5"):
+        mc.all_to_all_v(x, {0: [1, 2.5], 1: [2, 2]}, m, "x")
+    with raises(TypeError, r"count 0 of device 1 must be an integer, got 2\.0"):
+        mc.all_to_all_v(x, {0: [2, 2], 1: [2.0, 2.0]}, m, "x")
+    with raises(TypeError, r"count 0 of device 1 must be an integer, got 2\.0"):
+        mc.all_to_all_v(x, {0: [2, 2], 1: np.array([2.0, 2.0])}, m, "x")
+    with raises(TypeError, r"count 0 of device 0 must be an integer, got True"):
+        mc.all_to_all_v(x, {0: [True, 3], 1: [2, 2]}, m, "x")
+    with raises(TypeError, r"count 1 of device 1 must be an integer, got 2\.5"):
+        mc.all_to_all_v(x, {0: [2, 2], 1: [2, 2]}, m, "x", recv_counts={0: [2, 2], 1: [2, 2.5]})
+    out = mc.all_to_all_v({0: np.arange(8.0).reshape(4, 2), 1: np.arange(8.0, 16).reshape(4, 2)},
+                          {0: np.array([1, 3], dtype=np.int32), 1: torch.tensor([2, 2])}, m, "x")
+    assert out[0].shape == (3, 2) and out[1].shape == (5, 2)
+
+
+def test_mesh_ragged_devices():
+    with raises(ValueError, r"ragged.*row \[1\] has 1 entr.*row \[0\] has 2"):
+        mc.Mesh([[0, 1], [2]], ("x", "y"))
+    with raises(ValueError, r"ragged.*row \[1\]\[1\] has 1 entry but row \[1\]\[0\] has 2"):
+        mc.Mesh([[[0, 1], [2, 3]], [[4, 5], [6]]], ("x", "y", "z"))
+    with raises(ValueError, r"ragged.*row \[1\] is a single id.*row \[0\] has 2"):
+        mc.Mesh([[0, 1], 2], ("x", "y"))
+
+
+def test_mesh_device_ids_must_be_integers():
+    with raises(TypeError, r"device ids must be integers.*0\.5 at index \(0,\)"):
+        mc.Mesh([0.5, 1], "x")
+    with raises(TypeError, r"device ids must be integers.*2\.0 at index \(1, 0\)"):
+        mc.Mesh([[0, 1], [2.0, 3]], ("x", "y"))
+    with raises(TypeError, r"device ids must be integers.*True at index \(0,\)"):
+        mc.Mesh([True, False], "x")
+    with raises(TypeError, r"device ids must be integers.*None at index \(1,\)"):
+        mc.Mesh([0, None], "x")
+    assert mc.Mesh(np.array([3, 1], dtype=np.uint8), "x").device_ids == (3, 1)
+    assert mc.Mesh(torch.tensor([[2, 0], [1, 3]]), ("x", "y")).device_ids == (2, 0, 1, 3)
+
+
+def test_mesh_axis_names_not_a_sequence():
+    with raises(TypeError, r"axis names.*None"):
+        mc.Mesh([0, 1], None)
+    with raises(TypeError, r"axis names.*3"):
+        mc.Mesh([0, 1], 3)
