@@ -139,13 +139,19 @@ def from_dict(d: Mapping[str, Any], source: str = "<dict>") -> TuningTable:
     return TuningTable(tuple(out), tuple(meas), source)
 
 
-def load(path: str | os.PathLike) -> TuningTable:
-    with open(path) as f:
-        try:
-            d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON: {e}") from None
-    return from_dict(d, str(path))
+def load(path: str | os.PathLike, *, label: str | None = None) -> TuningTable:
+    """The table in a JSON file. ValueError when it is not one, its message starting with
+    `label` (default: the path); OSError when the file cannot be read."""
+    label = label or str(path)
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        d = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{label}: not valid JSON (UTF-8 text): {e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{label}: not valid JSON: {e}") from None
+    return dataclasses.replace(from_dict(d, label), source=str(path))
 
 
 def save(table: TuningTable, path: str | os.PathLike) -> None:
@@ -161,5 +167,16 @@ def default_table() -> TuningTable:
 
 
 def table_from_env() -> TuningTable:
-    path = os.environ.get("MESHCOMM_TUNING")
-    return load(path) if path else default_table()
+    """The table named by MESHCOMM_TUNING, else the built-in default. A path that cannot be
+    read, or a file that is not a table, is a ValueError naming the variable and the path."""
+    from meshcomm import settings
+    path = settings.get("TUNING")
+    if not path:
+        return default_table()
+    where = f"{settings.SETTINGS['TUNING'].var}={path!r}"
+    try:
+        return load(path, label=f"{where} is not a tuning table")
+    except OSError as e:
+        raise ValueError(f"{where}: cannot read the tuning table: {(e.strerror or str(e)).lower()} "
+                         "(a file written by `meshcomm tune`; unset the variable for the built-in "
+                         "table)") from None

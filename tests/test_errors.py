@@ -415,3 +415,35 @@ def test_mesh_axis_names_not_a_sequence():
         mc.Mesh([0, 1], None)
     with raises(TypeError, r"axis names.*3"):
         mc.Mesh([0, 1], 3)
+
+
+# -- the tuning table named by MESHCOMM_TUNING ------------------------------------------------
+
+def test_tuning_path_that_does_not_exist(tmp_path, monkeypatch):
+    from meshcomm.backends import tuning
+    missing = tmp_path / "nope.json"
+    monkeypatch.setenv("MESHCOMM_TUNING", str(missing))
+    with raises(ValueError, r"MESHCOMM_TUNING=.*nope\.json.*no such file"):
+        tuning.table_from_env()
+    monkeypatch.setenv("MESHCOMM_TUNING", str(tmp_path))
+    with raises(ValueError, r"MESHCOMM_TUNING=.*is a directory"):
+        tuning.table_from_env()
+    monkeypatch.setenv("MESHCOMM_TUNING", "")
+    assert tuning.table_from_env() == tuning.default_table()
+
+
+@pytest.mark.parametrize("text,pattern", [
+    ("{", r"not valid JSON.*line 1"),
+    (b"\xff\xfe{}", r"not valid JSON.*UTF-8"),
+    ("[1, 2]", r"a tuning table is a JSON object, got list"),
+    ('{"format": "v0", "rules": []}', r"format must be 'meshcomm-tuning-v1', got 'v0'"),
+    ('{"format": "meshcomm-tuning-v1", "rules": [{"op": "send", "backend": "nccl"}]}',
+     r"rule 0: tuning rule backend must be one of .*got 'nccl'"),
+])
+def test_tuning_file_that_is_not_a_table(tmp_path, monkeypatch, text, pattern):
+    from meshcomm.backends import tuning
+    p = tmp_path / "bad.json"
+    p.write_bytes(text if isinstance(text, bytes) else text.encode())
+    monkeypatch.setenv("MESHCOMM_TUNING", str(p))
+    with raises(ValueError, r"MESHCOMM_TUNING=.*bad\.json.*is not a tuning table: " + pattern):
+        tuning.table_from_env()
