@@ -18,7 +18,7 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m meshcomm.demo
+	$(PY) -m meshcomm.tools.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x --timeout=600 tests

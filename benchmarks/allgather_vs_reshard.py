@@ -25,15 +25,16 @@ import argparse
 import json
 import math
 import os
-from importlib import resources
 
 import numpy as np
 
 from mpi4py import MPI
 
 import meshcomm as mc
-from meshcomm.spmd_timing import time_repeats
 from meshcomm.backends.base import Work, wait_polling
+from meshcomm.tools.cases import alpa_spec, global_array, load_alpa
+from meshcomm.tools.common import geomean
+from meshcomm.tools.spmd import exact, time_repeats
 
 BASELINES = {"blocking": "MPI_Allgatherv", "polite": "MPI_Iallgatherv polled like meshcomm polls",
              "direct": "Isend/Irecv of each tile to every process"}
@@ -42,16 +43,14 @@ DST = mc.Mesh([[4, 5], [6, 7]], ("x", "y"))
 
 
 def alpa_cases():
-    with resources.files("meshcomm").joinpath("data/alpa_resharding_cases.json").open() as f:
-        d = json.load(f)
+    """(case number, src spec, dst spec) of Alpa's n-to-m cases, each pair of specs once."""
     out, seen = [], set()
-    for c in d["n_to_m"]:
+    for c in load_alpa()["n_to_m"]:
         key = (json.dumps(c["src_spec"]), json.dumps(c["dst_spec"]))
         if key in seen:
             continue
         seen.add(key)
-        spec = lambda s: tuple(tuple(e) if isinstance(e, list) else e for e in s)  # noqa: E731
-        out.append((c["case"], spec(c["src_spec"]), spec(c["dst_spec"])))
+        out.append((c["case"], alpa_spec(c["src_spec"]), alpa_spec(c["dst_spec"])))
     return out
 
 
@@ -144,8 +143,7 @@ def main():
     ctx = mc.init(backend="mpi" if names == {"mpi"} else "mixed")
     rank = ctx.rank
     shape = shape_for(args.mib)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal(shape, dtype=np.float32)
+    x = global_array(shape, 0, "float32")
     rows = []
     if rank == 0:
         print(f"meshcomm.reshard vs allgather-then-slice: 8 processes, 2x2 -> 2x2 meshes, "
@@ -158,17 +156,13 @@ def main():
         src, dst = mc.Layout(SRC, sspec), mc.Layout(DST, dspec)
         tiles = mc.shard(x, src)
         mine = tiles.get(rank)
-        want = None
-        if rank in DST:
-            box = dst.tiles(shape).boxes[rank]
-            want = x[tuple(slice(a, b) for a, b in box)]
         base = AllgatherSlice(comm, shape, src, dst)
         arg = mine if mine is not None else np.empty(0, np.float32)
         t_b, ok_ag = {}, True
         for name in baselines:
             t_b[name], got_ag = time_repeats(comm, lambda: base(arg, polite=name == "polite", direct=name == "direct"),
                                              args.reps, args.warmup)
-            ok_ag = ok_ag and (want is None or np.array_equal(got_ag, want))
+            ok_ag = exact(comm, dst, shape, x, got_ag) and ok_ag
         t_ag = min(t_b.values())            # the fastest baseline
         p = mc.plan(shape, "float32", src, dst)
         for b in backends:
@@ -181,8 +175,7 @@ def main():
             t_rs, got = time_repeats(comm, lambda: mc.reshard(inp, src, dst, backend=name, **kw),
                                      args.reps, args.warmup)
             os.environ["MESHCOMM_CHECK"] = "1"
-            ok = want is None or np.array_equal(got[rank], want)
-            ok = comm.allreduce(bool(ok and ok_ag), op=MPI.LAND)
+            ok = exact(comm, dst, shape, x, got) and ok_ag
             rows.append((case, b, t_rs, t_ag, ok))
             if rank == 0:
                 print(f"{case:>4} {str(src.spec_str()):>16} {str(dst.spec_str()):>16} {b:>7} "
@@ -192,10 +185,9 @@ def main():
     if rank == 0:
         for b in backends:
             r = [t_ag / t_rs for _, bb, t_rs, t_ag, _ in rows if bb == b]
-            g = math.exp(sum(math.log(v) for v in r) / len(r))
-            exact = all(ok for _, bb, *_, ok in rows if bb == b)
-            print(f"geomean speed-up of reshard[{b}] over allgather-then-slice: {g:.2f}x "
-                  f"over {len(r)} cases; all exact: {exact}")
+            all_ok = all(ok for _, bb, *_, ok in rows if bb == b)
+            print(f"geomean speed-up of reshard[{b}] over allgather-then-slice: {geomean(r):.2f}x "
+                  f"over {len(r)} cases; all exact: {all_ok}")
     mc.finalize()
 
 

@@ -10,20 +10,19 @@ Two parts, 8 processes on this host:
   1..m (one broadcast in the plan) with the MPI backend's broadcast done each way
   (`MESHCOMM_MPI_COLLECTIVES=native|p2p`; the default, auto, picks p2p inside one host).
 
-Per repeat the slowest rank's time (polite barriers, meshcomm.spmd_timing); median of
+Per repeat the slowest rank's time (polite barriers, meshcomm.tools.spmd); median of
 --reps after a warm-up; ratios are collective / p2p within the same run.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 
 import numpy as np
 from mpi4py import MPI
 
 import meshcomm as mc
-from meshcomm.spmd_timing import time_repeats
+from meshcomm.tools.common import script_parser, write_json
+from meshcomm.tools.spmd import time_repeats
 
 
 def poll(reqs):
@@ -86,10 +85,7 @@ def end_to_end(comm, ctx, reps):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
+    args = script_parser(__doc__, reps=15).parse_args(argv)
     comm = MPI.COMM_WORLD
     ctx = mc.init(backend="mpi")
     rows = primitives(comm, args.reps) + end_to_end(comm, ctx, args.reps)
@@ -101,8 +97,7 @@ def main(argv=None):
             print(f"{r['part']:10s} {r['members']:7d} {r['bytes']:9d} {r['collective_s'] * 1e6:10.1f} "
                   f"{r['p2p_s'] * 1e6:10.1f} {r['collective_s'] / r['p2p_s']:9.2f}x")
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
+            write_json(args.json, rows, say=False)
     mc.finalize()
 
 

@@ -8,7 +8,7 @@ moves to the same layout on the devices rotated by one (each rank sends 256 B to
 neighbour: the plan's data is tiny, so the check dominates).
 
 Columns, per N (median of --reps per round, the median of 3 interleaved rounds, slowest
-rank per repeat, polite barriers: meshcomm.spmd_timing):
+rank per repeat, polite barriers: meshcomm.tools.spmd):
 * exchange only: the check's own communication with a realistic blob: `allgather` (every
   rank's pickled blob to every rank, the way that names a missing peer) and `allreduce`
   (one MIN-allreduce of a 15-int64 vector of hashes);
@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 
 
@@ -35,7 +33,7 @@ def measure(reps: int) -> dict | None:
 
     import meshcomm as mc
     from meshcomm import runtime
-    from meshcomm.spmd_timing import time_repeats
+    from meshcomm.tools.spmd import time_repeats
 
     comm = MPI.COMM_WORLD
     n, me = comm.size, comm.rank
@@ -80,10 +78,9 @@ def measure(reps: int) -> dict | None:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from meshcomm.tools.common import script_parser
+    ap = script_parser(__doc__, reps=40)
     ap.add_argument("--procs", default="4,8,16,32")
-    ap.add_argument("--reps", type=int, default=40)
-    ap.add_argument("--json")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
@@ -91,17 +88,14 @@ def main(argv=None):
         if row is not None:
             print("ROW " + json.dumps(row), flush=True)
         return
-    from tqdm import tqdm
-
-    from meshcomm.demo import find_mpiexec
-    mpiexec = find_mpiexec()
-    if mpiexec is None:
-        raise SystemExit("no mpiexec found (install the mpich wheel: pip install mpich mpi4py)")
+    from meshcomm.tools import spmd
+    from meshcomm.tools.common import progress, write_json
     rows = []
-    for n in tqdm([int(v) for v in args.procs.split(",")], desc="check scaling", unit="launch"):
-        r = subprocess.run([mpiexec, "-n", str(n), sys.executable, __file__, "--one", "--reps", str(args.reps)],
-                           capture_output=True, text=True, timeout=1200,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+    for n in progress([int(v) for v in args.procs.split(",")], desc="check scaling", unit="launch"):
+        try:
+            r = spmd.launch(n, [__file__, "--one", "--reps", str(args.reps)], timeout=1200, capture=True)
+        except FileNotFoundError as e:
+            raise SystemExit(str(e)) from None
         line = [ln for ln in r.stdout.splitlines() if ln.startswith("ROW ")]
         if r.returncode != 0 or not line:
             raise SystemExit(f"mpiexec -n {n} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
@@ -117,8 +111,7 @@ def main(argv=None):
         ratio = f"{cost_ag / cost_ar:15.2f}x" if cost_ar > 0 else f"{'-':>16s}"
         print(f"{r['procs']:5d} " + " ".join(f"{r[k] * 1e6:19.0f}" for k in names) + f"  {ex:14.2f}x {ratio}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows, say=False)
 
 
 if __name__ == "__main__":

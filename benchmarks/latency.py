@@ -12,22 +12,18 @@ plan lookup, the executor); the check adds one small all-pairs exchange.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 
 import numpy as np
 from mpi4py import MPI
 
 import meshcomm as mc
-from meshcomm.spmd_timing import time_repeats
+from meshcomm.tools.common import script_parser, write_json
+from meshcomm.tools.spmd import time_repeats
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=300)
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
+    args = script_parser(__doc__, reps=300).parse_args(argv)
     comm = MPI.COMM_WORLD
     if comm.size != 2:
         raise SystemExit("run with mpiexec -n 2")
@@ -73,8 +69,7 @@ def main(argv=None):
             print(f"{r['bytes']:8d} " + " ".join(f"{r[k] * 1e6:19.1f}" for k in names)
                   + f"  {r['reshard check=0'] / r['Isend/Irecv polled']:13.1f}x")
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
+            write_json(args.json, rows, say=False)
     mc.finalize()
 
 

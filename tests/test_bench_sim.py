@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import meshcomm as mc
-from meshcomm import bench
+from meshcomm.tools import cases
+from meshcomm.tools.bench import sim
+from meshcomm.tools.common import geomean
 from meshcomm.planners import baselines as B
 from meshcomm.planners.verify import verify
 
@@ -20,7 +22,7 @@ P3 = mc.Topology.preset("p3.8xlarge")
 
 @pytest.fixture(scope="module")
 def alpa_rows():
-    return bench.sim_rows(bench.alpa_cases(), P3, verify=True, progress=False)
+    return sim.sim_rows(cases.alpa_cases(), P3, verify=True, progress=False)
 
 
 def test_alpa_cases_are_all_there(alpa_rows):
@@ -56,8 +58,9 @@ def test_baselines_differ_where_the_paper_says(alpa_rows):
 
 
 def test_geomean():
-    assert bench.geomean([2.0, 8.0]) == pytest.approx(4.0)
-    assert bench.geomean([None, 3.0]) == pytest.approx(3.0)
+    assert geomean([2.0, 8.0]) == pytest.approx(4.0)
+    assert geomean([None, 3.0, 0.0, float("inf")]) == pytest.approx(3.0)
+    assert geomean([None]) != geomean([None])                 # nan: nothing to average
 
 
 @settings(max_examples=80, deadline=None)
@@ -175,7 +178,7 @@ def test_send_recv_uses_first_replica_and_alpa_balances():
 
 
 def test_cli_bench_sim_json_and_plot(tmp_path, capsys):
-    from meshcomm.cli import main
+    from meshcomm.tools.cli import main
     out = tmp_path / "sim.json"
     png = tmp_path / "sim.png"
     rc = main(["bench", "sim", "--only", "alpa-1tm-1x2,same-transpose", "--json", str(out),
@@ -186,7 +189,7 @@ def test_cli_bench_sim_json_and_plot(tmp_path, capsys):
     assert [r["case"] for r in rows] == ["alpa-1tm-1x2", "same-transpose-2x4"]
     for r in rows:
         assert {"case", "meshcomm_s", "lower_bound_s", "baselines"} <= set(r)
-        assert set(r["baselines"]) == set(bench.BASELINE_NAMES)
+        assert set(r["baselines"]) == set(sim.BASELINE_NAMES)
     assert rows[0]["baselines"]["dtensor_style"] is None          # cross-mesh: not applicable
     assert rows[1]["baselines"]["dtensor_style"] > 0
     assert png.stat().st_size > 1000
@@ -195,14 +198,14 @@ def test_cli_bench_sim_json_and_plot(tmp_path, capsys):
 
 
 def test_cli_bench_plan_small(capsys):
-    from meshcomm.cli import main
+    from meshcomm.tools.cli import main
     assert main(["bench", "plan", "--max-devices", "32", "--repeats", "1", "--quiet"]) == 0
     text = capsys.readouterr().out
     assert "reshape 4x8->8x4" in text and "cold ms" in text
 
 
 def test_own_cases_cover_the_promised_kinds():
-    cs = bench.own_cases()
+    cs = cases.own_cases()
     assert any(c.src.is_partial for c in cs)
     assert any(c.src.mesh.ndim == 3 for c in cs)
     assert any(isinstance(e, mc.Blocks) for c in cs for e in c.src.spec)

@@ -95,6 +95,44 @@ def test_plan_bad_input(args, msg):
     assert "Traceback" not in r.stderr
 
 
+def test_plan_draw_into_missing_folder(tmp_path):
+    missing = tmp_path / "no" / "such"
+    r = run("plan", "--shape", "8,6", "--src", "2x2:x", "--dst", "4@4:x", "--draw", str(missing / "p.png"))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()]           # one line
+    assert str(missing) in r.stderr and "does not exist" in r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+# the tools' optional dependencies (the `tools` extra) made unimportable in a fresh interpreter
+NO_TOOLS = ("import sys; sys.modules['matplotlib'] = sys.modules['tqdm'] = None; "
+            "from meshcomm.tools.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def test_commands_without_tqdm_and_matplotlib(tmp_path):
+    cmd = [sys.executable, "-c", NO_TOOLS]
+    r = run("bench", "sim", "--only", "alpa-1tm-1x2", cmd=cmd)      # progress bar: plain iteration
+    assert r.returncode == 0, r.stderr
+    assert "alpa-1tm-1x2" in r.stdout and "geomean speedup" in r.stdout
+    assert r.stderr == ""
+    for args in (["plan", "--shape", "8,6", "--src", "2x2:x", "--dst", "4@4:x", "--draw",
+                  str(tmp_path / "p.png")],
+                 ["bench", "sim", "--only", "alpa-1tm-1x2", "--plot", str(tmp_path / "s.png")]):
+        r = run(*args, cmd=cmd)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert r.stderr.strip().splitlines() == [r.stderr.strip()]
+        assert "matplotlib" in r.stderr and "pip install meshcomm[tools]" in r.stderr
+        assert "Traceback" not in r.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_demo_subcommand_help():
+    r = run("demo", "--help")
+    assert r.returncode == 0, r.stderr
+    for word in ("--procs", "--local", "--backends", "ag+slice"):
+        assert word in r.stdout, word
+
+
 def test_plan_bad_shape():
     r = run("plan", "--shape", "8,six", "--src", "2x2:x", "--dst", "4@4:x")
     assert r.returncode == 2 and "bad shape" in r.stderr

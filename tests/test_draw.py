@@ -1,4 +1,4 @@
-"""meshcomm.draw.draw_plan writes a readable PNG for small, per-node and degenerate plans."""
+"""meshcomm.tools.draw.draw_plan writes a readable PNG for small, per-node and degenerate plans."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ import meshcomm as mc
 from meshcomm import notation
 
 pytest.importorskip("matplotlib")
-from meshcomm.draw import _edges, draw_plan  # noqa: E402
+from meshcomm.tools.draw import _edges, draw_plan  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -74,7 +74,7 @@ def test_edges_follow_routes():
 
 
 def test_levels_group_nodes_for_huge_meshes(tmp_path):
-    from meshcomm.draw import _levels
+    from meshcomm.tools.draw import _levels
     small = _plan((8, 8), "2x4:x,y", "2x4@8:y,x", "p3.8xlarge")
     assert _levels(small, 96, 48)[0] == 0                 # one marker per device
     mid = _plan((256, 256), "8x16:x,y", "16x8@64:y,x", "dgx-a100")

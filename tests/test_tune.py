@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from meshcomm.backends import tuning
-from meshcomm.tune import busbw_factor, derive_rules, format_table, parse_bytes, sizes_between
+from meshcomm.tools.tune import (busbw_factor, derive_rules, format_table, parse_bytes, size_label,
+                                  sizes_between)
 
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
@@ -25,6 +26,8 @@ def test_parse_bytes_and_sizes():
     with pytest.raises(ValueError, match="larger"):
         sizes_between(10, 1)
     assert busbw_factor("alltoall", 8) == 7 / 8 and busbw_factor("bcast", 8) == 1.0
+    assert [size_label(s) for s in (1000, 1024, 64 << 10, 3 << 30)] == ["1000B", "1K", "64K", "3G"]
+    assert all(parse_bytes(size_label(s)) == s for s in (1, 1000, 1024, 3 << 20, 5 << 30))
 
 
 def _m(op, backend, nbytes, seconds, group=4):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 import meshcomm as mc
-from meshcomm.arrays import numpy_dtype
+from meshcomm.arrays import is_torch, numpy_dtype
 
 NP_DTYPES = ["float32", "float64", "int32", "int64", "float16", "bfloat16", "uint8", "int8", "bool"]
 TORCH_DTYPES = ["float32", "bfloat16", "int64", "float16", "int32"]
@@ -114,7 +114,7 @@ def same(a, b) -> bool:
     """Equal values, same kind, dtype and shape."""
     if type(a) is not type(b) or tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
         return False
-    if type(a).__module__.startswith("torch"):
+    if is_torch(a):
         import torch
         return bool(torch.equal(a, b))
     return bool(np.array_equal(a, b))

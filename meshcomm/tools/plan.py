@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import notation
+from meshcomm import notation
+
+from .common import check_output, require
 
 HELP = """\
 Print the schedule meshcomm would run to move a SHAPE/DTYPE tensor from layout SRC to DST.
@@ -35,6 +37,9 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     import meshcomm as mc
+    if args.draw:
+        check_output(args.draw, "--draw")
+        require("matplotlib", "--draw")
     try:
         shape = notation.parse_shape(args.shape)
         src = notation.parse_layout(args.src)

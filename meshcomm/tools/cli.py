@@ -1,16 +1,21 @@
-"""The `meshcomm` command line. Each subcommand lives in its own module and registers
-itself through `add_parser(subparsers)`; this file only wires them together."""
+"""The `meshcomm` command line. Each subcommand lives in its own module of meshcomm.tools and
+registers itself through `add_parser(subparsers)`; this file only wires them together and
+turns a UsageError (a missing optional dependency, a missing output folder) into one line on
+stderr and exit status 2."""
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
 
+from .common import UsageError
+
 # module -> subcommand it provides
 SUBCOMMANDS = [
-    "meshcomm.cli_plan",      # meshcomm plan
-    "meshcomm.tune",          # meshcomm tune
-    "meshcomm.bench",         # meshcomm bench {sim,run,plan}
+    "meshcomm.tools.plan",    # meshcomm plan
+    "meshcomm.tools.tune",    # meshcomm tune
+    "meshcomm.tools.bench",   # meshcomm bench {sim,run,plan}
+    "meshcomm.tools.demo",    # meshcomm demo (what `make demo` runs)
 ]
 
 
@@ -38,7 +43,11 @@ def main(argv=None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as e:
+        print(f"meshcomm {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

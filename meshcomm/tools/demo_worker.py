@@ -1,7 +1,7 @@
-"""The per-process side of `make demo` (run as `python -m meshcomm.demo --worker` under
-mpiexec). Every process owns device = its rank. MPI (mpi4py's COMM_WORLD) carries the demo's
-own bookkeeping: barriers around timings, the max over ranks, the exactness vote, and the
-allgather-then-slice baseline."""
+"""The per-process side of `make demo` (run as `python -m meshcomm.tools.demo --worker` under
+mpiexec), and the table both sides print. Every process owns device = its rank. MPI (mpi4py's
+COMM_WORLD) carries the demo's own bookkeeping: barriers around timings, the max over ranks,
+the exactness vote, and the allgather-then-slice baseline."""
 from __future__ import annotations
 
 import math
@@ -11,9 +11,25 @@ from collections import Counter
 
 import numpy as np
 
-from .backends.base import issued
-from .demo import HEADER, Case, global_array, row
-from .spmd_timing import time_once
+from meshcomm import notation
+from meshcomm.planners.schedule import fmt_bytes
+
+from .cases import Case, global_array
+from .common import geomean
+from .spmd import exact, time_once
+
+__all__ = ["HEADER", "row", "worker_main"]
+
+HEADER = (f"{'case':<11s} {'shape':<15s} {'src -> dst':<34s} {'backend':<9s} {'time ms':>9s} "
+          f"{'moved':>10s} {'GB/s':>7s} {'exact':>6s}")
+
+
+def row(case: Case, backend: str, seconds: float, moved: int, verdict: str) -> str:
+    layouts = f"{notation.format_layout(case.src)} -> {notation.format_layout(case.dst)}"
+    bw = moved / seconds / 1e9 if seconds > 0 else float("nan")
+    shape = "x".join(map(str, case.shape))
+    return (f"{case.name:<11s} {shape:<15s} {layouts:<34s} {backend:<9s} {seconds * 1e3:9.2f} "
+            f"{fmt_bytes(moved):>10s} {bw:7.2f} {verdict:>6s}")
 
 
 def _my_src(case: Case, g: np.ndarray, me: int, seed: int) -> dict:
@@ -24,27 +40,6 @@ def _my_src(case: Case, g: np.ndarray, me: int, seed: int) -> dict:
         return {me: mc.shard(g, case.src, seed=seed)[me]}
     box = case.src.index_map(case.shape)[me]
     return {me: np.ascontiguousarray(g[box])}
-
-
-def _exact(comm, case: Case, g: np.ndarray, y: dict, me: int) -> bool:
-    """Every rank checks its own dst tile against the data; rank 0 also reassembles the
-    whole result with meshcomm.unshard and compares it with the global tensor."""
-    import meshcomm as mc
-    ok = True
-    if me in case.dst.mesh:
-        want = g[case.dst.index_map(case.shape)[me]]
-        got = y.get(me)
-        ok = got is not None and tuple(got.shape) == tuple(want.shape) and np.array_equal(got, want)
-    tiles = comm.gather({d: np.asarray(v) for d, v in y.items()}, root=0)
-    if comm.rank == 0:
-        merged = {}
-        for t in tiles:
-            merged.update(t)
-        try:
-            ok = ok and np.array_equal(mc.unshard(merged, case.dst), g)
-        except ValueError:
-            ok = False
-    return bool(comm.allreduce(int(not ok)) == 0)
 
 
 def _mpi_allgatherv_then_slice(comm, case: Case, g_tile: dict, me: int):
@@ -94,6 +89,7 @@ def _plan_allgather_then_slice(ctx, case: Case, x: dict, me: int):
 
 def _split(comm, before: Counter, calls: int) -> str:
     """For mixed: how many primitives each backend issued per call (summed over ranks)."""
+    from meshcomm.backends.base import issued
     diff = Counter(issued)
     diff.subtract(before)
     mine = {k: v for k, v in diff.items() if v > 0 and k[0] in ("mpi", "torch")}
@@ -112,6 +108,7 @@ def worker_main(cases: list[Case], args) -> int:
     comm = MPI.COMM_WORLD
     me = comm.rank
     import meshcomm as mc
+    from meshcomm.backends.base import issued
     backends = [b for b in args.backends.split(",") if b]
     if comm.size != args.procs:
         if me == 0:
@@ -148,7 +145,7 @@ def worker_main(cases: list[Case], args) -> int:
         for label, fn, _ in methods:
             before = Counter(issued)
             y = fn()
-            oks[label] = _exact(comm, case, g, y or {}, me)
+            oks[label] = exact(comm, case.dst, case.shape, g, y or {}, reassemble=True)
             if label == "mixed":
                 splits[label] = _split(comm, before, 1)
         times = {label: [] for label, _, _ in methods}
@@ -173,8 +170,7 @@ def worker_main(cases: list[Case], args) -> int:
     if me == 0:
         for b, s in speedups.items():
             if s:
-                geo = math.exp(sum(math.log(v) for v in s) / len(s))
-                print(f"{b}: geomean speedup over allgather-then-slice (ag+slice) on Alpa's cases: {geo:.2f}x "
-                      f"({len(s)} cases)")
+                print(f"{b}: geomean speedup over allgather-then-slice (ag+slice) on Alpa's cases: "
+                      f"{geomean(s):.2f}x ({len(s)} cases)")
         print("all exact" if not bad else f"{bad} inexact result(s)", flush=True)
     return 1 if bad else 0

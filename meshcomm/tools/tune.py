@@ -34,6 +34,8 @@ import time
 
 import numpy as np
 
+from .common import check_output, importable, progress, require
+
 __all__ = ["add_parser", "run", "parse_bytes", "derive_rules", "busbw_factor", "OPS"]
 
 OPS = ("send", "bcast", "reduce", "alltoall")
@@ -59,7 +61,8 @@ def parse_bytes(text: str) -> int:
     return int(v)
 
 
-def fmt_bytes(n: int) -> str:
+def size_label(n: int) -> str:
+    """The inverse of parse_bytes for the table: 1024 -> '1K', 65536 -> '64K', 1000 -> '1000B'."""
     for unit, k in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
         if n >= k and n % k == 0:
             return f"{n // k}{unit}"
@@ -222,7 +225,10 @@ def _init_context(names: list[str]):
         if under_torchrun() and not _mpi_world():
             names = ["torch"]
         else:
-            names = ["mpi", "torch"]
+            names = ["mpi", "torch"] if importable("torch") else ["mpi"]
+    for name, module in (("mpi", "mpi4py"), ("torch", "torch")):
+        if name in names:
+            require(module, f"the {name} backend", extra=name)
     if set(names) == {"mpi", "torch"}:
         return mc.init(backend="mixed")
     if len(names) == 1 and names[0] in ("mpi", "torch"):
@@ -246,6 +252,7 @@ def run(args) -> int:
         if args.trials < 1 or args.warmup < 0:
             raise ValueError("--trials must be >= 1 and --warmup >= 0")
         names = [b.strip() for b in args.backends.split(",") if b.strip()]
+        check_output(args.out, "--out")
     except ValueError as e:
         print(f"meshcomm tune: error: {e}", file=sys.stderr)
         return 2
@@ -273,16 +280,15 @@ def run(args) -> int:
             for s in sizes:
                 configs.append((op, g, s))
     measurements = []
-    from tqdm import tqdm
-    bar = tqdm(total=len(configs) * len(backends), disable=rank != 0, desc="meshcomm tune",
-               unit="size", file=sys.stderr, dynamic_ncols=True)
+    bar = progress(total=len(configs) * len(backends), disable=rank != 0, desc="meshcomm tune",
+                   unit="size", file=sys.stderr, dynamic_ncols=True)
     try:
         for b in backends:
             bench = _Bench(ctx, b, ctx.timeout)
             subgroups = [tuple(range(g)) for g in groups if g < n]
             b.prepare_groups(subgroups, bench.deadline())
             for op, g, s in configs:
-                bar.set_postfix_str(f"{b.name} {op} {fmt_bytes(s)}", refresh=False)
+                bar.set_postfix_str(f"{b.name} {op} {size_label(s)}", refresh=False)
                 med, trials = bench.measure(op, s, tuple(range(g)), args.warmup, args.trials)
                 alg = s / med / 1e9 if med > 0 else float("inf")
                 measurements.append({"op": op, "backend": b.name, "bytes": s, "group": g,
@@ -324,7 +330,7 @@ def format_table(measurements: list[dict], names: list[str], n: int) -> str:
     lines.append("-" * len(head))
     for (op, g, s) in sorted(by, key=lambda k: (OPS.index(k[0]), k[1], k[2])):
         row = by[(op, g, s)]
-        line = f"{op:<8s} {g:>5d} {fmt_bytes(s):>8s}"
+        line = f"{op:<8s} {g:>5d} {size_label(s):>8s}"
         for nm in names:
             m = row.get(nm)
             if m is None:

@@ -2,7 +2,7 @@
 node, one arrow per hop of every transfer's route (a chain broadcast or reduction shows
 as arcs along its chain), so arrows show what each link carries.
 
-    from meshcomm.draw import draw_plan
+    from meshcomm.tools.draw import draw_plan
     draw_plan(mc.plan(shape, dtype, src, dst, topology="p3.8xlarge"), "plan.png")
 
 or ``meshcomm plan ... --draw plan.png``. Colour shows the kind of transfer (send, bcast,
@@ -18,12 +18,12 @@ from collections import defaultdict
 
 from meshcomm.planners.schedule import fmt_bytes
 
+from .common import require
+
 __all__ = ["draw_plan", "KIND_COLORS"]
 
 KIND_COLORS = {"send": "#1f77b4", "bcast": "#ff7f0e", "reduce": "#2ca02c", "copy": "#7f7f7f"}
 _SIDE_X = {"src": 0.0, "dst": 1.0}
-
-
 
 
 def _edges(plan):
@@ -89,7 +89,9 @@ def draw_plan(plan, path, *, max_devices: int = 96, max_groups: int = 48, title:
 
     Up to `max_devices` devices per side each get a marker; beyond that markers stand for
     nodes (or groups of 2, 4, ... nodes, at most `max_groups` per side) and edges are summed.
+    Without matplotlib it raises meshcomm.tools.common.UsageError naming the extra to install.
     """
+    require("matplotlib", "drawing a plan")
     from matplotlib.collections import LineCollection
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
