@@ -1,7 +1,7 @@
 """The shared executor: a Plan -> this process's part of it, over a small primitive interface.
 
 Every distributed backend implements `Backend`: non-blocking `isend`/`irecv(buf, peer, tag)`,
-`bcast(buf, root, ranks)` and `reduce(buf, root, ranks)` (sum into the root), each returning
+`bcast(buf, root, ranks)` and `reduce(buf, root, ranks, op)` (op into the root), each returning
 a `Work`; `wait_all(works, deadline)`; `barrier`; a small object `allgather_obj` for
 metadata; and `prepare_groups(groups, deadline)`.
 
@@ -12,7 +12,8 @@ How a process runs a plan (`execute`):
 * Otherwise, per transfer, in the plan's global order: pack the boxes of the sending tile
   into one contiguous message (backends/pack.py), issue the primitive, and when it is done
   unpack into the dst tiles this rank owns. send/bcast reaching 2 ranks use isend/irecv;
-  reaching 3 or more, `bcast` on the group of those ranks. A reduce sums the contributors
+  reaching 3 or more, `bcast` on the group of those ranks. A reduce combines (`Plan.reduce_op`:
+  sum, prod, min or max; meshcomm.reduceops) the contributors
   in the plan's order of `srcs` (bitwise the same as the local backend): each contributing
   rank sends its packed tiles to the root rank, which adds them up in order. For integer
   dtypes (exact in any order) a reduce over 3+ ranks uses the backend's `reduce` instead,
@@ -57,6 +58,7 @@ import numpy as np
 
 from meshcomm.errors import PeerTimeoutError
 from meshcomm.planners.boxes import box_size, local_slices
+from meshcomm.reduceops import combine_
 
 from . import streams
 from .pack import pack, unpack
@@ -146,7 +148,7 @@ class Backend:
     def isend(self, buf, peer: int, tag: int) -> Work: raise NotImplementedError
     def irecv(self, buf, peer: int, tag: int) -> Work: raise NotImplementedError
     def bcast(self, buf, root: int, ranks: tuple[int, ...]) -> Work: raise NotImplementedError
-    def reduce(self, buf, root: int, ranks: tuple[int, ...]) -> Work: raise NotImplementedError
+    def reduce(self, buf, root: int, ranks: tuple[int, ...], op: str = "sum") -> Work: raise NotImplementedError
     def allgather_obj(self, obj, deadline: float | None) -> list: raise NotImplementedError
 
     def allreduce_min(self, vec, deadline: float | None):
@@ -284,7 +286,10 @@ def _unique(seq):
 def collective_reduce_ok(dtype: str, backend: "Backend | None" = None) -> bool:
     """Whether a reduce over 3+ ranks uses the backend's collective reduce (else the root
     gathers and adds in plan order). auto: integers, except where the backend reports its
-    collective reduce slower than gathering (`gather_reduces`: MPI inside one host)."""
+    collective reduce slower than gathering (`gather_reduces`: MPI inside one host). Every op
+    (sum, prod, min, max) is exact in any order on integers. Float min/max are not: a NaN
+    or a 0.0/-0.0 tie gives an order-dependent result (MPI's MIN/MAX do not propagate NaN),
+    so floats of every op use the collective only with MESHCOMM_REDUCE=collective."""
     mode = os.environ.get("MESHCOMM_REDUCE", "auto")
     if mode == "ordered":
         return False
@@ -341,9 +346,9 @@ def groups_needed(plan, devices_per_process: int, collective_reduce: bool,
 
 # -- the executor ---------------------------------------------------------------------------
 
-def _alloc(like, shape, zero: bool):
+def _alloc(like, shape, zero: bool, op: str = "sum"):
     from .local import alloc_like
-    return alloc_like(like, shape, zero)
+    return alloc_like(like, shape, zero, op)
 
 
 def execute(plan, shards: Mapping[int, object], like, *, rank: int, devices_per_process: int,
@@ -374,7 +379,8 @@ class Execution:
         self.out = {}
         for d, box in dt.boxes.items():
             if rank_of(d) == rank:
-                self.out[d] = _alloc(like, tuple(b - a for a, b in box), zero=d in zero or box_size(box) == 0)
+                self.out[d] = _alloc(like, tuple(b - a for a, b in box), zero=d in zero or box_size(box) == 0,
+                                     op=plan.fill_op)
         self.coll = collective_reduce_ok(plan.dtype, backend)
         self.dpp = dpp
         self.steps = compile_steps(plan, rank, dpp, self.coll)
@@ -525,7 +531,7 @@ class _Run:
                 if acc is None:
                     acc = v
                 else:
-                    acc += v
+                    acc = combine_(acc, v, self.plan.reduce_op)
             self._unpack_to(t, t.dsts[0], acc)
             return
         v = self._packed(t, t.srcs[0])
@@ -561,23 +567,23 @@ class _Run:
                 return [b.irecv(buf, s.root, tag)], fin
             return [b.bcast(buf, s.root, s.ranks)], fin
         # reduce
-        root_dev = t.dsts[0]
+        root_dev, op = t.dsts[0], self.plan.reduce_op
         if s.prim == "reduce":              # the backend's reduction (order-free dtypes)
             acc = None
             for src in t.srcs:
                 if rank_of(src) == me:
                     v = self._packed(t, src, copy=True)
-                    acc = v if acc is None else acc.__iadd__(v)
+                    acc = v if acc is None else combine_(acc, v, op)
             n = s.nbytes // self.plan.itemsize
-            if acc is None:
-                acc = _alloc(self.like, (n,), zero=True)
+            if acc is None:                 # a root rank without contributors: the identity
+                acc = _alloc(self.like, (n,), zero=True, op=op)
             w = to_wire(acc, b.wire, stream, typed=True)
             if me != s.root:
-                return [b.reduce(w, s.root, s.ranks)], None
+                return [b.reduce(w, s.root, s.ranks, op)], None
 
             def fin():
                 self._unpack_to(t, root_dev, from_wire(w, self.like, typed=True))
-            return [b.reduce(w, s.root, s.ranks)], fin
+            return [b.reduce(w, s.root, s.ranks, op)], fin
         # ordered gather-and-sum at the root rank
         if me != s.root:
             mine = [src for src in t.srcs if rank_of(src) == me]
@@ -603,7 +609,7 @@ class _Run:
                     pieces[src] = v[j * n:(j + 1) * n]
             acc = None
             for src in t.srcs:
-                acc = pieces[src] if acc is None else acc.__iadd__(pieces[src])
+                acc = pieces[src] if acc is None else combine_(acc, pieces[src], op)
             self._unpack_to(t, root_dev, acc)
         return works, fin
 

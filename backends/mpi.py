@@ -216,14 +216,15 @@ class MPIBackend(Backend):
         others = tuple(r for r in ranks if r != self.rank)
         return _MPIWork(req, buf, what, others, self.rank)
 
-    def reduce(self, buf, root, ranks):
+    def reduce(self, buf, root, ranks, op="sum"):
         MPI = _mpi()
         sub = self._group(ranks)
+        mop = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}[op]
         i = ranks.index(root)
         if self.rank == root:
-            req = sub.Ireduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=i)
+            req = sub.Ireduce(MPI.IN_PLACE, buf, op=mop, root=i)
         else:
-            req = sub.Ireduce(buf, None, op=MPI.SUM, root=i)
+            req = sub.Ireduce(buf, None, op=mop, root=i)
         others = tuple(r for r in ranks if r != self.rank)
         return _MPIWork(req, buf, f"reduce in group {list(ranks)}", others, self.rank)
 

@@ -12,6 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
+from meshcomm.reduceops import combine
+
 __all__ = ["message_elems", "pack", "unpack", "uses_kernels"]
 
 
@@ -74,9 +76,12 @@ def pack(tile, slices: Sequence[tuple[slice, ...]], out=None):
     return out
 
 
-def unpack(buf, tile, slices: Sequence[tuple[slice, ...]], accumulate: bool = False) -> None:
-    """Scatter a packed 1-d buffer back into tile[sl] for each sl; add when `accumulate`."""
-    if uses_kernels(tile) and _on_cuda(buf):
+def unpack(buf, tile, slices: Sequence[tuple[slice, ...]], accumulate: bool = False,
+           op: str = "sum") -> None:
+    """Scatter a packed 1-d buffer back into tile[sl] for each sl; when `accumulate`, combine
+    with what is there by `op` (meshcomm.reduceops: the CUDA kernels add; other ops use the
+    array library's own elementwise op)."""
+    if uses_kernels(tile) and _on_cuda(buf) and (not accumulate or op == "sum"):
         from meshcomm.cuda import KernelUnsupported, unpack_cuda
         try:
             unpack_cuda(buf, tile, slices, accumulate=accumulate)
@@ -88,7 +93,9 @@ def unpack(buf, tile, slices: Sequence[tuple[slice, ...]], accumulate: bool = Fa
         dst = tile[sl]
         k = math.prod(s.stop - s.start for s in sl)
         src = buf[off:off + k].reshape(tuple(dst.shape)) if not _is_torch(buf) else buf[off:off + k].view(dst.shape)
-        if accumulate:
+        if accumulate and op != "sum":
+            tile[sl] = combine(tile[sl], src, op)
+        elif accumulate:
             tile[sl] += src
         else:
             tile[sl] = src

@@ -174,9 +174,11 @@ class TorchBackend(Backend):
         others = tuple(r for r in ranks if r != self.rank)
         return _TorchWork(f"bcast in group {list(ranks)}", others, buf, work)
 
-    def reduce(self, buf, root, ranks):
+    def reduce(self, buf, root, ranks, op="sum"):
         self.flush()
-        work = self.dist.reduce(buf, dst=root, op=self.dist.ReduceOp.SUM,
+        R = self.dist.ReduceOp
+        rop = {"sum": R.SUM, "prod": R.PRODUCT, "min": R.MIN, "max": R.MAX}[op]
+        work = self.dist.reduce(buf, dst=root, op=rop,
                                 group=self._group(ranks), async_op=True)
         return _TorchWork(f"reduce in group {list(ranks)}", tuple(r for r in ranks if r != self.rank), buf, work)
 

@@ -3,8 +3,9 @@
 For every transfer the boxes of the sending tile are packed into one contiguous message (one
 kernel launch on CUDA), then unpacked into each receiving tile; a reduction packs each
 contributor and adds the messages in the contributors' order (unpack-add), exactly as the local
-backend sums (a plan whose reduce_op is prod, min or max combines with torch's op instead). This is the data path of the distributed backends without the wire, and the
-single-process path for CUDA tensors that exercises the kernels.
+backend sums (a plan whose reduce_op is prod, min or max combines with the array library's op
+instead of the kernel). This is the data path of the distributed backends without the wire,
+and the single-process path for CUDA tensors that exercises the kernels.
 
 Stream order on CUDA (DESIGN.md, Backends; backends/streams.py): the work runs on a communication
 stream of its own. Before it starts, that stream waits on an event recorded on the caller's

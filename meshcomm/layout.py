@@ -9,7 +9,9 @@ A layout is a mesh plus a spec with one entry per tensor dimension:
 * ``Blocks("x", [3, 5])``: split over x with explicit sizes that must sum to the dimension.
 
 ``partial=("x",)`` (or ``{"x": "sum"}``) marks a pending sum: the logical value is the sum
-over x of the devices' local tiles.
+over x of the devices' local tiles. ``partial={"x": "max"}`` makes it their elementwise max
+(ops "sum", "prod", "min", "max", like DTensor's ``Partial(reduce_op)``; one op per layout,
+kept in ``Layout.partial_op``; see meshcomm.reduceops).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 
 from .caches import memo, registry
 from .mesh import Mesh, as_int
+from .reduceops import check_op
 
 __all__ = ["Blocks", "Layout", "Box", "chunk_bounds", "normalize_shape"]
 
@@ -111,7 +114,7 @@ def normalize_shape(shape) -> tuple[int, ...]:
 class Layout:
     """A mesh, a per-dimension spec and optional pending-sum axes. Immutable and hashable."""
 
-    __slots__ = ("mesh", "spec", "partial", "_hash", "_shown")
+    __slots__ = ("mesh", "spec", "partial", "partial_op", "_hash", "_shown")
 
     def __init__(self, mesh: Mesh, spec: Sequence[Any] = (), partial: Union[Iterable[str], Mapping[str, str], None] = ()):
         if not isinstance(mesh, Mesh):
@@ -119,14 +122,17 @@ class Layout:
         if isinstance(spec, (str, Blocks)) or spec is None:
             spec = (spec,)
         spec = tuple(_norm_entry(e, i) for i, e in enumerate(spec))
+        op = "sum"
         if partial is None:
             partial = ()
         elif isinstance(partial, str):
             partial = (partial,)
         elif isinstance(partial, Mapping):
-            for axis, op in partial.items():
-                if op != "sum":
-                    raise ValueError(f"partial reduction over axis {axis!r} must be 'sum', got {op!r}")
+            ops = {axis: check_op(o, axis) for axis, o in partial.items()}
+            if len(set(ops.values())) > 1:
+                raise ValueError("all partial axes of a layout must use one reduction op, got "
+                                 + ", ".join(f"{a!r}: {o!r}" for a, o in ops.items()))
+            op = next(iter(ops.values()), "sum")
             partial = tuple(partial.keys())
         else:
             partial = tuple(partial)
@@ -157,7 +163,8 @@ class Layout:
         object.__setattr__(self, "spec", spec)
         object.__setattr__(self, "_shown", shown)
         object.__setattr__(self, "partial", partial)
-        object.__setattr__(self, "_hash", hash((mesh, spec, partial)))
+        object.__setattr__(self, "partial_op", op)
+        object.__setattr__(self, "_hash", hash((mesh, spec, partial, op)))
 
     def __setattr__(self, name, value):
         raise dataclasses.FrozenInstanceError(f"Layout is immutable (cannot set {name!r})")
@@ -239,18 +246,21 @@ class Layout:
     # -- dunder ---------------------------------------------------------------------
     def __eq__(self, other) -> bool:
         return (isinstance(other, Layout) and self._hash == other._hash and self.mesh == other.mesh
-                and self.spec == other.spec and self.partial == other.partial)
+                and self.spec == other.spec and self.partial == other.partial
+                and self.partial_op == other.partial_op)
 
     def __hash__(self) -> int:
         return self._hash
 
     def __reduce__(self):
-        return (Layout, (self.mesh, self.spec, self.partial))
+        partial = self.partial if self.partial_op == "sum" else dict.fromkeys(self.partial, self.partial_op)
+        return (Layout, (self.mesh, self.spec, partial))
 
     def __str__(self) -> str:
         s = f"{self.mesh} {self.spec_str()}"
         if self.partial:
-            s += f" P({','.join(self.partial)})"
+            op = "" if self.partial_op == "sum" else f";{self.partial_op}"
+            s += f" P({','.join(self.partial)}{op})"
         return s
 
     def __repr__(self) -> str:

@@ -12,9 +12,10 @@
 4. Primitives. One lacking node: a send (or a bcast into that node's needers). Several:
    unicast from distinct senders where senders are plentiful, else one pipelined chain
    broadcast through the lacking nodes; both are solved and the lower busiest link wins.
-5. Partial sums. With the same number of addends on both sides the pending sum is kept
-   (addend a goes to dst replica group a); otherwise each piece is reduced once, along a
-   chain ending at one needer on the node holding most addends, then fanned out.
+5. Partial sums. With the same number of addends (and the same op) on both sides the
+   pending sum is kept (addend a goes to dst replica group a); otherwise each piece is
+   reduced once, along a chain ending at one needer on the node holding most addends, then
+   fanned out. Other ops (prod, min, max: `Plan.reduce_op`) take the same routes.
 6. Coalescing and order. Everything between the same route in the same stage is one
    message. Transfers get rounds by list scheduling and one deterministic global order.
 """
@@ -26,6 +27,8 @@ from collections import defaultdict
 from typing import Iterable
 
 import networkx as nx
+
+from meshcomm.reduceops import check_dtype
 
 from .boxes import Box, box_size, interval_pairs, row_major_range
 from .schedule import Plan, Transfer, coalesce, transfer_kind
@@ -130,11 +133,18 @@ def plan_reshard(shape: tuple[int, ...], dtype: str, itemsize: int, src, dst,
     zero_fill: set[int] = set()
     deliveries: list[tuple[Box, tuple[int, ...], tuple[int, ...]]] = []   # (box, holders, needers)
     reductions = []
-    passthrough = src.num_addends == dst.num_addends and src.num_addends > 1
+    if src.num_addends > 1:
+        check_dtype(src.partial_op, dtype)
+    if dst.num_addends > 1:
+        check_dtype(dst.partial_op, dtype)
+    # a pending value passes through unreduced only when both sides reduce it the same way
+    passthrough = (src.num_addends == dst.num_addends and src.num_addends > 1
+                   and src.partial_op == dst.partial_op)
     split_dst = dst.num_addends > 1 and not passthrough
     if split_dst:
         # a partial dst holds the value as a pending sum: each piece goes to one replica group
-        # (or, when large, a part of it to every group); the rest of every tile is zeros
+        # (or, when large, a part of it to every group); the rest of every tile is zeros (the
+        # identity of the dst's op: the plan's fill_op)
         zero_fill = {d for d, box in dt.boxes.items() if box_size(box) > 0}
     for i, (sc, dc, box) in enumerate(pieces(src, dst, shape)):
         sgroups, dgroups = st.classes[sc], dt.classes[dc]

@@ -8,7 +8,8 @@ reduction does (NCCL's chain; MPI's large-message algorithms move the same bytes
 * ``send``:   srcs=(a,), dsts=(b,)   one message a -> b
 * ``bcast``:  srcs=(r,), dsts=(d1, d2, ...)   route r -> d1 -> d2 ..., every dst gets the boxes
 * ``reduce``: srcs=(a1, ..., ak), dsts=(r,)   route a1 -> a2 ... -> r, r gets the sum of the
-  contributors' tiles (r contributes its own src tile when it is one of the srcs)
+  contributors' tiles (r contributes its own src tile when it is one of the srcs); "sum" is
+  ``Plan.reduce_op``, the src layout's partial op (prod, min or max), applied in srcs order
 
 ``src_buf`` says which tile senders read: ``"src"`` (the input shard) or ``"dst"`` (a dst
 tile filled by an earlier stage: fan-out after a reduction). Transfers of stage k+1 may
@@ -102,7 +103,8 @@ class Plan:
     dst: object            # meshcomm.Layout
     topology: Topology
     transfers: tuple[Transfer, ...]
-    zero_fill: tuple[int, ...] = ()     # dst devices whose tile starts as zeros (partial dst)
+    zero_fill: tuple[int, ...] = ()     # dst devices whose tile starts as the identity of
+                                        # fill_op: zeros for a pending sum (partial dst)
     planner: str = "meshcomm"
     plan_seconds: float = 0.0
 
@@ -130,11 +132,22 @@ class Plan:
         s = set(self.src.mesh.device_ids) | set(self.dst.mesh.device_ids)
         return tuple(sorted(s))
 
+    @property
+    def reduce_op(self) -> str:
+        """How reduce transfers combine their contributors: the src layout's partial op."""
+        return getattr(self.src, "partial_op", "sum")
+
+    @property
+    def fill_op(self) -> str:
+        """The op whose identity `zero_fill` tiles start as: the dst layout's partial op."""
+        return getattr(self.dst, "partial_op", "sum")
+
     @functools.cached_property
     def fingerprint(self) -> str:
         """A short hash of everything that defines the plan; processes compare it."""
         h = hashlib.sha1(repr((self.shape, self.dtype, self.src, self.dst, self.planner,
-                               dataclasses.astuple(self.topology))).encode())
+                               dataclasses.astuple(self.topology), self.reduce_op,
+                               self.fill_op)).encode())
         return h.hexdigest()[:16]
 
     def for_device(self, device: int) -> tuple[int, ...]:
@@ -207,8 +220,11 @@ class Plan:
             lines.append(f"{i:>4} {t.stage:>5} {t.kind:6} {frm:>12} {to:<24} {t.nbytes:>10}  {bx}{buf}")
         if limit is not None and len(self.transfers) > limit:
             lines.append(f"  ... {len(self.transfers) - limit} more")
+        if self.reduce_op != "sum" and self.counts["reduce"]:
+            lines.append(f"reduce transfers take the {self.reduce_op} of their contributors")
         if self.zero_fill:
-            lines.append(f"zero-filled dst tiles (partial dst): {list(self.zero_fill)}")
+            fill = "zero-filled" if self.fill_op == "sum" else f"{self.fill_op}-identity-filled"
+            lines.append(f"{fill} dst tiles (partial dst): {list(self.zero_fill)}")
         lines.append("total: " + self.summary())
         lines.append(f"busiest link: NIC {fmt_bytes(self.max_link_bytes(topo, 'nic'))}, "
                      f"device {fmt_bytes(self.max_link_bytes(topo, 'dev'))}")

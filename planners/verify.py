@@ -6,6 +6,10 @@
   must be written exactly once with the full set of addends; for a partial dst, tiles in
   `zero_fill` start as zeros and may be written in parts, and per cell the replica groups
   must agree within a group and together hold every addend exactly once.
+  The same masks prove plans of every op (`Plan.reduce_op`: sum, prod, min, max): a reduce
+  applies the op once per addend, and zeros stand for the dst op's identity. When the dst's
+  op differs from the src's (max -> sum), a group may hold only the fully reduced value or
+  the identity (a sum of partial maxima is not the max).
 * Shape: kinds, endpoints, byte counts, boxes inside the tiles they read and write, and
   stage order (a transfer reading a dst tile only reads what an earlier stage wrote).
 * Progress: the per-process programs (each process runs its transfers in the global order)
@@ -144,6 +148,7 @@ def verify(plan, devices_per_process: int = 1) -> None:
         if dst.num_addends == 1 and not (mask[d] == full).all():
             raise PlanError(f"device {d}: its dst tile does not hold the sum of all {k} addend(s)")
     if dst.num_addends > 1:
+        same_op = k == 1 or src.partial_op == dst.partial_op
         for dc, groups in dt.classes.items():
             devs0 = next(iter(groups.values()))
             if box_size(dt.boxes[devs0[0]]) == 0:
@@ -156,6 +161,10 @@ def verify(plan, devices_per_process: int = 1) -> None:
                         raise PlanError(f"dst replicas {devs[0]} and {d} of addend group {g} disagree")
                 if np.any((acc & ref) != 0):
                     raise PlanError(f"dst shard {dc}: an addend appears in two pending-sum groups")
+                if not same_op and not ((ref == 0) | (ref == full)).all():
+                    raise PlanError(f"dst shard {dc}: addend group {g} holds a partly reduced "
+                                    f"value, but the src's {src.partial_op} differs from the "
+                                    f"dst's {dst.partial_op}")
                 acc = acc | ref
             if not (acc == full).all():
                 raise PlanError(f"dst shard {dc}: the pending sum misses an addend")

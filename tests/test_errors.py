@@ -133,8 +133,10 @@ def test_bad_spec_entries():
         mc.Layout(M22, (("x", 7),))
     with raises(TypeError, r"partial axes.*5"):
         mc.Layout(M22, (), partial=(5,))
-    with raises(ValueError, r"'x'.*'sum'.*'max'"):
-        mc.Layout(M22, (), partial={"x": "max"})
+    with raises(ValueError, r"'x'.*'sum'.*'max'.*'avg'"):
+        mc.Layout(M22, (), partial={"x": "avg"})
+    with raises(ValueError, r"one reduction op.*'x': 'max', 'y': 'min'"):
+        mc.Layout(M22, (), partial={"x": "max", "y": "min"})
 
 
 def test_non_layout_arguments():
