@@ -118,3 +118,31 @@ def same(a, b) -> bool:
         import torch
         return bool(torch.equal(a, b))
     return bool(np.array_equal(a, b))
+
+
+PARTIAL_OPS = ("prod", "min", "max")
+
+
+def with_op(layout, op: str):
+    """`layout` with its partial axes (if any) reducing by `op`."""
+    if not layout.partial:
+        return layout
+    return mc.Layout(layout.mesh, layout.spec, partial=dict.fromkeys(layout.partial, op))
+
+
+def random_op_case(rng, ndev, max_size=9):
+    """Like `random_case`, with a pending prod/min/max src (redrawn until it has a partial
+    axis: a few tries) and a dst that is plain or pending under the same op or any other
+    (sum included); bool data too. Seeded shards of these ops are exact in any order."""
+    shape, src, dst, dtype, kind = random_case(rng, ndev, max_size)
+    for _ in range(8):
+        if src.partial:
+            break
+        src = random_layout(rng, random_mesh(rng, list(range(ndev))), shape)
+    op = str(rng.choice(PARTIAL_OPS))
+    dst_op = op if rng.random() < 0.5 else str(rng.choice(PARTIAL_OPS + ("sum",)))
+    if kind == "numpy" and rng.random() < 0.15:
+        dtype = "bool"
+    if dtype == "bool" and dst_op == "sum":
+        dst_op = op
+    return shape, with_op(src, op), with_op(dst, dst_op), dtype, kind

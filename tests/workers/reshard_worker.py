@@ -8,9 +8,10 @@ Run under a launcher, e.g.::
 Every process draws the same seeded cases; each passes the src tiles it owns (a bare array
 or a dict, sometimes none at all), with or without shape=/dtype=, sync or async, and
 compares the dst tiles it gets with `meshcomm.reshard(..., backend="local")` on the full
-data (bitwise). Optional checks: mismatched calls (--checks) and a peer that never arrives
-(--timeout-test, with MESHCOMM_TIMEOUT set by the caller). Each rank prints one line
-`RESULT {json}` at the end; any failure raises (non-zero exit).
+data (bitwise); after them, --op-cases cases whose pending values reduce by prod, min or
+max (tests/workers/cases.py: random_op_case). Optional checks: mismatched calls (--checks)
+and a peer that never arrives (--timeout-test, with MESHCOMM_TIMEOUT set by the caller).
+Each rank prints one line `RESULT {json}` at the end; any failure raises (non-zero exit).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import meshcomm as mc                        # noqa: E402
 from meshcomm.backends import base, streams  # noqa: E402
 from meshcomm.errors import PeerTimeoutError  # noqa: E402
-from cases import random_case, random_data, same  # noqa: E402
+from cases import random_case, random_data, random_op_case, same  # noqa: E402
 
 
 def owned_input(ctx, shards, src, dst, rng_choice_bare):
@@ -55,9 +56,18 @@ def check_result(ctx, got, ref, dst, bare, what):
 def run_cases(ctx, args, backends, stats):
     ndev = ctx.world_size * ctx.devices_per_process
     pending = []
-    for i in range(args.cases):
-        rng = np.random.default_rng((args.seed, i))
-        shape, src, dst, dtype, kind = random_case(rng, ndev)
+    # the plain cases, then pending prod/min/max ones (stats "ok_op_<backend>")
+    todo = [(i, random_case, (args.seed, i), "") for i in range(args.cases)]
+    todo += [(i, random_op_case, (args.seed, i, 7), "op_") for i in range(args.op_cases)]
+    for i, draw_case, seed, label in todo:
+        rng = np.random.default_rng(seed)
+        shape, src, dst, dtype, kind = draw_case(rng, ndev)
+        if label and src.is_partial:       # op cases whose plan reduces over 3+ processes
+            rank_of = lambda d: d // ctx.devices_per_process  # noqa: E731
+            p = mc.plan(shape, dtype, src, dst)
+            if any(t.kind == "reduce" and len({rank_of(d) for d in t.participants}) >= 3
+                   for t in p.transfers):
+                stats[f"reduce3_{src.partial_op}"] += 1
         x = random_data(rng, shape, dtype, kind)
         shards = mc.shard(x, src, seed=i)
         ref = mc.reshard(shards, src, dst, backend="local")
@@ -66,7 +76,7 @@ def run_cases(ctx, args, backends, stats):
             kw = {}
             if rng.random() < 0.3:
                 kw = {"shape": shape, "dtype": x.dtype}
-            what = f"case {i} [{bname}] {shape} {dtype} {kind}: {src} -> {dst} kw={sorted(kw)}"
+            what = f"{label}case {i} [{bname}] {shape} {dtype} {kind}: {src} -> {dst} kw={sorted(kw)}"
             if rng.random() < 0.25:
                 h = mc.reshard(inp, src, dst, backend=bname, async_op=True, **kw)
                 assert isinstance(h, mc.Handle)
@@ -79,7 +89,7 @@ def run_cases(ctx, args, backends, stats):
             else:
                 got = mc.reshard(inp, src, dst, backend=bname, **kw)
                 check_result(ctx, got, ref, dst, bare, what)
-            stats[f"ok_{bname}"] += 1
+            stats[f"ok_{label}{bname}"] += 1
             if not ctx.owned_devices(src):
                 stats["no_src"] += 1
     for h, *rest in pending:
@@ -193,6 +203,7 @@ def main():
     ap.add_argument("--dpp", type=int, default=1)
     ap.add_argument("--cases", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--op-cases", type=int, default=8, help="cases with a pending prod/min/max")
     ap.add_argument("--checks", action="store_true")
     ap.add_argument("--timeout-test", action="store_true")
     ap.add_argument("--out", default="", help="a folder for one rank<r>.json result per process")
