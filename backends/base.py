@@ -288,8 +288,9 @@ def collective_reduce_ok(dtype: str, backend: "Backend | None" = None) -> bool:
     gathers and adds in plan order). auto: integers, except where the backend reports its
     collective reduce slower than gathering (`gather_reduces`: MPI inside one host). Every op
     (sum, prod, min, max) is exact in any order on integers. Float min/max are not: a NaN
-    or a 0.0/-0.0 tie gives an order-dependent result (MPI's MIN/MAX do not propagate NaN),
-    so floats of every op use the collective only with MESHCOMM_REDUCE=collective."""
+    or a 0.0/-0.0 tie gives an order-dependent result (MPI's MIN/MAX keep or drop a NaN
+    by its position), so floats of every op use the collective only with
+    MESHCOMM_REDUCE=collective."""
     mode = os.environ.get("MESHCOMM_REDUCE", "auto")
     if mode == "ordered":
         return False
