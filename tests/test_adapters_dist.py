@@ -8,7 +8,11 @@
   from MPI; the worker runs unchanged under `torchrun --standalone --nproc-per-node 4`,
   whose start-up costs ~40 s more on this machine); DTensors moved
   between different DeviceMeshes with Shard/Replicate/Partial placements, checked against
-  the global tensor and DTensor's own full_tensor() (tests/workers_adapters/dtensor_worker.py).
+  torch's own rule for which rank holds which chunk (compute_local_shape_and_global_offset),
+  the global tensor and DTensor's own full_tensor() (tests/workers_adapters/dtensor_worker.py),
+  including DeviceMeshes whose ranks are not ascending.
+* Without a launch: the Layout of every placement on permuted meshes against torch's rule
+  for every mesh coordinate.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -75,4 +80,34 @@ def test_dtensor_adapter_multiprocess():
     assert r.returncode == 0, _tail(r)
     ok = _oks("DTENSOR", r.stdout)
     assert sorted(ok) == [0, 1, 2, 3], _tail(r)
-    assert all(n == 32 for n in ok.values()), _tail(r)
+    assert all(n == 45 for n in ok.values()), _tail(r)
+
+
+def test_dtensor_layout_follows_torch_coordinate_rule():
+    """The rank at mesh coordinate c holds what torch's own rule
+    (_compute_local_shape_and_global_offset, on plain data: no process group) gives c, on
+    meshes whose ranks are in any order; shards even, uneven and nested over several mesh
+    dims."""
+    torch = pytest.importorskip("torch")
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from meshcomm.adapters.dtensor import layout_from_placements
+    rng = np.random.default_rng(7)
+    checked = 0
+    for _ in range(300):
+        mshape = [(4,), (3,), (2, 2), (2, 3), (3, 2), (2, 2, 2)][rng.integers(6)]
+        ranks = rng.permutation(12)[:int(np.prod(mshape))].reshape(mshape)
+        shape = tuple(int(s) for s in rng.integers(0, 9, size=rng.integers(1, 4)))
+        placements = [[Shard(int(rng.integers(len(shape)))), Replicate(), Partial()][rng.integers(3)]
+                      for _ in mshape]
+        imap = layout_from_placements(ranks, placements, shape).index_map(shape)
+        for coord in np.ndindex(*mshape):
+            local, offset = _compute_local_shape_and_global_offset(shape, mshape, list(coord), placements)
+            box = imap[int(ranks[coord])]
+            got = tuple(s.stop - s.start for s in box)
+            assert got == tuple(local), (ranks.tolist(), placements, shape, coord, box, local)
+            # torch reports offset = size for an empty shard; only non-empty offsets are defined
+            assert all(s.start == o for s, o, n in zip(box, offset, local) if n), \
+                (ranks.tolist(), placements, shape, coord, box, offset)
+            checked += 1
+    assert checked > 1000

@@ -22,6 +22,20 @@ shape and a contiguous global stride.
   order, or the spec's `shard_order`); uneven nested splits become meshcomm `Blocks`.
   `_StridedShard` is not supported.
 * The result does not carry autograd history (resharding is a data movement here).
+
+Which rank holds which chunk: the rank at mesh coordinate c (its index in
+`DeviceMesh.mesh`, `DeviceMesh.get_coordinate()`) holds chunk c[d] along each mesh dim d
+that shards, nested in mesh-dim order. That is torch's own rule
+(`torch.distributed.tensor._utils.compute_local_shape_and_global_offset`), which DTensor's
+local shapes, `distribute_tensor(..., src_data_rank=None)` and checkpoint offsets follow,
+whatever the order of the ranks: on `DeviceMesh("cpu", [2, 0, 3, 1])` rank 2 holds chunk 0.
+On a DeviceMesh whose ranks are not ascending along a sharded dimension, torch 2.13's own
+collectives over that dimension (`full_tensor()`, `redistribute`, the scatter inside
+`distribute_tensor`) order the members by global rank instead, because its process groups
+sort their ranks, so they contradict that rule (and `distribute_tensor` misplaces uneven
+shards there). Build such DTensors with `DTensor.from_local` or
+`distribute_tensor(..., src_data_rank=None)`; this adapter reads and writes chunks by the
+coordinate rule on every mesh.
 """
 from __future__ import annotations
 

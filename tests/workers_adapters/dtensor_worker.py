@@ -1,8 +1,13 @@
 """Run under `torchrun --nproc-per-node 4` (or mpiexec -n 4): meshcomm.init(backend="torch"),
 then move DTensors between DIFFERENT DeviceMeshes (which DTensor's redistribute refuses),
 with Shard / Replicate / Partial placements, even and uneven, and check each result against
-the global tensor, both its local tensor (DTensor's nested torch.chunk) and DTensor's own
-full_tensor() on the new mesh. Ranks outside the new mesh must hold an empty local tensor.
+the global tensor: its local tensor against torch's own rule
+(`compute_local_shape_and_global_offset`: the rank at mesh coordinate c holds chunk c) and
+an independent nested torch.chunk, and DTensor's own full_tensor() on the new mesh where
+torch's collectives can compute it. Ranks outside the new mesh must hold an empty local
+tensor. Sources are built with DTensor.from_local from chunks cut by torch's rule (not by
+meshcomm). Fixed cases put every DeviceMesh whose ranks are not ascending (1-d and 2-d,
+even and uneven shards) on one side or both.
 
 argv: number of random cases, seed. Prints "DTENSOR OK <rank> <cases>" on success."""
 import math
@@ -13,7 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import meshcomm as mc
 from meshcomm.adapters.dtensor import layout_from_placements, reshard_dtensor
@@ -49,15 +55,33 @@ MESHES = {
     "odd3": DeviceMesh("cpu", [3, 1, 2], mesh_dim_names=("o",)),
     "rev2x2": DeviceMesh("cpu", [[3, 2], [1, 0]], mesh_dim_names=("p", "q")),
     "one": DeviceMesh("cpu", [2], mesh_dim_names=("s",)),
+    "perm4": DeviceMesh("cpu", [2, 0, 3, 1], mesh_dim_names=("r",)),
+    "perm2x2": DeviceMesh("cpu", [[3, 1], [0, 2]], mesh_dim_names=("u", "v")),
+    "tr2x2": DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("c", "d")),
 }
 
 
+def torch_local(g, mesh, placements):
+    """The tile torch's own rule gives this rank (DTensor's empty tensor outside the mesh)."""
+    if mesh.get_coordinate() is None:
+        return g.new_empty(0)
+    shape, offset = compute_local_shape_and_global_offset(g.shape, mesh, placements)
+    return g[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+
 def make_dtensor(g, mesh, placements, seed):
-    """A DTensor holding g: each rank's local tile (addends of a Partial from meshcomm.shard)."""
+    """A DTensor holding g: each rank's tile cut by torch's rule (a Partial's addends, which
+    torch has no rule for, from meshcomm.shard)."""
     ranks = mesh.mesh.numpy()
-    lay = layout_from_placements(mesh, placements, g.shape)
-    tiles = mc.shard(g, lay, seed=seed)
-    local = tiles[rank].contiguous() if rank in lay.mesh else g.new_empty(0)
+    if any(isinstance(p, Partial) for p in placements):
+        lay = layout_from_placements(mesh, placements, g.shape)
+        tiles = mc.shard(g, lay, seed=seed)
+        local = tiles[rank].contiguous() if rank in lay.mesh else g.new_empty(0)
+    else:
+        local = torch_local(g, mesh, placements).contiguous()
+        if mesh.get_coordinate() is not None:       # torch's local split agrees (no messages)
+            assert torch.equal(distribute_tensor(g, mesh, placements, src_data_rank=None).to_local(),
+                               local), (mesh, placements)
     stride = tuple(int(s) for s in torch.empty(g.shape).stride()) if g.dim() else ()
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=g.shape, stride=stride), ranks
 
@@ -85,17 +109,29 @@ def check(y, g, mesh, placements, what, exact=True):
     coord = tuple(int(c) for c in where[0])
     local = y.to_local()
     if not any(isinstance(p, Partial) for p in placements):
+        want = torch_local(g, mesh, placements)
+        assert tuple(local.shape) == tuple(want.shape) and same(local, want), (what, local, want)
         want = expected_local(g, ranks, placements, coord)
         assert tuple(local.shape) == tuple(want.shape) and same(local, want), what
-    flat = ranks.reshape(-1)
-    if not _uneven_nested(g.shape, ranks, placements) and (np.diff(flat) > 0).all():
-        # DTensor's own collectives on the new mesh agree. torch 2.13's collectives are not
-        # consistent with its own mesh-coordinate rule (compute_local_shape_and_global_offset)
-        # in two cases, even for DTensors made by distribute_tensor: a mesh whose ranks are not
-        # ascending (they gather in process-group rank order), and a dimension sharded
-        # unevenly over several mesh dims. Those cases check the local tensors only.
+    if torch_can_gather(g.shape, ranks, placements):
         full = y.full_tensor()
         assert same(full, g), (what, tuple(g.shape), full, g)
+        global gathered
+        gathered += 1
+
+
+gathered = 0       # full_tensor() checks made on this rank
+
+
+def torch_can_gather(shape, ranks, placements):
+    """Whether torch 2.13's collectives gather these placements in mesh order. They do not
+    follow its own coordinate rule in two cases: a mesh dimension that shards and whose ranks
+    are not ascending along it (its process groups order members by global rank), and a
+    tensor dimension sharded unevenly over several mesh dims."""
+    for mdim, p in enumerate(placements):
+        if isinstance(p, Shard) and not (np.diff(ranks, axis=mdim) > 0).all():
+            return False
+    return not _uneven_nested(shape, ranks, placements)
 
 
 def _uneven_nested(shape, ranks, placements):
@@ -104,6 +140,35 @@ def _uneven_nested(shape, ranks, placements):
         if isinstance(p, Shard):
             ways.setdefault(p.dim, []).append(ranks.shape[mdim])
     return any(len(w) > 1 and shape[d] % math.prod(w) for d, w in ways.items())
+
+
+ORDER_CASES = [
+    # (src mesh, src placements, dst mesh, dst placements, shape): meshes whose ranks are
+    # not ascending, 1-d and 2-d, even and uneven (trailing empty) shards
+    ("all4", [Shard(0)], "perm4", [Shard(0)], (8, 3)),
+    ("all4", [Shard(0)], "perm4", [Shard(0)], (6, 3)),
+    ("perm4", [Shard(1)], "all2x2", [Shard(1), Shard(0)], (5, 7)),
+    ("perm4", [Shard(1)], "perm2x2", [Shard(0), Shard(1)], (3, 7)),
+    ("perm2x2", [Shard(1), Shard(0)], "perm4", [Shard(0)], (5, 6)),
+    ("perm2x2", [Shard(0), Shard(0)], "tr2x2", [Shard(0), Replicate()], (7,)),
+    ("tr2x2", [Shard(1), Shard(0)], "perm2x2", [Replicate(), Shard(1)], (4, 4)),
+    ("rev2x2", [Shard(0), Shard(1)], "perm4", [Shard(1)], (5, 3)),
+    ("odd3", [Shard(0)], "perm4", [Shard(0)], (5, 2)),
+    ("perm4", [Shard(0)], "odd3", [Shard(0)], (9,)),
+    ("perm4", [Partial()], "perm2x2", [Shard(0), Shard(0)], (6, 2)),
+    ("perm2x2", [Shard(1), Partial()], "perm4", [Shard(1)], (2, 7)),
+    ("tr2x2", [Shard(0), Shard(1)], "tr2x2", [Shard(1), Shard(0)], (4, 6)),
+]
+
+
+def order_cases():
+    for k, (a, pa, b, pb, shape) in enumerate(ORDER_CASES):
+        g = torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape) * 3 - 7
+        dt, _ = make_dtensor(g, MESHES[a], pa, seed=100 + k)
+        y = reshard_dtensor(dt, MESHES[b], pb)
+        check(y, g, MESHES[b], pb, f"order case {k}: {pa} on {MESHES[a].mesh.tolist()} -> {pb} on "
+              f"{MESHES[b].mesh.tolist()} shape {shape}")
+    return len(ORDER_CASES)
 
 
 def main():
@@ -142,6 +207,8 @@ def main():
     z = h.wait()
     check(z, g, MESHES["all2x2"], [Shard(0), Shard(0)], "one -> all2x2 (uneven nested)")
     done += 2
+    done += order_cases()
+    assert gathered >= 10, gathered
     dist.barrier()
     print(f"DTENSOR OK {rank} {done}", flush=True)
     mc.finalize()
