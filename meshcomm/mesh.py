@@ -118,7 +118,10 @@ class Mesh:
     def grid(cls, shape: Iterable[int], axis_names: Sequence[str] | None = None,
              start: int = 0) -> "Mesh":
         """A mesh of consecutive device ids ``start, start+1, ...`` in row-major order."""
-        shape = tuple(int(s) for s in shape)
+        shape = tuple(as_int(s, f"Mesh.grid shape dimension {i}") for i, s in enumerate(shape))
+        start = as_int(start, "Mesh.grid start")
+        if any(s < 0 for s in shape):
+            raise ValueError(f"Mesh.grid shape must be non-negative, got {shape}")
         if axis_names is None:
             axis_names = default_axis_names(len(shape))
         n = int(np.prod(shape))

@@ -449,3 +449,14 @@ def test_tuning_file_that_is_not_a_table(tmp_path, monkeypatch, text, pattern):
     monkeypatch.setenv("MESHCOMM_TUNING", str(p))
     with raises(ValueError, r"MESHCOMM_TUNING=.*bad\.json.*is not a tuning table: " + pattern):
         tuning.table_from_env()
+
+
+
+def test_mesh_grid_numbers_must_be_integers():
+    with raises(TypeError, r"Mesh.grid shape dimension 1 must be an integer, got 2\.5"):
+        mc.Mesh.grid((2, 2.5))
+    with raises(TypeError, r"Mesh.grid start must be an integer, got 1\.0"):
+        mc.Mesh.grid((2,), start=1.0)
+    with raises(ValueError, r"Mesh.grid shape.*non-negative.*-2"):
+        mc.Mesh.grid((2, -2))
+    assert mc.Mesh.grid((np.int64(2), 2), start=np.int32(4)).device_ids == (4, 5, 6, 7)
