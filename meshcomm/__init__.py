@@ -25,6 +25,7 @@ from .api import plan, reshard, shard, unshard
 from .handle import Handle
 from .caches import clear_caches
 from .runtime import init, finalize
+from . import log  # noqa: F401  (meshcomm.log.start / stop / tag)
 
 __version__ = "0.1.0"
 
@@ -32,3 +33,8 @@ __all__ = ["Mesh", "Layout", "Blocks", "Topology", "Plan", "Transfer", "plan", "
            "shard", "unshard", "verify", "Handle", "planners", "init", "finalize", "clear_caches"]
 from .alltoall import all_to_all_v; __all__ += ["all_to_all_v"]  # noqa: E402,E702
 from .planners.bounds import lower_bound; __all__ += ["lower_bound"]  # noqa: E402,E702
+from .collectives import (all_gather, all_reduce, all_to_all, barrier, broadcast, gather, recv,  # noqa: E402
+                          reduce, reduce_scatter, scatter, send)
+from . import compression  # noqa: E402,F401
+__all__ += ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather",
+            "scatter", "barrier", "send", "recv", "compression"]

@@ -102,14 +102,27 @@ def resolve_shape_dtype(shards: Mapping[int, Any], src: Layout, shape, dtype):
     return shape, name, itemsize
 
 
-def infer_shape(layout: Layout, tile_shapes: Mapping[int, tuple[int, ...]]) -> tuple[int, ...] | None:
+def infer_shape(layout: Layout, tile_shapes: Mapping[int, tuple[int, ...]], owner=None) -> tuple[int, ...] | None:
     """The global shape implied by some devices' tile shapes, or None when ambiguous.
 
     A dimension is known when it is unsplit, split by Blocks, or when the tiles cover every
     shard along it; otherwise it is known only if exactly one size gives these tile sizes
     under torch.chunk splitting. Tiles that contradict each other or the layout raise a
-    ValueError naming the device.
+    ValueError naming the device (and its process: `owner(device)` -> rank, when given).
     """
+    try:
+        return _infer_shape(layout, tile_shapes)
+    except ValueError as e:
+        if owner is None:
+            raise
+        import re
+        m = re.search(r"device (\d+)", str(e))
+        if m is None:
+            raise
+        raise ValueError(f"rank {owner(int(m.group(1)))}: {e}") from None
+
+
+def _infer_shape(layout: Layout, tile_shapes: Mapping[int, tuple[int, ...]]) -> tuple[int, ...] | None:
     if not tile_shapes:
         return None
     ndims = {}
@@ -170,7 +183,7 @@ def _check_chunks(sizes: Mapping[int, int], k: int, dim: int, first: Mapping[int
     matches = np.zeros_like(cand)
     for i, s in sizes.items():
         matches += (np.minimum((i + 1) * c, cand) - np.minimum(i * c, cand)) == s
-    best = int(np.argmax(matches))
+    best = int(len(matches) - 1 - np.argmax(matches[::-1]))     # ties: the largest size
     want = _chunk_sizes(best, k)
     bad = [i for i in range(k) if sizes[i] != want[i]]
     i = bad[0]

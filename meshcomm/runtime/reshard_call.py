@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .. import arrays, settings
+from .. import log as _log
 from ..caches import memo
 from ..handle import Handle
 from ..layout import normalize_shape
@@ -50,6 +51,7 @@ class Agreed:
 
 def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=False):
     from meshcomm.backends import streams
+    stamp = _log.stamp(async_op) if _log.ON else None
     check_layouts(src, dst)
     be, err = ctx.resolve_backend(backend)
     own = ctx.ownership
@@ -95,7 +97,7 @@ def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=
             fences[dev] = streams.fence_from_current(dev)
     if not fences:
         fences[None] = streams.fence_from_current(None)
-    call = _Call(ctx, be, src, dst, shards, shape, dtype, loc, need_exchange, tuple(fences.values()))
+    call = _Call(ctx, be, src, dst, shards, shape, dtype, loc, need_exchange, tuple(fences.values()), stamp)
     result = ctx.run(call.run, async_op)
 
     def finish():
@@ -126,9 +128,12 @@ class _Call:
     loc: Local
     need_exchange: bool
     fences: tuple
+    stamp: Any = None       # meshcomm.log: set when logging (the call's issue time and tag)
+    log_as: Any = None      # meshcomm.log: fields overriding the record's (a collective's op)
 
     def run(self):
         from meshcomm.backends import base
+        t_run = time.time() if self.stamp is not None else None
         if "torch" in sys.modules:      # if another thread is importing torch, wait for it
             import torch  # noqa: F401
         ctx, be, src, dst, shards, loc = self.ctx, self.be, self.src, self.dst, self.shards, self.loc
@@ -155,6 +160,10 @@ class _Call:
             ex = base.Execution(p, shards, like, device_kind=agreed.devtype or "cpu", **run_kw)
             ex.prepare(deadline)
         out, done = ex.finish(deadline)
+        if self.stamp is not None:
+            _log.record_reshard(self.stamp, rank=ctx.rank, dpp=ctx.devices_per_process, backend=be.name,
+                                plan=ex.plan, collective_reduce=ex.coll, shards=shards, out=out,
+                                t_run=t_run, **(self.log_as or {}))
         return out, done, agreed.kind
 
     def _agree(self, base, run_kw, deadline):
@@ -201,7 +210,7 @@ class _Call:
         else:
             try:
                 agreement.settle(out.metas, ctx.rank, loc.err, {"layouts": _describe_layouts(src, dst, out)})
-                agreed = _infer(out, src, ctx.rank)
+                agreed = _infer(out, src, ctx.rank, ctx.devices_per_process)
             except (ValueError, TypeError):
                 started = [m.get("backend") for m in out.metas if m.extra["opt"]]
                 if started:                     # every process sees this: all reset together
@@ -228,7 +237,7 @@ def _describe_layouts(src, dst, out):
     return fmt
 
 
-def _infer(out, src, me) -> Agreed:
+def _infer(out, src, me, src_dpp) -> Agreed:
     """Shape and dtype from every process's facts (a process without tiles learns them)."""
     metas = out.metas
     tiles = {}
@@ -236,7 +245,7 @@ def _infer(out, src, me) -> Agreed:
         tiles.update(m.extra["tiles"])
     shape = out.value("shape")
     if shape is None:
-        shape = infer_shape(src, tiles)
+        shape = infer_shape(src, tiles, owner=lambda d: d // src_dpp)
     if shape is None:
         raise ValueError("cannot infer the global shape from the src tiles of all processes "
                          f"(devices {sorted(tiles)[:8]}); pass shape= to reshard")

@@ -1,0 +1,164 @@
+"""The collective entry points: validate names, then run in this process or under the runtime."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from .. import arrays, runtime
+from ..handle import Handle
+from ..planning import plan
+from ..runtime.collective_call import Request, build, finish_tiles, local_facts, run, tiles_of
+from .layouts import REDUCE_OPS, group_axes
+from .p2p import recv, send
+
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather",
+           "scatter", "barrier", "send", "recv", "collective_plan"]
+
+
+def _check_op(op: str, reduce_op) -> str:
+    if reduce_op not in REDUCE_OPS:
+        raise ValueError(f"{op}: op must be one of {', '.join(REDUCE_OPS)}, got {reduce_op!r}")
+    return reduce_op
+
+
+def _check_int(op: str, name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{op}: {name} must be an int, got {v!r}")
+    return int(v)
+
+
+def _check_compression(op: str, compression) -> None:
+    if compression is not None:
+        from .. import compression as codecs
+        codecs.coerce(compression)      # names a bad codec
+        raise NotImplementedError(f"{op}: compression={compression!r} is not available yet")
+
+
+def _call(req: Request, x, backend, async_op):
+    ctx = runtime.current()
+    if ctx is not None and backend != "local":
+        return run(ctx, req, x, backend=backend, async_op=async_op)
+    runtime.no_context(backend, req.op)
+    result = _local(req, x)
+    return Handle(result=result) if async_op else result
+
+
+def _local(req: Request, x):
+    """Without a launcher: every device's tile is here; the plan runs in memory."""
+    from ..backends.local import LocalBackend
+    owned = tuple(req.mesh.device_ids)
+    where = "this process (without meshcomm.init it owns every device" + runtime.init_hint() + ")"
+    tiles, bare = tiles_of(req, x, owned, where)
+    facts = local_facts(req, tiles)
+    if facts["tile"] is None:
+        raise ValueError(f"{req.op}: no tile given, so shape and dtype are unknown")
+    prob = build(req, facts["tile"], {d: tuple(v.shape) for d, v in tiles.items()})
+    src_devs = set(prob.src.mesh.device_ids)
+    kind = facts["kind"]
+    shards = {d: prob.in_tile(np.asarray(v) if kind == "jax" else v)
+              for d, v in tiles.items() if d in src_devs}
+    p = plan(prob.shape, facts["dtype"][0], prob.src, prob.dst)
+    out = LocalBackend().execute(p, shards, like=next(iter(shards.values())))
+    res = finish_tiles(req, prob, out, bare, owned)
+    if kind == "jax":
+        import jax
+        if bare:
+            return None if res is None else jax.device_put(res, arrays.jax_device(owned[0]))
+        return {d: jax.device_put(v, arrays.jax_device(d)) for d, v in res.items()}
+    return res
+
+
+def all_reduce(x, mesh, axes, op: str = "sum", *, backend=None, async_op: bool = False, compression=None):
+    """Every device gets the elementwise `op` (sum, prod, min, max, avg) of its group's tiles."""
+    _check_compression("all_reduce", compression)
+    req = Request("all_reduce", mesh, group_axes(mesh, axes), reduce_op=_check_op("all_reduce", op))
+    return _call(req, x, backend, async_op)
+
+
+def all_gather(x, mesh, axes, dim: int = 0, *, backend=None, async_op: bool = False, compression=None):
+    """Every device gets its group's tiles concatenated along `dim` in group order (the tiles'
+    sizes along `dim` may differ; every group must have the same sizes)."""
+    _check_compression("all_gather", compression)
+    req = Request("all_gather", mesh, group_axes(mesh, axes), dim=_check_int("all_gather", "dim", dim))
+    return _call(req, x, backend, async_op)
+
+
+def reduce_scatter(x, mesh, axes, dim: int = 0, op: str = "sum", *, backend=None, async_op: bool = False,
+                   compression=None):
+    """Device i of a group gets chunk i (torch.chunk of `dim`) of the `op` of the group's tiles."""
+    _check_compression("reduce_scatter", compression)
+    req = Request("reduce_scatter", mesh, group_axes(mesh, axes), dim=_check_int("reduce_scatter", "dim", dim),
+                  reduce_op=_check_op("reduce_scatter", op))
+    return _call(req, x, backend, async_op)
+
+
+def broadcast(x, mesh, axes, root: int = 0, *, backend=None, async_op: bool = False):
+    """Every device gets the tile of its group's device `root`. Other devices' tiles (or None)
+    are checked for shape and dtype; their values are not used."""
+    req = Request("broadcast", mesh, group_axes(mesh, axes), root=_check_int("broadcast", "root", root))
+    return _call(req, x, backend, async_op)
+
+
+def reduce(x, mesh, axes, root: int = 0, op: str = "sum", *, backend=None, async_op: bool = False):
+    """The group's device `root` gets the `op` of the group's tiles; the others get None."""
+    req = Request("reduce", mesh, group_axes(mesh, axes), root=_check_int("reduce", "root", root),
+                  reduce_op=_check_op("reduce", op))
+    return _call(req, x, backend, async_op)
+
+
+def all_to_all(x, mesh, axes, split_dim: int = 0, concat_dim: int = 0, *, backend=None,
+               async_op: bool = False):
+    """Device i's tile is split into equal chunks along `split_dim`; chunk j goes to device j of
+    the group, which concatenates what it gets along `concat_dim` in group order (uneven rows:
+    `all_to_all_v`)."""
+    req = Request("all_to_all", mesh, group_axes(mesh, axes),
+                  split_dim=_check_int("all_to_all", "split_dim", split_dim),
+                  concat_dim=_check_int("all_to_all", "concat_dim", concat_dim))
+    return _call(req, x, backend, async_op)
+
+
+def gather(x, mesh, axes, root: int = 0, dim: int = 0, *, backend=None, async_op: bool = False):
+    """The group's device `root` gets the group's tiles concatenated along `dim`; others None."""
+    req = Request("gather", mesh, group_axes(mesh, axes), root=_check_int("gather", "root", root),
+                  dim=_check_int("gather", "dim", dim))
+    return _call(req, x, backend, async_op)
+
+
+def scatter(x, mesh, axes, root: int = 0, dim: int = 0, *, backend=None, async_op: bool = False):
+    """Device i of the group gets chunk i (torch.chunk of `dim`) of device `root`'s tile."""
+    req = Request("scatter", mesh, group_axes(mesh, axes), root=_check_int("scatter", "root", root),
+                  dim=_check_int("scatter", "dim", dim))
+    return _call(req, x, backend, async_op)
+
+
+def barrier(mesh, axes=None, *, backend=None, async_op: bool = False):
+    """Returns once every process has reached it (an all-reduce of one int per device; under a
+    launcher every process calls it). `axes` None: all axes of the mesh."""
+    axes = tuple(mesh.axis_names) if axes is None else axes
+    ctx = runtime.current()
+    devs = mesh.device_ids if ctx is None or backend == "local" else ctx.ownership.owned(mesh)
+    x: Any = {d: np.zeros(1, dtype=np.int32) for d in devs}
+    h = all_reduce(x, mesh, axes, backend=backend, async_op=async_op)
+    if async_op:
+        return Handle(lambda: (h.wait(), None)[1])
+    return None
+
+
+def collective_plan(op: str, tile_shape, dtype, mesh, axes, *, sizes=None, dim: int = 0, root: int = 0,
+                    reduce_op: str = "sum", split_dim: int = 0, concat_dim: int = 0, topology=None):
+    """The Plan a collective runs (printable with `.explain()`, checked by `meshcomm.verify`)."""
+    from ..layout import normalize_shape
+    from .layouts import problem
+    axes = group_axes(mesh, axes)
+    tile = normalize_shape(tile_shape)
+    if sizes is not None:
+        d = dim % len(tile)
+        tile = tile[:d] + (0,) + tile[d + 1:]
+        sizes = tuple(int(s) for s in sizes)
+    prob = problem(op, mesh, axes, tile, sizes=sizes, dim=dim, root=root, reduce_op=reduce_op,
+                   split_dim=split_dim, concat_dim=concat_dim)
+    return plan(prob.shape, dtype, prob.src, prob.dst, topology)
+
+
+_ = Mapping

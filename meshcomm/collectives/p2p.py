@@ -1,0 +1,151 @@
+"""Point-to-point `send` / `recv` between devices (pipeline stages), with a checked header.
+
+The sender sends a small header (dtype, shape) and then the data; the receiver checks the
+header against `like` before taking the data, so a shape or dtype mismatch raises a
+ValueError naming both devices on the receiving process instead of reinterpreting bytes.
+Messages between two devices arrive in the order they were sent. Without a launcher both
+devices live in this process: `send` leaves a copy in a mailbox that `recv` takes.
+"""
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+
+from .. import arrays, runtime
+from ..handle import Handle
+from ..validate import native_byte_order
+
+__all__ = ["send", "recv"]
+
+_HDR, _DATA = 30001, 30002          # tags of the header and the data (below MPI's 32767)
+_MAILBOX: dict = collections.defaultdict(collections.deque)     # (from, to) -> tiles (one process)
+_HDR_LEN = 16
+
+
+def _device(v, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+        raise TypeError(f"{what} must be a device id (a non-negative int), got {v!r}")
+    return int(v)
+
+
+def _header(x) -> np.ndarray:
+    name, itemsize = arrays.dtype_of(x)
+    shape = tuple(x.shape)
+    if len(shape) > _HDR_LEN - 4:
+        raise ValueError(f"send: tiles have at most {_HDR_LEN - 4} dimensions, got {len(shape)}")
+    code = np.frombuffer(name.encode()[:16].ljust(16, b"\0"), dtype=np.int64)
+    return np.array(list(code) + [itemsize, len(shape)] + list(shape) + [0] * (_HDR_LEN - 4 - len(shape)),
+                    dtype=np.int64)
+
+
+def _describe(h) -> str:
+    name = np.asarray(h[:2], dtype=np.int64).tobytes().rstrip(b"\0").decode(errors="replace")
+    ndim = int(h[3])
+    return f"{name} {tuple(int(v) for v in h[4:4 + ndim])}"
+
+
+def _own(ctx, device, what):
+    if ctx.ownership.rank_of(device) != ctx.rank:
+        raise ValueError(f"{what}: device {device} belongs to rank {ctx.ownership.rank_of(device)}, "
+                         f"not to this process (rank {ctx.rank})")
+
+
+def _default_device(ctx, given, what):
+    if given is not None:
+        return _device(given, what)
+    if ctx is None:
+        raise ValueError(f"{what} is needed without meshcomm.init (this process owns every device)")
+    dpp = ctx.devices_per_process
+    if dpp != 1:
+        raise ValueError(f"{what} is needed: this process owns {dpp} devices")
+    return ctx.rank
+
+
+def send(x, to_device: int, *, from_device: int | None = None, backend=None, async_op: bool = False):
+    """Send tile `x` from `from_device` (default: the one device this process owns) to
+    `to_device`, whose process calls `recv(from_device, like)`."""
+    to_device = _device(to_device, "to_device")
+    ctx = runtime.current()
+    frm = _default_device(ctx, from_device, "from_device")
+    arrays.kind_of(x)
+    x = native_byte_order(x)
+    if ctx is None or backend == "local":
+        runtime.no_context(backend, "send")
+        _MAILBOX[(frm, to_device)].append((_header(x), x.clone() if arrays.is_torch(x) else np.array(x)))
+        return Handle(result=None) if async_op else None
+    _own(ctx, frm, "send")
+    be, err = ctx.resolve_backend(backend)
+    if err is not None:
+        raise err
+    peer = ctx.ownership.rank_of(to_device)
+    if peer == ctx.rank:
+        _MAILBOX[(frm, to_device)].append((_header(x), x.clone() if arrays.is_torch(x) else np.array(x)))
+        return Handle(result=None) if async_op else None
+    from meshcomm.backends.base import to_wire
+    nbytes = int(np.prod(x.shape, dtype=np.int64)) * arrays.dtype_of(x)[1]
+    prim = be.choose("send", nbytes, 2, "cpu")
+    hdr = to_wire(_header(x), prim.wire)
+    data = to_wire(np.asarray(x) if arrays.kind_of(x) == "jax" else x.reshape(-1), prim.wire)
+
+    def go():
+        works = [prim.isend(hdr, peer, _HDR), prim.isend(data, peer, _DATA)]
+        prim.wait_all(works, time.monotonic() + ctx.timeout)
+    wait = ctx.run(go, async_op)
+    return Handle(lambda: (wait(), None)[1]) if async_op else None
+
+
+def recv(from_device: int, like, *, to_device: int | None = None, backend=None, async_op: bool = False):
+    """Receive the tile `from_device` sends to `to_device` (default: the one device this
+    process owns). `like` (an array, or a (shape, dtype) pair) gives the shape, dtype and
+    kind expected; a different header raises ValueError naming both devices."""
+    from_device = _device(from_device, "from_device")
+    ctx = runtime.current()
+    to = _default_device(ctx, to_device, "to_device")
+    if isinstance(like, tuple) and len(like) == 2 and not hasattr(like, "shape"):
+        shape, dtype = like
+        like = np.empty(tuple(shape), dtype=arrays.numpy_dtype(arrays.normalize_dtype(dtype)[0]))
+    arrays.kind_of(like)
+    want = _header(native_byte_order(like) if isinstance(like, np.ndarray) else like)
+
+    def check(h, where):
+        if not np.array_equal(np.asarray(h), want):
+            raise ValueError(f"recv: device {from_device} sent {_describe(np.asarray(h))} to device {to}, "
+                             f"which expects {_describe(want)} (from like=){where}")
+
+    if ctx is None or backend == "local" or ctx.ownership.rank_of(from_device) == ctx.rank:
+        if ctx is None or backend == "local":
+            runtime.no_context(backend, "recv")
+        box = _MAILBOX[(from_device, to)]
+        if not box:
+            raise ValueError(f"recv: nothing was sent from device {from_device} to device {to} in this process")
+        h, v = box.popleft()
+        check(h, "")
+        return Handle(result=v) if async_op else v
+    _own(ctx, to, "recv")
+    be, err = ctx.resolve_backend(backend)
+    if err is not None:
+        raise err
+    from meshcomm.backends.base import empty_wire, from_wire
+    peer = ctx.ownership.rank_of(from_device)
+    nbytes = int(np.prod(like.shape, dtype=np.int64)) * arrays.dtype_of(like)[1]
+    prim = be.choose("send", nbytes, 2, "cpu")
+    like_np = like if not arrays.is_jax(like) else np.asarray(like)
+
+    def go():
+        deadline = time.monotonic() + ctx.timeout
+        hbuf = empty_wire(_HDR_LEN * 8, prim.wire, np.empty(0, np.int64))
+        prim.wait_all([prim.irecv(hbuf, peer, _HDR)], deadline)
+        h = from_wire(hbuf, np.empty(0, np.int64))
+        got = int(np.prod(h[4:4 + int(h[3])], dtype=np.int64)) * int(h[2])
+        buf = empty_wire(got, prim.wire, like_np)
+        prim.wait_all([prim.irecv(buf, peer, _DATA)], deadline)     # drained even on a mismatch
+        check(h, "; the data was received and dropped")
+        return from_wire(buf, like_np).reshape(tuple(like.shape))
+    wait = ctx.run(go, async_op)
+    if arrays.is_jax(like):
+        import jax
+        return Handle(lambda: jax.device_put(wait(), arrays.jax_device(to))) if async_op else \
+            jax.device_put(wait(), arrays.jax_device(to))
+    return Handle(wait) if async_op else wait()

@@ -1,0 +1,270 @@
+"""One collective on mesh axes (see meshcomm.collectives), from validation to execution.
+
+The same path as a reshard: every process validates its own tiles (keeping the error to
+share), all agree on the call (operation, mesh, axes, parameters, dtype, tile shapes) through
+`agreement`, then the collective runs as the reshard `collectives.layouts.problem` gives,
+with the plan executed by the backend. Tile sizes along a gathered dimension travel with the
+agreement, so uneven all_gather/gather cost no extra round.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Mapping
+
+import numpy as np
+
+from .. import arrays
+from ..collectives.layouts import groups, problem
+from ..handle import Handle
+from ..validate import native_byte_order
+from . import agreement
+from .agreement import Meta
+from .reshard_call import Local, _Call
+
+__all__ = ["Request", "run", "tiles_of"]
+
+_ROOTED = ("broadcast", "scatter")          # only the root's tile carries data
+_GATHERS = ("all_gather", "gather")         # tiles may differ along `dim`
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A collective call as the user made it (validated names, not yet its tiles)."""
+
+    op: str
+    mesh: Any
+    axes: tuple
+    dim: int = 0
+    root: int = 0
+    reduce_op: str = "sum"
+    split_dim: int = 0
+    concat_dim: int = 0
+
+    @property
+    def params(self) -> tuple:
+        return (self.dim, self.root, self.reduce_op, self.split_dim, self.concat_dim)
+
+
+def tiles_of(req: Request, x, owned: tuple[int, ...], where: str) -> tuple[dict, bool]:
+    """{device: tile or None} for the devices of the mesh this process owns, and whether x
+    was a bare array. Rooted ops accept None for devices that are not roots."""
+    if isinstance(x, Mapping):
+        for d in x:
+            if not isinstance(d, (int, np.integer)) or isinstance(d, bool):
+                raise TypeError(f"{req.op}: keys of x must be device ids (int), got {d!r}")
+            if d not in req.mesh:
+                raise ValueError(f"{req.op}: device {d} is not in the mesh {req.mesh}")
+            if d not in owned:
+                raise ValueError(f"{req.op}: x holds a tile for device {d}, which {where} does not own "
+                                 f"(it owns {list(owned)})")
+        tiles, bare = dict(x), False
+    else:
+        if len(owned) != 1:
+            raise TypeError(f"{req.op}: a bare array is accepted only when {where} owns exactly one "
+                            f"device of the mesh (it owns {len(owned)}); pass a dict {{device: tile}}")
+        tiles, bare = {owned[0]: x}, True
+    roots = _roots(req) if req.op in _ROOTED else ()
+    missing = [d for d in owned if tiles.get(d) is None and (req.op not in _ROOTED or d in roots)]
+    if missing:
+        raise ValueError(f"{req.op}: x needs a tile for device(s) {missing[:8]} ({where} owns "
+                         f"{list(owned)})")
+    kinds = {}
+    for d, v in tiles.items():
+        if v is not None:
+            kinds.setdefault(arrays.kind_of(v), d)
+    if len(kinds) > 1:
+        raise TypeError(f"{req.op}: tiles mix array kinds: " +
+                        ", ".join(f"device {d}: {k}" for k, d in kinds.items()))
+    tiles = {d: native_byte_order(v) for d, v in tiles.items() if v is not None}
+    return tiles, bare
+
+
+def _roots(req: Request) -> tuple[int, ...]:
+    return tuple(g[req.root] for g in groups(req.mesh, req.axes)
+                 if 0 <= req.root < len(g))
+
+
+def local_facts(req: Request, tiles: Mapping[int, Any]) -> dict:
+    """dtype, kind, device type and tile shape of this process's tiles (checked alike)."""
+    facts: dict = {"dtype": None, "kind": None, "devtype": None, "tile": None}
+    first = None
+    for d, v in tiles.items():
+        dt = arrays.dtype_of(v)
+        shape = tuple(v.shape)
+        if first is None:
+            first = d
+            facts["dtype"], facts["tile"] = dt, shape
+            facts["kind"] = arrays.kind_of(v)
+            from meshcomm.backends import streams
+            dev = streams.device_of(v)
+            facts["devtype"] = dev.type if dev is not None else "cpu"
+            continue
+        if dt != facts["dtype"]:
+            raise TypeError(f"{req.op}: tiles have different dtypes: device {first}: {facts['dtype'][0]}, "
+                            f"device {d}: {dt[0]}")
+        if _masked(req, shape) != _masked(req, facts["tile"]):
+            raise ValueError(f"{req.op}: tiles have different shapes: device {first}: {facts['tile']}, "
+                             f"device {d}: {shape}")
+    if req.op in _GATHERS and facts["tile"] is not None:
+        n = len(facts["tile"])
+        if not -n <= req.dim < n:
+            raise ValueError(f"{req.op}: dim={req.dim} is out of range for tiles with {n} dimension(s)")
+    if facts["dtype"] is not None and req.reduce_op == "avg" and req.op in ("all_reduce", "reduce", "reduce_scatter"):
+        kind = arrays.numpy_dtype(facts["dtype"][0]).kind
+        if kind not in "fc" and facts["dtype"][0] != "bfloat16":
+            raise TypeError(f"{req.op}: op='avg' needs a floating dtype, got {facts['dtype'][0]} "
+                            "(use op='sum' and divide)")
+    if facts["dtype"] is not None and facts["dtype"][0] == "bool" and req.op in ("all_reduce", "reduce", "reduce_scatter") \
+            and req.reduce_op in ("sum", "prod", "avg"):
+        raise TypeError(f"{req.op}: op={req.reduce_op!r} is not defined for bool tiles (use min or max)")
+    return facts
+
+
+def _masked(req: Request, shape):
+    """The tile shape that must agree: a gather's dimension may differ between devices."""
+    if shape is None or req.op not in _GATHERS or not shape:
+        return shape
+    d = req.dim % len(shape)
+    return shape[:d] + (-1,) + shape[d + 1:]
+
+
+def build(req: Request, tile: tuple, tile_shapes: Mapping[int, tuple] | None):
+    """The Problem, from the agreed tile shape (and every device's, for a gather)."""
+    sizes = None
+    if req.op in _GATHERS:
+        d = req.dim % len(tile)
+        per_group = []
+        for g in groups(req.mesh, req.axes):
+            if tile_shapes is None:
+                per_group.append((tile[d],) * len(g))
+            else:
+                per_group.append(tuple(tile_shapes[m][d] for m in g))
+        sizes = per_group[0]
+        for g, s in zip(groups(req.mesh, req.axes), per_group):
+            if s != sizes:
+                raise ValueError(f"{req.op}: the tiles' sizes along dim {d} must be the same in every "
+                                 f"group of axes {req.axes}: group {groups(req.mesh, req.axes)[0]} has "
+                                 f"{list(sizes)}, group {g} has {list(s)}")
+        tile = tile[:d] + (0,) + tile[d + 1:]
+    return problem(req.op, req.mesh, req.axes, tile, sizes=sizes, dim=req.dim, root=req.root,
+                   reduce_op=req.reduce_op, split_dim=req.split_dim, concat_dim=req.concat_dim)
+
+
+def finish_tiles(req: Request, prob, out: Mapping[int, Any], bare: bool, owned: tuple[int, ...]):
+    """The user-visible result: tiles reshaped back, averaged, None/omitted where a device of
+    the mesh gets no result (reduce, gather: non-roots)."""
+    res = {}
+    for d, v in out.items():
+        v = v.reshape(prob.out_shape(d))
+        if prob.scale != 1:
+            v = v / prob.scale if arrays.is_torch(v) else (v / prob.scale).astype(v.dtype, copy=False)
+        res[d] = v
+    if bare:
+        return res.get(owned[0]) if owned else None
+    return res
+
+
+def run(ctx, req: Request, x, *, backend=None, async_op=False):
+    """A collective under a launcher: every process calls this with its own tiles (SPMD)."""
+    from meshcomm.backends import streams
+    be, err = ctx.resolve_backend(backend)
+    own = ctx.ownership
+    owned = own.owned(req.mesh)
+    tiles, bare, facts = {}, not isinstance(x, Mapping), {"dtype": None, "kind": None, "devtype": None, "tile": None}
+    try:
+        if err is not None:
+            raise err
+        own.check_mesh(req.mesh)
+        if owned:
+            tiles, bare = tiles_of(req, x, owned, f"rank {ctx.rank}")
+            facts = local_facts(req, tiles)
+        elif x is not None and not (isinstance(x, Mapping) and not x):
+            raise ValueError(f"{req.op}: rank {ctx.rank} owns no device of the mesh {req.mesh} but passed "
+                             "a tile; pass None (or an empty dict)")
+    except (ValueError, TypeError) as e:
+        err = e
+    if facts["kind"] == "jax":
+        tiles = {d: np.asarray(v) for d, v in tiles.items()}
+    fence = streams.fence_from_current(None)
+    for v in tiles.values():
+        dev = streams.device_of(v)
+        if streams.is_cuda(dev):
+            fence = streams.fence_from_current(dev)
+            break
+
+    def go():
+        deadline = time.monotonic() + ctx.timeout
+        tile, kind, devtype, dt = facts["tile"], facts["kind"], facts["devtype"], facts["dtype"]
+        shapes = None
+        meta = Meta(req.op, (
+            ("op", req.op), ("mesh", repr(req.mesh)), ("axes", req.axes), ("params", req.params),
+            ("backend", getattr(be, "signature", be.name)), ("dtype", dt), ("kind", kind),
+            ("devtype", devtype), ("tile", _masked(req, tile))),
+            agreement.error_of(err), {"tiles": {d: tuple(v.shape) for d, v in tiles.items()}})
+        # Always agreed (MESHCOMM_CHECK does not apply): a process without a tile of the mesh
+        # still takes part in creating the plan's groups, so it must learn shape and dtype.
+        out = agreement.exchange(ctx.backend, meta, deadline,
+                                 eligible=req.op not in _GATHERS and tile is not None)
+        if out.metas is not None:
+            agreement.settle(out.metas, ctx.rank, err,
+                             {"mesh": lambda v, m: v, "params": lambda v, m: _params_str(req.op, v)})
+            shapes = {}
+            for m in out.metas:
+                shapes.update(m.extra["tiles"])
+            if tile is None:
+                tile = _any_tile(out.metas)
+            dt = out.value("dtype")
+        kind, devtype = out.value("kind", "numpy"), out.value("devtype", "cpu")
+        if dt is None:
+            raise ValueError(f"{req.op}: no process passed a tile, so shape and dtype are unknown")
+        prob = build(req, tile, shapes)
+        src_devs = set(prob.src.mesh.device_ids)
+        shards = {d: prob.in_tile(v) for d, v in tiles.items() if d in src_devs}
+        loc = Local(kind=kind, devtype=devtype)
+        call = _Call(ctx, be, prob.src, prob.dst, shards, prob.shape, dt[0], loc, False, (fence,))
+        res, done, _ = call.run()
+        return res, done, kind, prob
+
+    result = ctx.run(go, async_op)
+
+    def finish():
+        res, done, kind, prob = result()
+        for v in res.values():
+            done.wait_on(streams.current_stream(streams.device_of(v)))
+            break
+        res = finish_tiles(req, prob, res, bare, owned)
+        if kind == "jax":
+            import jax
+            if bare:
+                return None if res is None else jax.device_put(res, arrays.jax_device(owned[0]))
+            res = {d: jax.device_put(v, arrays.jax_device(d)) for d, v in res.items()}
+        return res
+    if async_op:
+        return Handle(finish)
+    return finish()
+
+
+def _any_tile(metas):
+    """The tile shape from a process that has one (rooted ops: the root's)."""
+    for m in metas:
+        for t in m.extra["tiles"].values():
+            return tuple(t)
+    return None
+
+
+def _params_str(op: str, v) -> str:
+    dim, root, reduce_op, split_dim, concat_dim = v
+    if op in ("all_reduce",):
+        return f"op={reduce_op}"
+    if op == "reduce":
+        return f"root={root} op={reduce_op}"
+    if op == "reduce_scatter":
+        return f"dim={dim} op={reduce_op}"
+    if op in ("all_gather",):
+        return f"dim={dim}"
+    if op in ("gather", "scatter"):
+        return f"root={root} dim={dim}"
+    if op == "broadcast":
+        return f"root={root}"
+    return f"split_dim={split_dim} concat_dim={concat_dim}"

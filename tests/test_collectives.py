@@ -1,0 +1,125 @@
+"""Collectives on mesh axes: one process against NumPy, their plans verified, and real
+multi-process runs (mpiexec) on every backend with the fault matrix."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import meshcomm as mc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
+from collectives_worker import close, draw, reference, tiles_for  # noqa: E402
+
+WORKER = Path(__file__).resolve().parent / "workers" / "collectives_worker.py"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_collectives_in_one_process(seed):
+    for i in range(40):
+        rng = np.random.default_rng((seed, i))
+        mesh, axes, op, dtype, red = draw(rng, 12)
+        tiles, kw = tiles_for(rng, mesh, axes, op, dtype, red)
+        ref = reference(op, mesh, axes, tiles, kw)
+        got = getattr(mc, op)(tiles, mesh, axes, **kw)
+        assert sorted(got) == sorted(ref), (op, axes, kw)
+        for d in ref:
+            assert close(got[d], ref[d], dtype), (op, axes, kw, d, got[d], ref[d])
+
+
+def test_plans_verify_and_print():
+    m = mc.Mesh(np.arange(8).reshape(2, 4), ("dp", "tp"))
+    for op, kw in [("all_reduce", {}), ("all_gather", {"sizes": (1, 2, 3, 0)}), ("reduce_scatter", {"dim": 0}),
+                   ("broadcast", {"root": 2}), ("reduce", {"root": 3, "reduce_op": "max"}),
+                   ("all_to_all", {"split_dim": 0, "concat_dim": 0}), ("gather", {"root": 1}),
+                   ("scatter", {"root": 1})]:
+        p = mc.collectives.collective_plan(op, (8, 3), "float32", m, "tp", **kw)
+        mc.verify(p)
+        assert "plan" in p.explain()
+
+
+def test_torch_and_jax_kinds_and_bare_arrays():
+    import torch
+    m = mc.Mesh([0, 1, 2], "x")
+    x = {d: torch.full((2,), float(d)) for d in m.device_ids}
+    y = mc.all_reduce(x, m, "x")
+    assert all(isinstance(v, torch.Tensor) and v.tolist() == [3.0, 3.0] for v in y.values())
+    one = mc.Mesh([5], "x")
+    assert np.array_equal(mc.all_reduce(np.arange(3), one, "x"), np.arange(3))
+    h = mc.all_gather({d: np.full(d + 1, d) for d in m.device_ids}, m, "x", async_op=True)
+    assert h.wait()[2].tolist() == [0, 1, 1, 2, 2, 2]
+
+
+@pytest.mark.parametrize("call,err,pattern", [
+    (lambda m, x: mc.all_reduce(x, m, "q"), ValueError, r"'q' is not an axis of mesh"),
+    (lambda m, x: mc.all_reduce(x, m, "x", op="mean"), ValueError, r"op must be one of sum, prod, min, max, avg"),
+    (lambda m, x: mc.all_reduce(x, m, ("x", "x")), ValueError, r"name an axis twice"),
+    (lambda m, x: mc.all_gather(x, m, "x", dim=2), ValueError, r"dim=2 is out of range"),
+    (lambda m, x: mc.broadcast(x, m, "x", root=3), ValueError, r"root=3 is not an index of a group of 3"),
+    (lambda m, x: mc.broadcast(x, m, "x", root=1.0), TypeError, r"root must be an int"),
+    (lambda m, x: mc.all_to_all(x, m, "x"), ValueError, r"split_dim 0 has size 2, not divisible by the group's 3"),
+    (lambda m, x: mc.all_reduce({0: x[0], 1: x[1]}, m, "x"), ValueError, r"needs a tile for device\(s\) \[2\]"),
+    (lambda m, x: mc.all_reduce({**x, 1: x[1].astype(np.int64)}, m, "x"), TypeError, r"different dtypes: device 0: float32, device 1: int64"),
+    (lambda m, x: mc.all_reduce({**x, 2: np.zeros((3, 2), np.float32)}, m, "x"), ValueError, r"different shapes: device 0: \(2, 2\), device 2: \(3, 2\)"),
+    (lambda m, x: mc.all_reduce({d: v.astype(np.int32) for d, v in x.items()}, m, "x", op="avg"), TypeError, r"op='avg' needs a floating dtype"),
+    (lambda m, x: mc.all_reduce(x, m, "x", backend="nccl"), ValueError, r"backend must be one of None, 'local', 'mpi', 'torch', 'mixed', got 'nccl'"),
+    (lambda m, x: mc.all_reduce(x, m, "x", backend="mpi"), ValueError, r"needs meshcomm.init\(backend='mpi'\)"),
+    (lambda m, x: mc.all_reduce(x[0], m, "x"), TypeError, r"bare array is accepted only when .* owns exactly one"),
+    (lambda m, x: mc.all_reduce({**x, 9: x[0]}, m, "x"), ValueError, r"device 9 is not in the mesh"),
+    (lambda m, x: mc.all_gather({0: np.zeros((1, 2)), 1: np.zeros((1, 3)), 2: np.zeros((1, 2))}, m, "x"), ValueError, r"different shapes"),
+])
+def test_bad_input_names_the_problem(call, err, pattern):
+    m = mc.Mesh([0, 1, 2], "x")
+    x = {d: np.ones((2, 2), np.float32) for d in m.device_ids}
+    with pytest.raises(err, match=pattern):
+        call(m, x)
+
+
+def test_uneven_gather_sizes_must_match_across_groups():
+    m = mc.Mesh(np.arange(4).reshape(2, 2), ("a", "b"))
+    x = {0: np.zeros(1), 1: np.zeros(2), 2: np.zeros(2), 3: np.zeros(2)}
+    with pytest.raises(ValueError, match=r"same in every group.*\[1, 2\].*\[2, 2\]"):
+        mc.all_gather(x, m, "b")
+
+
+def test_send_recv_in_one_process():
+    mc.send(np.arange(4.0), 3, from_device=1)
+    mc.send(np.arange(2), 3, from_device=1)
+    assert mc.recv(1, np.zeros(4), to_device=3).tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match=r"device 1 sent int64 \(2,\) to device 3, which expects float32 \(2,\)"):
+        mc.recv(1, np.zeros(2, np.float32), to_device=3)
+    with pytest.raises(ValueError, match=r"nothing was sent"):
+        mc.recv(1, np.zeros(2), to_device=3)
+
+
+@pytest.mark.mpi
+def test_mpiexec_4_every_backend_async_mix_and_faults(tmp_path):
+    res = _launch(tmp_path, 4, "--init", "mixed", "--backends", "mpi,torch,mixed", "--cases", "90",
+                  "--seed", "11", "--faults")
+    for r in res:
+        assert r["ok"] == 90 and r["fault_raised"] == 13 * 3 and r["fault_next_ok"] == 13 * 3, r
+        assert r["fault_max_s"] < 15 and r["endian_ok"] == 3, r
+        assert r["p2p_ok"] == 9 and r.get("p2p_mismatch_ok", 0) == (3 if r["rank"] % 2 else 0), r
+    assert sum(r["async"] for r in res) > 0
+
+
+@pytest.mark.mpi
+def test_mpiexec_8_and_two_devices_per_process(tmp_path):
+    res = _launch(tmp_path / "a", 8, "--init", "mixed", "--backends", "mpi,torch,mixed", "--cases", "45",
+                  "--seed", "12")
+    assert all(r["ok"] == 45 for r in res)
+    res = _launch(tmp_path / "b", 3, "--init", "mixed", "--backends", "mpi,torch", "--dpp", "2",
+                  "--cases", "40", "--seed", "13")
+    assert all(r["ok"] == 40 for r in res)
+
+
+def _launch(tmp_path, n, *args):
+    from test_distributed import MPIEXEC, launch
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    res = launch([MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", str(WORKER), *args],
+                 {"MESHCOMM_TIMEOUT": "30"}, 400, tmp_path / "out")
+    assert [r["rank"] for r in res] == list(range(n)), res
+    return res

@@ -1,0 +1,345 @@
+"""SPMD worker: random collectives on mesh axes checked against NumPy, and the fault matrix.
+
+    mpiexec -n 8 python tests/workers/collectives_worker.py --init mixed --backends mpi,torch,mixed
+
+Every process draws the same seeded cases: a random mesh over the world's devices (some
+processes may own none of it), random group axes, an op, dtype, root and dims, uneven
+gathers; it computes the NumPy reference from everyone's tiles and passes only its own.
+Floats are compared within round-off (the plan's order is fixed, so backends agree
+bitwise; NumPy sums in another order), integers exactly. Some calls are async and
+several are in flight at once, on different backends. --faults runs the fault matrix: for
+each entry point, one rank passes bad input; every rank must raise ValueError/TypeError
+naming that rank within seconds, and the next call must succeed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import meshcomm as mc                        # noqa: E402
+from cases import random_mesh                 # noqa: E402
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather", "scatter")
+DTYPES = ("float32", "float64", "int32", "int64")
+RED = {"sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max, "avg": np.mean}
+
+
+def draw(rng, ndev):
+    mesh = random_mesh(rng, list(range(ndev)))
+    names = list(mesh.axis_names)
+    k = int(rng.integers(1, len(names) + 1))
+    axes = tuple(rng.permutation(names)[:k])
+    op = OPS[int(rng.integers(len(OPS)))]
+    dtype = DTYPES[int(rng.integers(len(DTYPES)))]
+    red = ["sum", "prod", "min", "max", "avg"][int(rng.integers(5))]
+    if red == "avg" and dtype.startswith("int"):
+        red = "sum"
+    return mesh, axes, op, dtype, red
+
+
+def tiles_for(rng, mesh, axes, op, dtype, red):
+    groups = mc.collectives.groups(mesh, axes)
+    k = len(groups[0])
+    nd = int(rng.integers(1, 3))
+    shape = [int(rng.integers(1, 5)) for _ in range(nd)]
+    dim = int(rng.integers(0, nd))
+    kw = {}
+    if op == "all_to_all":
+        s, c = int(rng.integers(0, nd)), int(rng.integers(0, nd))
+        shape[s] = k * int(rng.integers(1, 3))
+        kw = {"split_dim": s, "concat_dim": c}
+    if op in ("reduce_scatter", "scatter"):
+        shape[dim] = int(rng.integers(0, 2 * k + 2))
+        kw = {"dim": dim}
+    if op in ("all_gather", "gather"):
+        kw = {"dim": dim}
+    if op in ("broadcast", "reduce", "gather", "scatter"):
+        kw["root"] = int(rng.integers(0, k))
+    if op in ("all_reduce", "reduce", "reduce_scatter"):
+        kw["op"] = red
+    sizes = [int(rng.integers(0, 4)) for _ in range(k)]
+    tiles = {}
+    for g in groups:
+        for i, d in enumerate(g):
+            sh = list(shape)
+            if op in ("all_gather", "gather"):
+                sh[dim] = sizes[i]
+            if dtype.startswith("int"):
+                hi = 3 if red == "prod" else 50
+                v = rng.integers(-hi, hi + 1, size=sh).astype(dtype)
+            else:
+                v = rng.standard_normal(sh).astype(dtype)
+            tiles[d] = v
+    return tiles, kw
+
+
+def reference(op, mesh, axes, tiles, kw):
+    out = {}
+    for g in mc.collectives.groups(mesh, axes):
+        xs = [tiles[d] for d in g]
+        k = len(g)
+        if op in ("all_reduce", "reduce", "reduce_scatter"):
+            r = RED[kw["op"]](np.stack(xs), axis=0)
+            if kw["op"] == "avg":
+                r = r.astype(xs[0].dtype)
+            else:
+                r = r.astype(xs[0].dtype)
+            if op == "all_reduce":
+                out.update({d: r for d in g})
+            elif op == "reduce":
+                out[g[kw["root"]]] = r
+            else:
+                n = r.shape[kw["dim"]]
+                c = -(-n // k)
+                for i, d in enumerate(g):
+                    sl = [slice(None)] * r.ndim
+                    sl[kw["dim"]] = slice(min(i * c, n), min((i + 1) * c, n))
+                    out[d] = r[tuple(sl)]
+        elif op in ("all_gather", "gather"):
+            r = np.concatenate(xs, axis=kw["dim"])
+            if op == "all_gather":
+                out.update({d: r for d in g})
+            else:
+                out[g[kw["root"]]] = r
+        elif op == "broadcast":
+            out.update({d: xs[kw["root"]] for d in g})
+        elif op == "scatter":
+            r = xs[kw["root"]]
+            n = r.shape[kw["dim"]]
+            c = -(-n // k)
+            for i, d in enumerate(g):
+                sl = [slice(None)] * r.ndim
+                sl[kw["dim"]] = slice(min(i * c, n), min((i + 1) * c, n))
+                out[d] = r[tuple(sl)]
+        else:
+            s, c = kw["split_dim"], kw["concat_dim"]
+            for j, d in enumerate(g):
+                out[d] = np.concatenate([np.split(x, k, axis=s)[j] for x in xs], axis=c)
+    return out
+
+
+def close(a, b, dtype):
+    a = np.asarray(a)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if dtype.startswith("int"):
+        return np.array_equal(a, b)
+    tol = 1e-5 if dtype == "float32" else 1e-12
+    return np.allclose(a, b, rtol=tol, atol=tol * max(1.0, float(np.abs(b).max(initial=0))) * 8)
+
+
+def run_cases(ctx, args, backends, stats):
+    ndev = ctx.world_size * ctx.devices_per_process
+    pending = []
+    for i in range(args.cases):
+        rng = np.random.default_rng((args.seed, i))
+        mesh, axes, op, dtype, red = draw(rng, ndev)
+        tiles, kw = tiles_for(rng, mesh, axes, op, dtype, red)
+        ref = reference(op, mesh, axes, tiles, kw)
+        b = backends[i % len(backends)]
+        owned = ctx.owned_devices(mesh)
+        mine = {d: tiles[d] for d in owned}
+        bare = len(owned) == 1 and rng.random() < 0.6
+        x = (mine[owned[0]] if bare else mine) if owned else None
+        if op in ("broadcast", "scatter") and rng.random() < 0.5:       # non-roots pass None
+            roots = {g[kw["root"]] for g in mc.collectives.groups(mesh, axes)}
+            if bare and owned[0] not in roots:
+                x = None
+            elif not bare and owned:
+                x = {d: v for d, v in mine.items() if d in roots}
+        fn = getattr(mc, op)
+        what = f"case {i} [{b}] {op} {dtype} axes={axes} kw={kw} mesh={mesh}"
+        asy = rng.random() < 0.4
+        h = fn(x, mesh, axes, backend=b, async_op=asy, **kw)
+        pending.append((h, asy, ref, owned, bare, what, dtype))
+        stats[f"{op}_{b}"] += 1
+        if len(pending) >= 6 or not asy:        # several async calls in flight at once
+            for item in pending:
+                check(ctx, *item)
+            stats["ok"] += len(pending)
+            stats["async"] += sum(1 for p in pending if p[1])
+            pending.clear()
+    for item in pending:
+        check(ctx, *item)
+    stats["ok"] += len(pending)
+
+
+def check(ctx, h, asy, ref, owned, bare, what, dtype):
+    got = h.wait() if asy else h
+    if bare:
+        want = ref.get(owned[0])
+        if want is None:
+            assert got is None, f"{what}: rank {ctx.rank} expected None, got {got!r}"
+            return
+        assert close(got, want, dtype), f"{what}: rank {ctx.rank}: got {got!r}\nwant {want!r}"
+        return
+    if not owned:
+        assert got is None or got == {}, f"{what}: rank {ctx.rank} owns no device, got {got!r}"
+        return
+    want_devs = sorted(d for d in owned if d in ref)
+    assert sorted(got) == want_devs, f"{what}: rank {ctx.rank}: devices {sorted(got)}, want {want_devs}"
+    for d in want_devs:
+        assert close(got[d], ref[d], dtype), f"{what}: rank {ctx.rank} device {d}: got {got[d]!r}\nwant {ref[d]!r}"
+
+
+# -- the fault matrix ----------------------------------------------------------------------
+
+def faults(ctx, backends, stats, limit):
+    """For each entry point and backend, one rank (the last) gets bad input; every rank must
+    raise within `limit` seconds with a message naming that rank; then a good call works."""
+    n = ctx.world_size * ctx.devices_per_process
+    bad = ctx.world_size - 1
+    mesh = mc.Mesh(np.arange(n), ("x",))
+    me = ctx.rank == bad
+    dev = ctx.owned_devices(mesh)[0]
+    f32 = np.ones((4, 3), np.float32)
+
+    def a2av(kind):
+        rows = np.ones((n, 2), np.float32)
+        counts = [1] * n
+        if me and kind == "dtype":
+            rows = rows.astype(np.float64)
+        if me and kind == "width":
+            rows = np.ones((n, 3), np.float32)
+        if me and kind == "counts_len":
+            counts = [1] * (n + 1)
+        if me and kind == "counts_sum":
+            counts = [2] + [1] * (n - 1)
+        return lambda b: mc.all_to_all_v(rows, counts, mesh, "x", backend=b)
+
+    def reshard(kind):
+        src, dst = mc.Layout(mesh, ("x",)), mc.Layout(mesh, (None,))
+        t = np.ones(2, np.float32)
+        if me and kind == "endian":
+            t = t.astype(">f4")
+            return lambda b: ("endian", mc.reshard(t, src, dst, backend=b))
+        if me and kind == "size":
+            t = np.ones(3, np.float32)
+        return lambda b: mc.reshard(t, src, dst, backend=b)
+
+    def coll(op, kind):
+        x = f32
+        kw = {}
+        if me and kind == "dtype":
+            x = x.astype(np.float64)
+        if me and kind == "shape":
+            x = np.ones((5, 3), np.float32)
+        if me and kind == "op":
+            kw = {"op": "max"}
+        if me and kind == "other_op":
+            return lambda b: mc.all_gather(x, mesh, "x", backend=b)
+        return lambda b: getattr(mc, op)(x, mesh, "x", backend=b, **kw)
+
+    def bad_backend(b):
+        return mc.all_reduce(f32, mesh, "x", backend="nccl" if me else b)
+
+    matrix = [("all_to_all_v:dtype", a2av("dtype")), ("all_to_all_v:width", a2av("width")),
+              ("all_to_all_v:counts_len", a2av("counts_len")), ("all_to_all_v:counts_sum", a2av("counts_sum")),
+              ("reshard:size", reshard("size")),
+              ("all_reduce:dtype", coll("all_reduce", "dtype")), ("all_reduce:shape", coll("all_reduce", "shape")),
+              ("all_reduce:op", coll("all_reduce", "op")), ("all_reduce:other_op", coll("all_reduce", "other_op")),
+              ("broadcast:shape", coll("broadcast", "shape")), ("reduce_scatter:dtype", coll("reduce_scatter", "dtype")),
+              ("all_gather:dtype", coll("all_gather", "dtype")), ("backend:nccl", bad_backend)]
+    for b in backends:
+        for name, fn in matrix:
+            t0 = time.monotonic()
+            try:
+                fn(b)
+            except (ValueError, TypeError) as e:
+                dt = time.monotonic() - t0
+                msg = str(e)
+                assert me or f"rank {bad}" in msg or f"rank(s) [{bad}]" in msg or f", {bad}]" in msg, \
+                    f"fault {name} [{b}]: rank {ctx.rank}: the error does not name rank {bad}: {msg}"
+                assert dt < limit, f"fault {name} [{b}]: rank {ctx.rank} raised after {dt:.1f}s"
+                stats["fault_raised"] += 1
+                stats["fault_max_s"] = max(stats.get("fault_max_s", 0), round(dt, 2))
+            else:
+                raise AssertionError(f"fault {name} [{b}]: rank {ctx.rank}: no error")
+            y = mc.all_reduce(np.full(3, ctx.rank, np.int64), mesh, "x", backend=b)   # the next call works
+            assert np.array_equal(y, np.full(3, sum(range(ctx.world_size)), np.int64)), y
+            stats["fault_next_ok"] += 1
+        # a byte-swapped tile on one rank: converted, the call is right everywhere
+        src, dst = mc.Layout(mesh, ("x",)), mc.Layout(mesh, (None,))
+        t = np.full(2, dev, np.float32)
+        y = mc.reshard(t.astype(">f4") if me else t, src, dst, backend=b)
+        assert np.array_equal(y, np.repeat(np.arange(n, dtype=np.float32), 2)), y
+        stats["endian_ok"] += 1
+
+
+def p2p(ctx, backends, stats):
+    """Pairs (0,1), (2,3), ...: the even rank sends then receives, the odd one the reverse;
+    then the odd rank expects the wrong dtype: it raises, naming both devices, and the pair
+    goes on."""
+    me = ctx.rank
+    peer = me + 1 if me % 2 == 0 else me - 1
+    if peer >= ctx.world_size:
+        return
+    for b in backends:
+        for n in (0, 5, 300_000):
+            x = np.arange(n, dtype=np.float32) + me
+            like = np.empty(n, np.float32)
+            if me % 2 == 0:
+                mc.send(x, peer, backend=b)
+                y = mc.recv(peer, like, backend=b)
+            else:
+                y = mc.recv(peer, like, backend=b)
+                mc.send(x, peer, backend=b)
+            assert np.array_equal(y, np.arange(n, dtype=np.float32) + peer), (b, n)
+            stats["p2p_ok"] += 1
+        if me % 2 == 0:
+            mc.send(np.zeros(3, np.float64), peer, backend=b)
+        else:
+            try:
+                mc.recv(peer, np.zeros(3, np.float32), backend=b)
+            except ValueError as e:
+                assert f"device {peer} sent float64 (3,) to device {me}" in str(e), str(e)
+                stats["p2p_mismatch_ok"] += 1
+            else:
+                raise AssertionError("recv accepted a float64 message as float32")
+        if me % 2 == 0:
+            y = mc.recv(peer, np.zeros(2, np.int64), backend=b)
+        else:
+            mc.send(np.array([7, 8]), peer, backend=b)
+            y = np.array([7, 8])
+        assert y.tolist() == [7, 8]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--init", default="mixed")
+    ap.add_argument("--backends", default="")
+    ap.add_argument("--dpp", type=int, default=1)
+    ap.add_argument("--cases", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--faults", action="store_true")
+    ap.add_argument("--fault-limit", type=float, default=15.0)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    ctx = mc.init(backend=args.init, devices_per_process=args.dpp)
+    backends = args.backends.split(",") if args.backends else [args.init]
+    stats: Counter = Counter()
+    t0 = time.time()
+    run_cases(ctx, args, backends, stats)
+    if args.faults and args.dpp == 1:
+        faults(ctx, backends, stats, args.fault_limit)
+        p2p(ctx, backends, stats)
+    stats["seconds"] = round(time.time() - t0, 1)
+    result = {"rank": ctx.rank, **stats}
+    mc.finalize()
+    line = json.dumps(result)
+    print("RESULT " + line, flush=True)
+    if args.out:
+        with open(os.path.join(args.out, f"rank{result['rank']}.json"), "w") as f:
+            f.write(line)
+
+
+if __name__ == "__main__":
+    main()
