@@ -46,6 +46,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+from ..handle import Handle
 from ..layout import Blocks, Layout, chunk_bounds, normalize_shape
 from ..mesh import Mesh
 
@@ -218,5 +219,5 @@ def reshard_dtensor(dt: DTensor, device_mesh, placements: Sequence[Placement], *
         return DTensor.from_local(local, device_mesh, tuple(placements), run_check=False,
                                   shape=torch.Size(shape), stride=_contiguous_stride(shape))
     if async_op:
-        return api.Handle(lambda: finish(res.wait()))
+        return Handle(lambda: finish(res.wait()))
     return finish(res)

@@ -204,6 +204,7 @@ def main():
     y = reshard_dtensor(dt, MESHES["one"], [Replicate()])
     check(y, g, MESHES["one"], [Replicate()], "lo -> one")
     h = reshard_dtensor(y, MESHES["all2x2"], [Shard(0), Shard(0)], async_op=True)
+    assert isinstance(h, mc.Handle), type(h)
     z = h.wait()
     check(z, g, MESHES["all2x2"], [Shard(0), Shard(0)], "one -> all2x2 (uneven nested)")
     done += 2
