@@ -111,6 +111,7 @@ EQUIVALENT_SPECS = [
     (((None, "y"), ("x",)), ((None, "y"), "x")),
     (((mc.Blocks("x", [3, 5]),), ()), ((mc.Blocks(("x",), (3, 5)), None), ())),
     (((mc.Blocks("x", [3, 5]), "y"), ()), ((mc.Blocks(("x",), np.array([3, 5])), ("y",)), ())),
+    (((None, "y"), {"x": "max"}), ((None, ("y",), None), {"x": "max"})),
 ]
 
 
@@ -157,6 +158,7 @@ def test_layouts_that_differ_are_unequal():
                 mc.Layout(m, (mc.Blocks("x", [3, 5]),)), mc.Layout(m, (mc.Blocks("x", [5, 3]),)),
                 mc.Layout(m, (), partial=("x",)), mc.Layout(m, (), partial=("y",)),
                 mc.Layout(m, (), partial=("x", "y")),
+                mc.Layout(m, (), partial={"x": "max"}), mc.Layout(m, (), partial={"x": "min"}),
                 mc.Layout(mc.Mesh([[0, 1, 2, 3], [4, 5, 6, 7]], ("a", "y")), ("a",))]
     assert len(set(distinct)) == len(distinct)
     assert len({repr(l) for l in distinct}) == len(distinct)
