@@ -24,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from meshcomm import settings
 from meshcomm.caches import memo
 __all__ = ["available", "pack_cuda", "unpack_cuda", "plan_boxes", "BoxPlan", "KernelUnsupported",
            "SOURCE", "KERNEL_NAMES", "ADD_KERNELS", "add_kernel_for"]
@@ -187,7 +188,7 @@ def _cupy():
 def available() -> bool:
     """True when CuPy imports and sees a CUDA device (and MESHCOMM_CUDA_KERNELS is not 0)."""
     global _AVAILABLE
-    if os.environ.get("MESHCOMM_CUDA_KERNELS", "1") == "0":
+    if not settings.get("CUDA_KERNELS"):
         return False
     if _AVAILABLE is None:
         try:

@@ -20,7 +20,7 @@ from ..handle import Handle
 from ..validate import native_byte_order
 from . import agreement
 from .agreement import Meta
-from .reshard_call import Local, _Call
+from .reshard_call import Local, PlannedCall
 
 __all__ = ["Request", "run", "tiles_of"]
 
@@ -222,7 +222,7 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
         src_devs = set(prob.src.mesh.device_ids)
         shards = {d: prob.in_tile(v) for d, v in tiles.items() if d in src_devs}
         loc = Local(kind=kind, devtype=devtype)
-        call = _Call(ctx, be, prob.src, prob.dst, shards, prob.shape, dt[0], loc, False, (fence,))
+        call = PlannedCall(ctx, be, prob.src, prob.dst, shards, prob.shape, dt[0], loc, False, (fence,))
         res, done, _ = call.run()
         return res, done, kind, prob
 

@@ -2,7 +2,7 @@
 
 `reshard` validates locally (catching the error instead of raising it, so every process
 learns of it through the agreement check), fences the producers of CUDA inputs, then runs
-`_Call.run` through the context's queue: the agreement check (with MPI, the first stage may
+`PlannedCall.run` through the context's queue: the agreement check (with MPI, the first stage may
 start before it completes), the plan, the executor.
 """
 from __future__ import annotations
@@ -97,7 +97,7 @@ def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=
             fences[dev] = streams.fence_from_current(dev)
     if not fences:
         fences[None] = streams.fence_from_current(None)
-    call = _Call(ctx, be, src, dst, shards, shape, dtype, loc, need_exchange, tuple(fences.values()), stamp)
+    call = PlannedCall(ctx, be, src, dst, shards, shape, dtype, loc, need_exchange, tuple(fences.values()), stamp)
     result = ctx.run(call.run, async_op)
 
     def finish():
@@ -117,7 +117,7 @@ def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=
 
 
 @dataclasses.dataclass
-class _Call:
+class PlannedCall:
     ctx: Any
     be: Any
     src: Any

@@ -207,3 +207,10 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def add_parser(sub) -> None:
+    """`meshcomm advise ...`: the arguments go to this module's own parser."""
+    s = sub.add_parser("advise", add_help=False, help="check a transformer's shape for the hardware "
+                       "and print its communication per iteration")
+    s.set_defaults(func=lambda a: main(a.rest), takes_rest=True)

@@ -16,6 +16,8 @@ SUBCOMMANDS = [
     "meshcomm.tools.tune",    # meshcomm tune
     "meshcomm.tools.bench",   # meshcomm bench {sim,run,plan}
     "meshcomm.tools.demo",    # meshcomm demo (what `make demo` runs)
+    "meshcomm.tools.advise",  # meshcomm advise (transformer shapes for the hardware)
+    "meshcomm.tools.log_cmd",  # meshcomm log {summary,trace,compare}
 ]
 
 
@@ -39,7 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "takes_rest", False):      # a subcommand with a parser of its own
+        args.rest = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
