@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast test-gpu bench-sim compile-cuda clean
+.PHONY: venv demo test test-fast test-gpu bench-sim compile-cuda wheel-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,21 @@ test-gpu: $(STAMP)
 
 bench-sim: $(STAMP)
 	$(VENV)/bin/meshcomm bench sim
+
+# The built wheel, installed (not editable) into a fresh venv with only the core dependencies:
+# the CLI runs and the package data (.cu sources, the Alpa cases) is found.
+WHEELDIR := build/wheel
+wheel-check: $(PY)
+	rm -rf $(WHEELDIR) && mkdir -p $(WHEELDIR)
+	$(PIP) wheel -q --no-deps -w $(WHEELDIR) .
+	$(PYTHON) -m venv $(WHEELDIR)/venv
+	$(WHEELDIR)/venv/bin/pip install -q $(WHEELDIR)/meshcomm-*.whl
+	cd $(WHEELDIR) && venv/bin/meshcomm plan --shape 1024,1024,512 --dtype int32 --src "2x4:x,-,-" \
+		--dst "2x4@8:-,x,-" --topology p3.8xlarge --verify
+	cd $(WHEELDIR) && venv/bin/python -c "import meshcomm, meshcomm.cuda.build as b, meshcomm.tools.cases as c; \
+		assert 'site-packages' in meshcomm.__file__, meshcomm.__file__; \
+		assert b.HERE.joinpath('pack.cu').is_file(); print('cases:', len(c.alpa_cases())); \
+		import meshcomm.collectives, meshcomm.model, meshcomm.compression; print('wheel ok')"
 
 compile-cuda:
 	$(PY) -m meshcomm.cuda.build --check
