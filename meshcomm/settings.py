@@ -83,6 +83,9 @@ _ALL = (
             "polls of a pending operation that yield the core before the poller starts sleeping briefly"),
     Setting("UNSAFE_NO_FENCE", _bool, False,
             "`1` drops the CUDA stream fences (only to show that the fence test fails without them)", "0"),
+    Setting("LOG", _str, None,
+            "a folder: log every communicating call to `rank<r>.jsonl` there (`meshcomm.log`; read with `meshcomm log summary`); read when meshcomm is imported and at `meshcomm.init`",
+            "off"),
 )
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}
