@@ -201,7 +201,8 @@ class PlannedCall:
             ("dtype", None if loc.dtype is None else (loc.dtype, loc.itemsize)),
             ("kind", loc.kind), ("devtype", loc.devtype), ("plan", plan_fp)),
             agreement.error_of(loc.err),
-            {"tiles": {d: tuple(v.shape) for d, v in shards.items()}, "opt": opt, "guess": guess})
+            {"tiles": {d: tuple(v.shape) for d, v in shards.items()}, "opt": opt, "guess": guess,
+             "desc": _desc(src, dst)})
         out = agreement.exchange(ctx.backend, meta, deadline)   # every process meets on the same backend
         if out.metas is None:               # the allreduce decided: all agree
             agreed = Agreed(tuple(loc.shape), loc.dtype, loc.itemsize, out.value("kind", "numpy"),
@@ -209,7 +210,7 @@ class PlannedCall:
             base.issued[("allreduce_check", be.name)] += 1
         else:
             try:
-                agreement.settle(out.metas, ctx.rank, loc.err, {"layouts": _describe_layouts(src, dst, out)})
+                agreement.settle(out.metas, ctx.rank, loc.err, {"layouts": lambda v, m: m.extra["desc"]})
                 agreed = _infer(out, src, ctx.rank, ctx.devices_per_process)
             except (ValueError, TypeError):
                 started = [m.get("backend") for m in out.metas if m.extra["opt"]]
@@ -229,12 +230,10 @@ class PlannedCall:
         return ex, agreed
 
 
-def _describe_layouts(src, dst, out):
-    mine = _layouts_fp(src, dst)
-
-    def fmt(v, meta):
-        return f"src={src} dst={dst}" if v == mine else f"layouts {v} (not this process's src={src} dst={dst})"
-    return fmt
+@memo(maxsize=1024)
+def _desc(src, dst) -> str:
+    """The layouts as a disagreement names them (repr: complete, unlike the short str)."""
+    return f"src={src!r} dst={dst!r}"
 
 
 def _infer(out, src, me, src_dpp) -> Agreed:
