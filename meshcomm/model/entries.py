@@ -24,28 +24,16 @@ import dataclasses
 import math
 from collections.abc import Iterable
 
+from ..bandwidth import BUS_FACTORS, bus_factor
+
 __all__ = ["CommEntry", "BUS_FACTOR", "bus_factor", "SIZE_BUCKETS", "size_bucket", "Totals",
            "Summary", "summary", "merge", "format_bytes", "table"]
 
-BUS_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "reduce": lambda n: 1.0,
-    "send": lambda n: 1.0,
-    "recv": lambda n: 0.0,
-}
-
-
-def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw / algbw for `op` over a group of `n` ranks (PERFORMANCE.md)."""
-    if op not in BUS_FACTOR:
-        raise ValueError(f"unknown op {op!r}: expected one of {', '.join(BUS_FACTOR)}")
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"group size of {op} must be a positive int, got {n!r}")
-    return BUS_FACTOR[op](n)
+# the one table (meshcomm.bandwidth), under the API's names as the model's entries use them
+BUS_FACTOR = {op: BUS_FACTORS[key] for op, key in (
+    ("all_reduce", "allreduce"), ("all_gather", "allgather"), ("reduce_scatter", "reduce_scatter"),
+    ("all_to_all", "alltoall"), ("broadcast", "bcast"), ("reduce", "reduce"), ("send", "send"),
+    ("recv", "recv"))}
 
 
 @dataclasses.dataclass(frozen=True)
