@@ -1,0 +1,162 @@
+"""Every collective, meshcomm on each backend beside mpi4py and torch.distributed called directly.
+
+    .venv/bin/mpiexec -n 8 .venv/bin/python benchmarks/collectives.py [--sizes 1K,16K,256K,4M,64M]
+                                                     [--reps 5] [--ops all_reduce,...] [--json out.json]
+
+One group: all processes (a 1-d mesh of one device per process). Per op and size, the
+implementations are timed interleaved within each round (same machine load for all):
+`mpi4py` (the MPI collective on a communicator of the group, blocking), `gloo`
+(torch.distributed on the default group), and `meshcomm[mpi|torch|mixed]` (the meshcomm call
+with that backend, default settings: the agreement check included). Time is the median over
+rounds of the slowest rank (meshcomm.tools.spmd.time_once: polite barriers). algbw and busbw
+as nccl-tests defines them (meshcomm.bandwidth): the size is the buffer for all_reduce,
+broadcast and reduce, the gathered output for all_gather and gather, the input for
+reduce_scatter and scatter, the send buffer for all_to_all. The last column is
+meshcomm[mixed] over the fastest direct call (>1: meshcomm faster).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import meshcomm as mc                                   # noqa: E402
+from meshcomm.bandwidth import algbw_busbw             # noqa: E402
+from meshcomm.tools.common import progress             # noqa: E402
+from meshcomm.tools.spmd import time_once              # noqa: E402
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather", "scatter")
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1], 1)
+    return int(float(s.rstrip("KMG")) * mult)
+
+
+def per_rank_elems(op: str, size: int, n: int) -> int:
+    """Elements of float32 each rank passes, for nccl-tests' size `size` (bytes)."""
+    total = max(size // 4, n)
+    if op in ("all_gather", "gather"):
+        return max(total // n, 1)
+    return (total // n) * n         # divisible by n (reduce_scatter, scatter, all_to_all)
+
+
+def impls(op, comm, x, n, rank, mesh):
+    """{name: zero-argument callable} for one op and per-rank input x."""
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+    t = torch.from_numpy(x)
+    k = x.size // n if x.size >= n else 0
+    out = {}
+    if op == "all_reduce":
+        out["mpi4py"] = lambda: comm.Allreduce(MPI.IN_PLACE, x.copy())
+        out["gloo"] = lambda: dist.all_reduce(t.clone())
+    elif op == "all_gather":
+        buf = np.empty(x.size * n, x.dtype)
+        tb = torch.empty(x.size * n)
+        out["mpi4py"] = lambda: comm.Allgather(x, buf)
+        out["gloo"] = lambda: dist.all_gather_into_tensor(tb, t)
+    elif op == "reduce_scatter":
+        buf = np.empty(k, x.dtype)
+        out["mpi4py"] = lambda: comm.Reduce_scatter_block(x, buf)
+        tb = torch.empty(k)
+        out["gloo"] = lambda: dist.reduce_scatter_tensor(tb, t)
+    elif op == "broadcast":
+        out["mpi4py"] = lambda: comm.Bcast(x.copy(), root=0)
+        out["gloo"] = lambda: dist.broadcast(t.clone(), src=0)
+    elif op == "reduce":
+        out["mpi4py"] = lambda: comm.Reduce(x, np.empty_like(x) if rank == 0 else None, root=0)
+        out["gloo"] = lambda: dist.reduce(t.clone(), dst=0)
+    elif op == "all_to_all":
+        buf = np.empty_like(x)
+        out["mpi4py"] = lambda: comm.Alltoall(x, buf)
+        tb = torch.empty_like(t)
+        out["gloo"] = lambda: dist.all_to_all_single(tb, t)
+    elif op == "gather":
+        buf = np.empty(x.size * n, x.dtype) if rank == 0 else None
+        out["mpi4py"] = lambda: comm.Gather(x, buf, root=0)
+        out["gloo"] = lambda: dist.gather(t, [torch.empty_like(t) for _ in range(n)] if rank == 0 else None, dst=0)
+    elif op == "scatter":
+        buf = np.empty(k, x.dtype)
+        out["mpi4py"] = lambda: comm.Scatter(x, buf, root=0)
+        tb = torch.empty(k)
+        out["gloo"] = lambda: dist.scatter(tb, list(t.chunk(n)) if rank == 0 else None, src=0)
+    fn = getattr(mc, op)
+    for b in ("mpi", "torch", "mixed"):
+        out[f"meshcomm[{b}]"] = (lambda b=b: fn(x, mesh, "x", backend=b))
+    return out
+
+
+def supported(name, op):
+    return not (name == "gloo" and op == "reduce_scatter" and not _gloo_has_rs())
+
+
+def _gloo_has_rs():
+    import torch
+    import torch.distributed as dist
+    try:
+        dist.reduce_scatter_tensor(torch.empty(1), torch.empty(dist.get_world_size()))
+        return True
+    except (RuntimeError, NotImplementedError, ValueError):
+        return False
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="1K,16K,256K,4M,64M")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    ctx = mc.init(backend="mixed")
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD.Dup()
+    n, rank = ctx.world_size, ctx.rank
+    mesh = mc.Mesh(np.arange(n), ("x",))
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    rows = []
+    todo = [(op, size) for op in args.ops.split(",") for size in sizes]
+    for op, size in progress(todo, desc="collectives", disable=rank != 0):
+        x = np.random.default_rng(rank).standard_normal(per_rank_elems(op, size, n)).astype(np.float32)
+        fns = {k: v for k, v in impls(op, comm, x, n, rank, mesh).items() if supported(k, op)}
+        times = {k: [] for k in fns}
+        for name, f in fns.items():             # warm-up (plans, groups, first-touch)
+            time_once(comm, f)
+        for _ in range(args.reps):
+            for name, f in fns.items():
+                times[name].append(time_once(comm, f)[0])
+        med = {k: statistics.median(v) for k, v in times.items()}
+        direct = min(med[k] for k in ("mpi4py", "gloo") if k in med)
+        for name, t in med.items():
+            algbw, busbw = algbw_busbw(op, size, n, t)
+            rows.append({"op": op, "bytes": size, "impl": name, "seconds": t, "algbw": algbw, "busbw": busbw,
+                         "vs_best_direct": direct / t})
+    if rank == 0:
+        print(f"{'op':15} {'size':>6} {'impl':16} {'time us':>10} {'algbw GB/s':>10} {'busbw GB/s':>10} {'vs best direct':>14}")
+        for r in rows:
+            print(f"{r['op']:15} {fmt(r['bytes']):>6} {r['impl']:16} {r['seconds'] * 1e6:10.1f} {r['algbw']:10.3f} "
+                  f"{r['busbw']:10.3f} {r['vs_best_direct']:13.2f}x")
+        mixed = [r["vs_best_direct"] for r in rows if r["impl"] == "meshcomm[mixed]"]
+        print(f"meshcomm[mixed] over the fastest direct call: min {min(mixed):.2f}x, "
+              f"geomean {float(np.exp(np.mean(np.log(mixed)))):.2f}x over {len(mixed)} op/size points")
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+    mc.finalize()
+
+
+def fmt(b: int) -> str:
+    for unit, k in (("M", 1 << 20), ("K", 1 << 10)):
+        if b >= k:
+            return f"{b // k}{unit}"
+    return str(b)
+
+
+if __name__ == "__main__":
+    main()
