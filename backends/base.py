@@ -3,7 +3,10 @@
 Every distributed backend implements `Backend`: non-blocking `isend`/`irecv(buf, peer, tag)`,
 `bcast(buf, root, ranks)` and `reduce(buf, root, ranks, op)` (op into the root), each returning
 a `Work`; `wait_all(works, deadline)`; `barrier`; a small object `allgather_obj` for
-metadata; and `prepare_groups(groups, deadline)`.
+metadata; and `prepare_groups(groups, deadline)`. Beside the executor, the native
+collectives (`allreduce`, `allgatherv`, `reduce_scatterv`, `alltoall`, `gatherv`, `scatterv`,
+`ibarrier`) run one MPI or torch.distributed collective on a cached group (mixing them across
+backends: the rule in backends/mixed.py).
 
 How a process runs a plan (`execute`):
 
@@ -150,6 +153,51 @@ class Backend:
     def bcast(self, buf, root: int, ranks: tuple[int, ...]) -> Work: raise NotImplementedError
     def reduce(self, buf, root: int, ranks: tuple[int, ...], op: str = "sum") -> Work: raise NotImplementedError
     def allgather_obj(self, obj, deadline: float | None) -> list: raise NotImplementedError
+
+    # -- native collectives: ONE collective call of the backend on the group `ranks` --------
+    # Only members call them, in the same order on every member. The group comes from the
+    # cache `prepare_groups` filled (collectively, beforehand). Buffers are 1-d contiguous
+    # arrays of the backend's `wire` kind; counts are elements of the buffer's dtype, one per
+    # member in group order (backends/collectives.py checks them). Each returns a Work that
+    # `wait_all` polls against the deadline; results are valid once it completes.
+
+    def allreduce(self, buf, op: str, ranks: tuple[int, ...]) -> Work:
+        """buf = op over the members' buf, in place on every member (op: sum, prod, min,
+        max; avg is not native: the caller sums and divides)."""
+        raise NotImplementedError
+
+    def allgatherv(self, sendbuf, recvbuf, counts, ranks: tuple[int, ...]) -> Work:
+        """recvbuf (sum(counts) elements, on every member) = the members' sendbufs (member i
+        gives counts[i] elements) laid end to end in group order."""
+        raise NotImplementedError
+
+    def reduce_scatterv(self, sendbuf, recvbuf, counts, op: str, ranks: tuple[int, ...]) -> Work:
+        """sendbuf (sum(counts) elements) is cut into blocks of `counts`; member i's recvbuf
+        (counts[i] elements) = op over the members of their block i."""
+        raise NotImplementedError
+
+    def alltoall(self, sendbuf, recvbuf, ranks: tuple[int, ...]) -> Work:
+        """Equal blocks: sendbuf and recvbuf hold n blocks of len/n elements (n members);
+        block j of member i's sendbuf becomes block i of member j's recvbuf."""
+        raise NotImplementedError
+
+    def gatherv(self, sendbuf, recvbuf, counts, root: int, ranks: tuple[int, ...]) -> Work:
+        """The root's recvbuf (sum(counts) elements) = the members' sendbufs (counts[i]
+        elements) in group order; recvbuf is ignored (may be None) on the other members."""
+        raise NotImplementedError
+
+    def scatterv(self, sendbuf, recvbuf, counts, root: int, ranks: tuple[int, ...]) -> Work:
+        """Member i's recvbuf (counts[i] elements) = block i of the root's sendbuf
+        (sum(counts) elements, blocks end to end); sendbuf is ignored (may be None) elsewhere."""
+        raise NotImplementedError
+
+    def ibarrier(self, ranks: tuple[int, ...]) -> Work:
+        """A barrier over the group, non-blocking: completes once every member entered it."""
+        raise NotImplementedError
+
+    def barrier_group(self, ranks: tuple[int, ...], deadline: float | None) -> None:
+        """`ibarrier` waited for: returns once every member arrived, else PeerTimeoutError."""
+        self.wait_all([self.ibarrier(ranks)], deadline)
 
     def allreduce_min(self, vec, deadline: float | None):
         """The elementwise minimum of an int64 NumPy vector over all ranks (the metadata

@@ -19,6 +19,8 @@
   must be initialised with at least MPI_THREAD_SERIALIZED (mpi4py asks for MULTIPLE).
 * Host buffers only: device data is staged through host memory by the executor (after a
   host sync); a CUDA-aware MPI path is left to the GPU work.
+* Native collectives (Iallreduce, Iallgatherv, ... on the same cached communicators):
+  backends/mpi_collectives.py.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import numpy as np
 from meshcomm.errors import PeerTimeoutError
 
 from .base import TAG_MOD, Backend, Work, backoff, wait_polling
+from .mpi_collectives import MPICollectives
 
 __all__ = ["MPIBackend"]
 
@@ -142,7 +145,7 @@ def timed_dup(comm, deadline):
     return new
 
 
-class MPIBackend(Backend):
+class MPIBackend(MPICollectives, Backend):
     name = "mpi"
     wire = "numpy"
 

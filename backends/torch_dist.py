@@ -13,6 +13,8 @@
 * Initialisation (`TorchBackend.create`): an existing default process group is reused;
   under torchrun, env:// rendezvous; under mpiexec, rank and world size come from MPI and
   rank 0 picks a free port and broadcasts MASTER_ADDR/MASTER_PORT.
+* Native collectives (all_reduce, all_gather_single, ... with async_op=True on the cached
+  groups; what gloo lacks is built from what it has): backends/torch_collectives.py.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from typing import Sequence
 from meshcomm.errors import PeerTimeoutError
 
 from .base import Backend, Work
+from .torch_collectives import TorchCollectives
 
 __all__ = ["TorchBackend", "under_mpi_launcher", "under_torchrun"]
 
@@ -62,7 +65,7 @@ class _TorchWork(Work):
         return self.work is not None and self.work.is_completed()
 
 
-class TorchBackend(Backend):
+class TorchBackend(TorchCollectives, Backend):
     name = "torch"
     wire = "torch"
 
@@ -211,6 +214,9 @@ class TorchBackend(Backend):
                     w.work.wait(timeout=_td(left))
             except Exception as e:              # gloo: timeouts and closed connections
                 raise self._timeout(w, e) from e
+            finish = getattr(w, "finish", None)     # native collectives: unpad (torch_collectives)
+            if finish is not None:
+                finish()
 
     def _timeout(self, w, e):
         t = f"{self.timeout:g}s" if self.timeout is not None else "the timeout"

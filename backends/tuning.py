@@ -3,7 +3,8 @@
 Format (JSON)::
 
     {"format": "meshcomm-tuning-v1",
-     "rules": [{"op": "send" | "bcast" | "reduce" | "alltoall",
+     "rules": [{"op": "send" | "bcast" | "reduce" | "alltoall" | "allreduce" | "allgather"
+                      | "reduce_scatter" | "gather" | "scatter",
                 "min_bytes": int, "max_bytes": int | null,
                 "min_group": int, "max_group": int | null,
                 "backend": "mpi" | "torch"}, ...],
@@ -13,9 +14,14 @@ A rule matches an operation when `op` is equal, `min_bytes <= nbytes <= max_byte
 `min_group <= group_size <= max_group` (both bounds inclusive; null means unbounded). A
 rule may also carry `"device": "cpu" | "cuda"` to match only tensors on that device kind
 (absent: any). The first matching rule wins; with no match the backend is "mpi".
-`group_size` counts processes: 2 for send/recv, the group for bcast/reduce, the world for
-alltoall. `measurements` is free-form data kept for reference (the tune suite puts its
-timings there).
+`group_size` counts processes: 2 for send/recv, the group of a collective (the world for
+all_to_all_v's exchange). `nbytes` is nccl-tests' size of the operation, the same on every
+member: the buffer (send, bcast, reduce, allreduce; alltoall: one member's send buffer) or
+the whole concatenation (allgather's output, reduce_scatter's input, gather's and scatter's
+root buffer). bcast and reduce rules serve both a plan's transfers and the native
+collectives; the other collectives are the backends' native calls (backends/base.py).
+`measurements` is free-form data kept for reference (the tune suite puts its timings there).
+`bus_factor(op, n)` is nccl-tests' busbw / algbw, the one table every report uses.
 
 Which table is used: the file named by the environment variable `MESHCOMM_TUNING`, else
 `default_table()` (MPI for CPU tensors, whose shared-memory transport beats gloo's TCP on
@@ -32,13 +38,42 @@ from typing import Any, Mapping, Sequence
 
 from meshcomm.caches import memo
 __all__ = ["FORMAT", "OPS", "BACKEND_NAMES", "Rule", "TuningTable", "load", "from_dict",
-           "default_table", "table_from_env", "save", "FALLBACK"]
+           "default_table", "table_from_env", "save", "FALLBACK", "BUS_FACTORS", "bus_factor"]
 
 FORMAT = "meshcomm-tuning-v1"
-OPS = ("send", "bcast", "reduce", "alltoall")
+OPS = ("send", "bcast", "reduce", "alltoall", "allreduce", "allgather", "reduce_scatter",
+       "gather", "scatter")
 BACKEND_NAMES = ("mpi", "torch")
 DEVICES = ("cpu", "cuda")
 FALLBACK = "mpi"
+
+# nccl-tests' PERFORMANCE.md: busbw = algbw * factor(n) for a group of n ranks. Keys are the
+# table's ops; `bus_factor` also takes the API's spellings (all_reduce, broadcast, ...).
+BUS_FACTORS = {
+    "allreduce": lambda n: 2 * (n - 1) / n,
+    "allgather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "alltoall": lambda n: (n - 1) / n,
+    "bcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "gather": lambda n: 1.0,
+    "scatter": lambda n: 1.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 0.0,      # a receive's bytes are its sender's wire bytes
+}
+_OP_ALIASES = {"all_reduce": "allreduce", "all_gather": "allgather", "all_to_all": "alltoall",
+               "broadcast": "bcast"}
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' busbw / algbw for `op` over a group of `n` ranks."""
+    key = _OP_ALIASES.get(op, op)
+    if key not in BUS_FACTORS:
+        raise ValueError(f"unknown op {op!r}: expected one of {', '.join(BUS_FACTORS)} "
+                         f"(or {', '.join(_OP_ALIASES)})")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"group size of {op} must be a positive int, got {n!r}")
+    return BUS_FACTORS[key](n)
 
 
 @dataclasses.dataclass(frozen=True)

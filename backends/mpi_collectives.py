@@ -1,0 +1,89 @@
+"""MPI's native collectives (MPIBackend's allreduce, allgatherv, ... ibarrier): one mpi4py
+non-blocking collective on the group's cached communicator, returned as a polled Work.
+
+Each primitive is the MPI call of the same name (Iallreduce, Iallgatherv, Ireduce_scatter,
+Ialltoall, Igatherv, Iscatterv, Ibarrier; reduce is MPIBackend.reduce's Ireduce). mpi4py
+takes the MPI datatype from the NumPy dtype (uint8 bytes, int32/64, float32/64, ...):
+counts are elements. bfloat16 has no MPI datatype (a NumPy array of ml_dtypes' bfloat16 is
+refused by mpi4py with a TypeError); reduce it on torch. Unlike broadcasts and reduces of a
+plan (backends/mpi.py), nothing here is turned into point-to-point messages on one host:
+these are what `meshcomm tune` measures as "the MPI collective".
+"""
+from __future__ import annotations
+
+from .collectives import check_counts, check_group, check_len, check_op, displs, member, others
+
+__all__ = ["MPICollectives", "mpi_op"]
+
+
+def mpi_op(op: str):
+    from mpi4py import MPI
+    return {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}[check_op(op)]
+
+
+class MPICollectives:
+    """Mixed into MPIBackend: needs `rank`, `_group(ranks)` (the cached communicator)."""
+
+    def _work(self, req, bufs, what, ranks):
+        from .mpi import _MPIWork
+        return _MPIWork(req, bufs, f"{what} in group {list(ranks)}", others(ranks, self.rank), self.rank)
+
+    def allreduce(self, buf, op, ranks):
+        from mpi4py import MPI
+        ranks = check_group(self.rank, ranks, "allreduce")
+        req = self._group(ranks).Iallreduce(MPI.IN_PLACE, buf, op=mpi_op(op))
+        return self._work(req, buf, "allreduce", ranks)
+
+    def allgatherv(self, sendbuf, recvbuf, counts, ranks):
+        ranks = check_group(self.rank, ranks, "allgatherv")
+        counts = check_counts(counts, ranks, "allgatherv")
+        check_len(sendbuf, counts[ranks.index(self.rank)], "allgatherv", "sendbuf")
+        check_len(recvbuf, sum(counts), "allgatherv", "recvbuf")
+        req = self._group(ranks).Iallgatherv(sendbuf, [recvbuf, (counts, displs(counts))])
+        return self._work(req, (sendbuf, recvbuf), "allgatherv", ranks)
+
+    def reduce_scatterv(self, sendbuf, recvbuf, counts, op, ranks):
+        ranks = check_group(self.rank, ranks, "reduce_scatterv")
+        counts = check_counts(counts, ranks, "reduce_scatterv")
+        check_len(sendbuf, sum(counts), "reduce_scatterv", "sendbuf")
+        check_len(recvbuf, counts[ranks.index(self.rank)], "reduce_scatterv", "recvbuf")
+        req = self._group(ranks).Ireduce_scatter(sendbuf, recvbuf, recvcounts=list(counts), op=mpi_op(op))
+        return self._work(req, (sendbuf, recvbuf), "reduce_scatterv", ranks)
+
+    def alltoall(self, sendbuf, recvbuf, ranks):
+        ranks = check_group(self.rank, ranks, "alltoall")
+        n = len(sendbuf)
+        if n % len(ranks):
+            raise ValueError(f"alltoall: sendbuf of {n} elements does not split into "
+                             f"{len(ranks)} equal blocks (group {list(ranks)})")
+        check_len(recvbuf, n, "alltoall", "recvbuf")
+        req = self._group(ranks).Ialltoall(sendbuf, recvbuf)
+        return self._work(req, (sendbuf, recvbuf), "alltoall", ranks)
+
+    def gatherv(self, sendbuf, recvbuf, counts, root, ranks):
+        ranks = check_group(self.rank, ranks, "gatherv")
+        counts = check_counts(counts, ranks, "gatherv")
+        i = member(ranks, root, "gatherv")
+        check_len(sendbuf, counts[ranks.index(self.rank)], "gatherv", "sendbuf")
+        spec = None
+        if self.rank == root:
+            check_len(recvbuf, sum(counts), "gatherv", "recvbuf")
+            spec = [recvbuf, (counts, displs(counts))]
+        req = self._group(ranks).Igatherv(sendbuf, spec, root=i)
+        return self._work(req, (sendbuf, recvbuf), "gatherv", ranks)
+
+    def scatterv(self, sendbuf, recvbuf, counts, root, ranks):
+        ranks = check_group(self.rank, ranks, "scatterv")
+        counts = check_counts(counts, ranks, "scatterv")
+        i = member(ranks, root, "scatterv")
+        check_len(recvbuf, counts[ranks.index(self.rank)], "scatterv", "recvbuf")
+        spec = None
+        if self.rank == root:
+            check_len(sendbuf, sum(counts), "scatterv", "sendbuf")
+            spec = [sendbuf, (counts, displs(counts))]
+        req = self._group(ranks).Iscatterv(spec, recvbuf, root=i)
+        return self._work(req, (sendbuf, recvbuf), "scatterv", ranks)
+
+    def ibarrier(self, ranks):
+        ranks = check_group(self.rank, ranks, "barrier")
+        return self._work(self._group(ranks).Ibarrier(), None, "barrier", ranks)

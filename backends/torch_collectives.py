@@ -1,0 +1,180 @@
+"""torch.distributed's native collectives (TorchBackend's allreduce, allgatherv, ... ibarrier):
+one `async_op=True` call on the group's cached process group, returned as a polled Work.
+
+What gloo (torch 2.13, CPU) takes, found by running each call, and what is built here:
+
+* all_reduce: sum, prod, min, max on every dtype (bfloat16 and float16 too).
+* allgatherv: equal counts are `all_gather_single` (`all_gather_into_tensor` before torch
+  2.13). gloo's `all_gather` refuses
+  uneven tensors ("invalid tensor size"), so uneven counts pad every block to the largest
+  count, gather n such blocks, and copy them out into recvbuf when the work completes.
+* reduce_scatterv: `all_reduce` of a copy of the input, then block i copied out when the
+  work completes. gloo's own `reduce_scatter` takes uneven blocks but returns a work whose
+  `is_completed()` never turns True (only a blocking `wait` ends it), so it cannot be
+  polled against a deadline nor waited for beside MPI work (MixedBackend.wait_all). The
+  all-reduce moves 2(n-1)/n of the buffer per rank where a reduce-scatter needs (n-1)/n.
+* alltoall: `all_to_all_single` (equal blocks).
+* gatherv / scatterv: equal counts are `gather` / `scatter` into / from views of the
+  buffer. gloo's gather and scatter refuse uneven tensors (the root fails alone and the
+  others hang), so uneven counts are one `all_to_all_single` whose only non-empty splits
+  go to (gather) or come from (scatter) the root: exact sizes, no padding.
+* barrier: `barrier(group, async_op=True)`. reduce: TorchBackend.reduce.
+
+A Work completes when torch's work does (`is_completed`); a work that completed with an
+error raises PeerTimeoutError from `test` (the polled path), as `TorchBackend.wait_all`
+does from `wait`. NCCL (CUDA tensors) takes the same calls.
+"""
+from __future__ import annotations
+
+from meshcomm.errors import PeerTimeoutError
+
+from .base import Work
+from .collectives import check_counts, check_group, check_len, check_op, displs, member, others
+
+__all__ = ["TorchCollectives", "CollWork"]
+
+
+class CollWork(Work):
+    """A torch work plus an optional `post` run once when it completed (unpadding)."""
+
+    __slots__ = ("work", "op", "peers", "buf", "post", "rank")
+
+    def __init__(self, op, peers, buf, work, rank, post=None):
+        self.op, self.peers, self.buf, self.work, self.rank, self.post = op, peers, buf, work, rank, post
+
+    def test(self) -> bool:
+        if not self.work.is_completed():
+            return False
+        self.finish()
+        return True
+
+    def finish(self) -> None:
+        """Raise the work's error, else run `post` (once). Called after completion."""
+        try:
+            self.work.wait()                # returns at once when done; raises its error
+        except Exception as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise PeerTimeoutError(f"rank {self.rank}: {self.op} with peer rank(s) {list(self.peers)} "
+                                   f"failed: {why}", self.peers, self.op) from e
+        post, self.post = self.post, None
+        if post is not None:
+            post()
+
+
+def _views(buf, counts):
+    """buf cut into 1-d views of `counts` elements."""
+    return [buf[a:a + c] for a, c in zip(displs(counts), counts)]
+
+
+class TorchCollectives:
+    """Mixed into TorchBackend: needs `dist`, `rank`, `flush()`, `_group(ranks)`."""
+
+    def _rop(self, op):
+        R = self.dist.ReduceOp
+        return {"sum": R.SUM, "prod": R.PRODUCT, "min": R.MIN, "max": R.MAX}[check_op(op)]
+
+    def _issue(self, what, ranks, bufs, call, post=None):
+        self.flush()                        # queued point-to-point first: keep the order
+        return CollWork(f"{what} in group {list(ranks)}", others(ranks, self.rank), bufs,
+                        call(self._group(ranks)), self.rank, post)
+
+    def _all_gather(self, out, inp, group, async_op):
+        f = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
+        return f(out, inp, group=group, async_op=async_op)
+
+    def allreduce(self, buf, op, ranks):
+        ranks = check_group(self.rank, ranks, "allreduce")
+        rop = self._rop(op)
+        return self._issue("allreduce", ranks, buf, lambda g: self.dist.all_reduce(
+            buf, op=rop, group=g, async_op=True))
+
+    def allgatherv(self, sendbuf, recvbuf, counts, ranks):
+        import torch
+        ranks = check_group(self.rank, ranks, "allgatherv")
+        counts = check_counts(counts, ranks, "allgatherv")
+        check_len(sendbuf, counts[ranks.index(self.rank)], "allgatherv", "sendbuf")
+        check_len(recvbuf, sum(counts), "allgatherv", "recvbuf")
+        m = max(counts)
+        if min(counts) == m:
+            return self._issue("allgatherv", ranks, (sendbuf, recvbuf), lambda g: self._all_gather(
+                recvbuf, sendbuf, group=g, async_op=True))
+        padded_in = torch.empty(m, dtype=sendbuf.dtype, device=sendbuf.device)
+        padded_in[:len(sendbuf)] = sendbuf
+        padded_out = torch.empty(m * len(ranks), dtype=recvbuf.dtype, device=recvbuf.device)
+
+        def post():
+            for i, (a, c) in enumerate(zip(displs(counts), counts)):
+                recvbuf[a:a + c] = padded_out[i * m:i * m + c]
+        return self._issue("allgatherv", ranks, (padded_in, padded_out, recvbuf),
+                           lambda g: self._all_gather(padded_out, padded_in, group=g,
+                                                                      async_op=True), post)
+
+    def reduce_scatterv(self, sendbuf, recvbuf, counts, op, ranks):
+        ranks = check_group(self.rank, ranks, "reduce_scatterv")
+        counts = check_counts(counts, ranks, "reduce_scatterv")
+        check_len(sendbuf, sum(counts), "reduce_scatterv", "sendbuf")
+        check_len(recvbuf, counts[ranks.index(self.rank)], "reduce_scatterv", "recvbuf")
+        rop, acc = self._rop(op), sendbuf.clone()
+        a, c = displs(counts)[ranks.index(self.rank)], counts[ranks.index(self.rank)]
+
+        def post():
+            recvbuf.copy_(acc[a:a + c])
+        return self._issue("reduce_scatterv", ranks, (acc, recvbuf), lambda g: self.dist.all_reduce(
+            acc, op=rop, group=g, async_op=True), post)
+
+    def alltoall(self, sendbuf, recvbuf, ranks):
+        ranks = check_group(self.rank, ranks, "alltoall")
+        n = len(sendbuf)
+        if n % len(ranks):
+            raise ValueError(f"alltoall: sendbuf of {n} elements does not split into "
+                             f"{len(ranks)} equal blocks (group {list(ranks)})")
+        check_len(recvbuf, n, "alltoall", "recvbuf")
+        return self._issue("alltoall", ranks, (sendbuf, recvbuf), lambda g: self.dist.all_to_all_single(
+            recvbuf, sendbuf, group=g, async_op=True))
+
+    def _rooted_a2a(self, what, sendbuf, recvbuf, counts, i, ranks, gather: bool):
+        """gatherv/scatterv of uneven counts as one all_to_all_single with the root's splits."""
+        me, root = ranks.index(self.rank), ranks[i]
+        none = [0] * len(ranks)
+        if gather:
+            ins = [counts[me] if j == i else 0 for j in range(len(ranks))]
+            outs = list(counts) if self.rank == root else none
+            out = recvbuf if self.rank == root else sendbuf.new_empty(0)
+            inp = sendbuf
+        else:
+            ins = list(counts) if self.rank == root else none
+            outs = [counts[me] if j == i else 0 for j in range(len(ranks))]
+            inp = sendbuf if self.rank == root else recvbuf.new_empty(0)
+            out = recvbuf
+        return self._issue(what, ranks, (sendbuf, recvbuf), lambda g: self.dist.all_to_all_single(
+            out, inp, output_split_sizes=outs, input_split_sizes=ins, group=g, async_op=True))
+
+    def gatherv(self, sendbuf, recvbuf, counts, root, ranks):
+        ranks = check_group(self.rank, ranks, "gatherv")
+        counts = check_counts(counts, ranks, "gatherv")
+        i = member(ranks, root, "gatherv")
+        check_len(sendbuf, counts[ranks.index(self.rank)], "gatherv", "sendbuf")
+        if self.rank == root:
+            check_len(recvbuf, sum(counts), "gatherv", "recvbuf")
+        if min(counts) != max(counts):
+            return self._rooted_a2a("gatherv", sendbuf, recvbuf, counts, i, ranks, gather=True)
+        lst = _views(recvbuf, counts) if self.rank == root else None
+        return self._issue("gatherv", ranks, (sendbuf, recvbuf), lambda g: self.dist.gather(
+            sendbuf, lst, dst=root, group=g, async_op=True))
+
+    def scatterv(self, sendbuf, recvbuf, counts, root, ranks):
+        ranks = check_group(self.rank, ranks, "scatterv")
+        counts = check_counts(counts, ranks, "scatterv")
+        i = member(ranks, root, "scatterv")
+        check_len(recvbuf, counts[ranks.index(self.rank)], "scatterv", "recvbuf")
+        if self.rank == root:
+            check_len(sendbuf, sum(counts), "scatterv", "sendbuf")
+        if min(counts) != max(counts):
+            return self._rooted_a2a("scatterv", sendbuf, recvbuf, counts, i, ranks, gather=False)
+        lst = _views(sendbuf, counts) if self.rank == root else None
+        return self._issue("scatterv", ranks, (sendbuf, recvbuf), lambda g: self.dist.scatter(
+            recvbuf, lst, src=root, group=g, async_op=True))
+
+    def ibarrier(self, ranks):
+        ranks = check_group(self.rank, ranks, "barrier")
+        return self._issue("barrier", ranks, None, lambda g: self.dist.barrier(group=g, async_op=True))
