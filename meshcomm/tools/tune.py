@@ -14,10 +14,20 @@ ones `reshard` issues:
   nccl-tests' sendrecv); busbw = algbw = SIZE / time.
 * ``bcast``: bcast() of SIZE bytes from rank 0 over the group; busbw = algbw.
 * ``reduce``: reduce() (sum) of SIZE bytes of float32 to rank 0; busbw = algbw.
-* ``alltoall``: every rank isend()s SIZE/n bytes to every other rank and irecv()s as much
-  from each (what meshcomm.all_to_all_v issues); busbw = algbw * (n-1)/n.
 
-(The definitions of nccl-tests' PERFORMANCE.md.) Group sizes for bcast and reduce default to
+and the backends' native collectives (one MPI / torch.distributed call each, backends/base.py),
+SIZE being nccl-tests' size (busbw factors: meshcomm.backends.tuning.bus_factor):
+
+* ``allreduce``: allreduce() (sum) of SIZE bytes of float32; busbw = algbw * 2(n-1)/n.
+* ``allgather``: allgatherv() of SIZE/n bytes per rank into SIZE; busbw = algbw * (n-1)/n.
+* ``reduce_scatter``: reduce_scatterv() (sum) of SIZE bytes of float32, SIZE/n to each
+  rank; busbw = algbw * (n-1)/n.
+* ``alltoall``: alltoall() of SIZE bytes per rank (SIZE/n to each); busbw = algbw * (n-1)/n.
+  (all_to_all_v's point-to-point exchange follows the same rule.)
+* ``gather`` / ``scatter``: gatherv() / scatterv() of SIZE bytes at rank 0, SIZE/n from / to
+  each rank; busbw = algbw.
+
+(The definitions of nccl-tests' PERFORMANCE.md.) Group sizes of the collectives default to
 the world; `--groups 2,4,8` measures groups of the first k ranks. The table printed on rank 0
 lists median time, algbw and busbw per backend and the faster one; the JSON written to
 `--out` (format meshcomm-tuning-v1, backends/tuning.py) has one rule per (op, size range,
@@ -34,11 +44,12 @@ import time
 
 import numpy as np
 
+from meshcomm.backends.tuning import OPS, bus_factor
+
 from .common import check_output, importable, progress, require
 
 __all__ = ["add_parser", "run", "parse_bytes", "derive_rules", "busbw_factor", "OPS"]
 
-OPS = ("send", "bcast", "reduce", "alltoall")
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20,
           "MIB": 2**20, "G": 2**30, "GB": 2**30, "GIB": 2**30}
 
@@ -80,8 +91,8 @@ def sizes_between(lo: int, hi: int) -> list[int]:
 
 
 def busbw_factor(op: str, n: int) -> float:
-    """nccl-tests: busbw = algbw * factor."""
-    return (n - 1) / n if op == "alltoall" else 1.0
+    """nccl-tests: busbw = algbw * factor (the table in meshcomm.backends.tuning)."""
+    return bus_factor(op, n)
 
 
 # -- the measurements ---------------------------------------------------------------------
@@ -126,20 +137,32 @@ class _Bench:
         elif op == "reduce":
             if me in group:
                 works.append(b.reduce(bufs["send"], group[0], group))
-        elif op == "alltoall":
-            tag = self.tag()
-            chunk = bufs["chunk"]
-            for k in range(1, n):
-                src, dst = (me - k) % n, (me + k) % n
-                works.append(b.irecv(bufs["recv"][src * chunk:(src + 1) * chunk], src, tag))
-                works.append(b.isend(bufs["send"][dst * chunk:(dst + 1) * chunk], dst, tag))
+        elif me in group:
+            works.append(self.native(op, group, bufs))
         b.wait_all(works, self.deadline())
 
-    def measure(self, op: str, nbytes: int, group: tuple[int, ...], warmup: int, trials: int):
-        n = self.n
+    def native(self, op: str, group: tuple[int, ...], bufs):
+        """One native collective over `group` (blocks of bufs["counts"] elements)."""
+        b, c, root = self.b, bufs["counts"], group[0]
+        if op == "allreduce":
+            return b.allreduce(bufs["whole"], "sum", group)
+        if op == "allgather":
+            return b.allgatherv(bufs["part"], bufs["whole"], c, group)
+        if op == "reduce_scatter":
+            return b.reduce_scatterv(bufs["whole"], bufs["part"], c, "sum", group)
         if op == "alltoall":
-            chunk = max(1, nbytes // n)
-            bufs = {"send": self.buf(chunk * n), "recv": self.buf(chunk * n), "chunk": chunk}
+            return b.alltoall(bufs["whole"], bufs["out"], group)
+        if op == "gather":
+            return b.gatherv(bufs["part"], bufs["whole"], c, root, group)
+        return b.scatterv(bufs["whole"], bufs["part"], c, root, group)
+
+    def measure(self, op: str, nbytes: int, group: tuple[int, ...], warmup: int, trials: int):
+        if op not in ("send", "bcast", "reduce"):       # native: SIZE/g per member
+            typed = op in ("allreduce", "reduce_scatter")
+            g, unit = len(group), 4 if typed else 1
+            e = max(1, nbytes // unit // g)
+            bufs = {"counts": [e] * g, "part": self.buf(e * unit, typed), "out": self.buf(e * g * unit, typed),
+                    "whole": self.buf(e * g * unit, typed)}
         elif op == "reduce":
             bufs = {"send": self.buf(nbytes, typed=True)}
         else:
@@ -173,7 +196,7 @@ def derive_rules(measurements: list[dict], device: str = "cpu") -> list[dict]:
     for op in OPS:
         groups = sorted(g for (o, g) in by if o == op)
         for gi, g in enumerate(groups):
-            if op in ("send", "alltoall"):
+            if op == "send":
                 gmin, gmax = 0, None
             else:
                 gmin = 0 if gi == 0 else groups[gi - 1] + 1
@@ -190,8 +213,8 @@ def derive_rules(measurements: list[dict], device: str = "cpu") -> list[dict]:
                         rule["device"] = device
                     rules.append(rule)
                     start = s + 1
-            if op in ("send", "alltoall"):
-                break           # one group size matters for these
+            if op == "send":
+                break           # one group size matters for it
     return rules
 
 
@@ -208,7 +231,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-bytes", default="64M", help="largest message (default 64M)")
     p.add_argument("--sizes", default="", help="explicit comma-separated sizes (overrides min/max)")
     p.add_argument("--groups", default="",
-                   help="group sizes for bcast/reduce, comma-separated (default: the world)")
+                   help="group sizes of the collectives, comma-separated (default: the world)")
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations per size (default 2)")
     p.add_argument("--trials", type=int, default=5, help="timed trials per size (median; default 5)")
     p.add_argument("--json-only", action="store_true", help="do not print the table")
@@ -276,7 +299,7 @@ def run(args) -> int:
     rank = ctx.rank
     configs = []
     for op in ops:
-        for g in (groups if op in ("bcast", "reduce") else [2] if op == "send" else [n]):
+        for g in ([2] if op == "send" else groups):
             for s in sizes:
                 configs.append((op, g, s))
     measurements = []
@@ -321,7 +344,7 @@ def format_table(measurements: list[dict], names: list[str], n: int) -> str:
     by = {}
     for m in measurements:
         by.setdefault((m["op"], m["group"], m["bytes"]), {})[m["backend"]] = m
-    head = f"{'op':<8s} {'group':>5s} {'size':>8s}"
+    head = f"{'op':<14s} {'group':>5s} {'size':>8s}"
     for nm in names:
         head += f" | {nm + ' us':>11s} {'algbw':>7s} {'busbw':>7s}"
     head += " | best"
@@ -330,7 +353,7 @@ def format_table(measurements: list[dict], names: list[str], n: int) -> str:
     lines.append("-" * len(head))
     for (op, g, s) in sorted(by, key=lambda k: (OPS.index(k[0]), k[1], k[2])):
         row = by[(op, g, s)]
-        line = f"{op:<8s} {g:>5d} {size_label(s):>8s}"
+        line = f"{op:<14s} {g:>5d} {size_label(s):>8s}"
         for nm in names:
             m = row.get(nm)
             if m is None:
