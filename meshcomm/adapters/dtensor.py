@@ -188,9 +188,15 @@ def reshard_dtensor(dt: DTensor, device_mesh, placements: Sequence[Placement], *
     shape = tuple(dt.shape)
     spec = getattr(dt, "_spec", None)
     order = getattr(spec, "shard_order", None) if spec is not None else None
-    src = layout_from_placements(dt.device_mesh, dt.placements, shape, devices_per_process=dpp,
-                                 shard_order=order)
-    dst = layout_from_placements(device_mesh, placements, shape, devices_per_process=dpp)
+    try:
+        src = layout_from_placements(dt.device_mesh, dt.placements, shape, devices_per_process=dpp,
+                                     shard_order=order)
+        dst = layout_from_placements(device_mesh, placements, shape, devices_per_process=dpp)
+    except (ValueError, TypeError) as e:
+        if ctx is None:
+            raise
+        from ..runtime.agreement import raise_together
+        raise_together(ctx, "reshard", e)       # the other ranks raise too, naming this one
     if ctx is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise RuntimeError("reshard_dtensor across processes needs meshcomm.init(backend=...) first")
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -203,8 +209,12 @@ def reshard_dtensor(dt: DTensor, device_mesh, placements: Sequence[Placement], *
         local = dt.to_local().detach()
         want = tuple(b - a for a, b in src.box(me, shape))
         if tuple(local.shape) != want:
-            raise ValueError(f"rank {rank}: local tensor of shape {tuple(local.shape)} but placements "
-                             f"{tuple(dt.placements)} give it {want} of global shape {shape}")
+            e = ValueError(f"rank {rank}: local tensor of shape {tuple(local.shape)} but placements "
+                           f"{tuple(dt.placements)} give it {want} of global shape {shape}")
+            if ctx is None:
+                raise e
+            from ..runtime.agreement import raise_together
+            raise_together(ctx, "reshard", e)
         x[me] = local.contiguous()
     # Without meshcomm.init (a one-rank world) this process owns every device.
     res = api.reshard(x, src, dst, shape=shape, dtype=dt.dtype, backend=backend, async_op=async_op)

@@ -26,7 +26,7 @@ import numpy as np
 from .. import settings
 from ..caches import memo
 
-__all__ = ["Meta", "Outcome", "exchange", "settle", "check_mode", "error_of", "LABELS"]
+__all__ = ["Meta", "Outcome", "exchange", "settle", "check_mode", "error_of", "raise_together", "LABELS"]
 
 LABELS = {
     "op": "the operation", "layouts": "the src/dst layouts", "mesh": "the mesh", "axes": "the mesh axes",
@@ -178,3 +178,18 @@ def _vector(fields: tuple, eligible: bool) -> np.ndarray:
 def _decided(out: list) -> bool:
     lo, neg_hi = out[1:1 + MAX_FIELDS], out[1 + MAX_FIELDS:]
     return out[0] == 0 and all(a == -b or a == _NONE for a, b in zip(lo, neg_hi))
+
+
+def raise_together(ctx, op: str, err: BaseException):
+    """A local error found before a call could even be formed (an adapter's bad placement):
+    this process takes part in the agreement exchange the others are in, so every process
+    raises at once (the others a ValueError naming this rank) instead of waiting out the
+    timeout. Raises `err` here."""
+    import time
+    meta = Meta(op, (("op", op),), error_of(err))
+
+    def go():
+        out = exchange(ctx.backend, meta, time.monotonic() + ctx.timeout, eligible=False)
+        settle(out.metas, ctx.rank, err)
+    ctx.run(go, False)()
+    raise err

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .. import arrays
+from ..backends import codec_cost
 from ..collectives.layouts import groups, problem
 from ..handle import Handle
 from ..validate import native_byte_order
@@ -22,7 +23,7 @@ from . import agreement
 from .agreement import Meta
 from .reshard_call import Local, PlannedCall
 
-__all__ = ["Request", "run", "tiles_of"]
+__all__ = ["Request", "run", "tiles_of", "coded_dims"]
 
 _ROOTED = ("broadcast", "scatter")          # only the root's tile carries data
 _GATHERS = ("all_gather", "gather")         # tiles may differ along `dim`
@@ -40,6 +41,7 @@ class Request:
     reduce_op: str = "sum"
     split_dim: int = 0
     concat_dim: int = 0
+    compression: Any = None         # the compression= argument (all_gather, reduce_scatter, all_reduce)
 
     @property
     def params(self) -> tuple:
@@ -179,6 +181,7 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
         if owned:
             tiles, bare = tiles_of(req, x, owned, f"rank {ctx.rank}")
             facts = local_facts(req, tiles)
+            codec_cost.check(req.compression, (facts["dtype"] or (None,))[0], facts["devtype"], req.op)
         elif x is not None and not (isinstance(x, Mapping) and not x):
             raise ValueError(f"{req.op}: rank {ctx.rank} owns no device of the mesh {req.mesh} but passed "
                              "a tile; pass None (or an empty dict)")
@@ -200,7 +203,7 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
         meta = Meta(req.op, (
             ("op", req.op), ("mesh", repr(req.mesh)), ("axes", req.axes), ("params", req.params),
             ("backend", getattr(be, "signature", be.name)), ("dtype", dt), ("kind", kind),
-            ("devtype", devtype), ("tile", _masked(req, tile))),
+            ("devtype", devtype), ("tile", _masked(req, tile)), ("codec", codec_cost.agreement_key(req.compression))),
             agreement.error_of(err), {"tiles": {d: tuple(v.shape) for d, v in tiles.items()}})
         # Always agreed (MESHCOMM_CHECK does not apply): a process without a tile of the mesh
         # still takes part in creating the plan's groups, so it must learn shape and dtype.
@@ -211,7 +214,7 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
                              {"mesh": lambda v, m: v, "params": lambda v, m: _params_str(req.op, v)})
             shapes = {}
             for m in out.metas:
-                shapes.update(m.extra["tiles"])
+                shapes.update(m.extra.get("tiles", {}))
             if tile is None:
                 tile = _any_tile(out.metas)
             dt = out.value("dtype")
@@ -222,7 +225,8 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
         src_devs = set(prob.src.mesh.device_ids)
         shards = {d: prob.in_tile(v) for d, v in tiles.items() if d in src_devs}
         loc = Local(kind=kind, devtype=devtype)
-        call = PlannedCall(ctx, be, prob.src, prob.dst, shards, prob.shape, dt[0], loc, False, (fence,))
+        call = PlannedCall(ctx, be, prob.src, prob.dst, shards, prob.shape, dt[0], loc, False, (fence,),
+                           compression=req.compression, strip=coded_dims(req, prob))
         res, done, _ = call.run()
         return res, done, kind, prob
 
@@ -245,10 +249,18 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
     return finish()
 
 
+def coded_dims(req: Request, prob) -> int:
+    """The leading dimensions of the logical tensor a codec leaves out: the group dimensions
+    in front of the tiles (so each tile is coded in its own shape)."""
+    if req.compression is None:
+        return 0
+    return len(prob.shape) - len(prob.out_shapes[0][1])
+
+
 def _any_tile(metas):
     """The tile shape from a process that has one (rooted ops: the root's)."""
     for m in metas:
-        for t in m.extra["tiles"].values():
+        for t in m.extra.get("tiles", {}).values():
             return tuple(t)
     return None
 

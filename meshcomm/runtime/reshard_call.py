@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .. import arrays, settings
+from ..backends import codec_cost
 from .. import log as _log
 from ..caches import memo
 from ..handle import Handle
@@ -49,7 +50,7 @@ class Agreed:
     devtype: str
 
 
-def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=False):
+def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=False, compression=None):
     from meshcomm.backends import streams
     stamp = _log.stamp(async_op) if _log.ON else None
     check_layouts(src, dst)
@@ -83,6 +84,7 @@ def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=
             loc.kind = arrays.kind_of(first)
             dev = streams.device_of(first)
             loc.devtype = dev.type if dev is not None else "cpu"
+        codec_cost.check(compression, loc.dtype, loc.devtype, "reshard")
     except (ValueError, TypeError) as e:
         loc.err = e
     need_exchange = settings.get("CHECK") or shape is None or dtype is None
@@ -97,7 +99,8 @@ def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=
             fences[dev] = streams.fence_from_current(dev)
     if not fences:
         fences[None] = streams.fence_from_current(None)
-    call = PlannedCall(ctx, be, src, dst, shards, shape, dtype, loc, need_exchange, tuple(fences.values()), stamp)
+    call = PlannedCall(ctx, be, src, dst, shards, shape, dtype, loc, need_exchange, tuple(fences.values()), stamp,
+                       compression=compression)
     result = ctx.run(call.run, async_op)
 
     def finish():
@@ -130,9 +133,12 @@ class PlannedCall:
     fences: tuple
     stamp: Any = None       # meshcomm.log: set when logging (the call's issue time and tag)
     log_as: Any = None      # meshcomm.log: fields overriding the record's (a collective's op)
+    compression: Any = None  # the compression= argument, resolved with the plan (backends/codec_cost.py)
+    strip: int = 0          # leading dims the codec leaves out (a collective's group dims)
 
     def run(self):
         from meshcomm.backends import base
+        from meshcomm.backends import compressed as coded
         t_run = time.time() if self.stamp is not None else None
         if "torch" in sys.modules:      # if another thread is importing torch, wait for it
             import torch  # noqa: F401
@@ -157,9 +163,16 @@ class PlannedCall:
             p = plan(agreed.shape, agreed.dtype, src, dst)
             like = next(iter(shards.values())) if shards else empty_like(agreed.kind, agreed.dtype,
                                                                          agreed.devtype)
-            ex = base.Execution(p, shards, like, device_kind=agreed.devtype or "cpu", **run_kw)
+            comp = None if self.compression is None else codec_cost.resolve(
+                self.compression, p, backend=be, world=ctx.world_size,
+                devices_per_process=ctx.devices_per_process, strip=self.strip)
+            ex = base.Execution(p, shards, like, device_kind=agreed.devtype or "cpu", compression=comp, **run_kw)
             ex.prepare(deadline)
+        wire0 = (coded.stats["sent_bytes"], coded.stats["recv_bytes"])
         out, done = ex.finish(deadline)
+        if ex.compression is not None and self.stamp is not None:   # meshcomm.log: the payload's bytes
+            self.log_as = dict(self.log_as or {}, sent_bytes=coded.stats["sent_bytes"] - wire0[0],
+                               recv_bytes=coded.stats["recv_bytes"] - wire0[1], codec=str(ex.compression))
         if self.stamp is not None:
             _log.record_reshard(self.stamp, rank=ctx.rank, dpp=ctx.devices_per_process, backend=be.name,
                                 plan=ex.plan, collective_reduce=ex.coll, shards=shards, out=out,
@@ -176,12 +189,12 @@ class PlannedCall:
         if loc.err is None and loc.shape is not None and loc.dtype is not None:
             p = plan(loc.shape, loc.dtype, src, dst)
             plan_fp = p.fingerprint
-            if _optimistic(be) and shards:
+            if _optimistic(be) and shards and self.compression is None:
                 # Start the first stage now, before the exchange confirms the plan (its
                 # messages travel while the metadata does); undone below on disagreement.
                 ex = base.Execution(p, shards, next(iter(shards.values())),
                                     device_kind=loc.devtype or "cpu", **run_kw)
-        elif loc.err is None and not shards and _optimistic(be) and key in ctx.agreed:
+        elif loc.err is None and not shards and _optimistic(be) and key in ctx.agreed and self.compression is None:
             # No src tile here: guess what the last call with these layouts agreed on.
             g = ctx.agreed[key]
             if (loc.shape is None or loc.shape == g.shape) and (loc.dtype is None or loc.dtype == g.dtype):
@@ -199,7 +212,8 @@ class PlannedCall:
             ("op", "reshard"), ("layouts", _layouts_fp(src, dst)),
             ("backend", getattr(be, "signature", be.name)), ("shape", loc.shape),
             ("dtype", None if loc.dtype is None else (loc.dtype, loc.itemsize)),
-            ("kind", loc.kind), ("devtype", loc.devtype), ("plan", plan_fp)),
+            ("kind", loc.kind), ("devtype", loc.devtype), ("plan", plan_fp),
+            ("codec", codec_cost.agreement_key(self.compression))),
             agreement.error_of(loc.err),
             {"tiles": {d: tuple(v.shape) for d, v in shards.items()}, "opt": opt, "guess": guess,
              "desc": _desc(src, dst)})
@@ -210,19 +224,19 @@ class PlannedCall:
             base.issued[("allreduce_check", be.name)] += 1
         else:
             try:
-                agreement.settle(out.metas, ctx.rank, loc.err, {"layouts": lambda v, m: m.extra["desc"]})
+                agreement.settle(out.metas, ctx.rank, loc.err, {"layouts": lambda v, m: m.extra.get("desc", v)})
                 agreed = _infer(out, src, ctx.rank, ctx.devices_per_process)
             except (ValueError, TypeError):
-                started = [m.get("backend") for m in out.metas if m.extra["opt"]]
+                started = [m.get("backend") for m in out.metas if m.extra.get("opt")]
                 if started:                     # every process sees this: all reset together
                     _abort(ex)
                     ctx.reset_started(b.split(":")[0] for b in started)
                 raise
             fp = (plan(agreed.shape, agreed.dtype, src, dst).fingerprint, agreed.kind, agreed.devtype)
-            if any(m.extra["guess"] is not None and tuple(m.extra["guess"]) != fp for m in out.metas):
+            if any(m.extra.get("guess") is not None and tuple(m.extra.get("guess")) != fp for m in out.metas):
                 _abort(ex)                      # a wrong guess somewhere: all start over
                 ctx.reset_started(b.split(":")[0] for b in
-                                  [m.get("backend") for m in out.metas if m.extra["opt"]])
+                                  [m.get("backend") for m in out.metas if m.extra.get("opt")])
                 ex = None
         if len(ctx.agreed) > 256:
             ctx.agreed.clear()
@@ -241,7 +255,7 @@ def _infer(out, src, me, src_dpp) -> Agreed:
     metas = out.metas
     tiles = {}
     for m in metas:
-        tiles.update(m.extra["tiles"])
+        tiles.update(m.extra.get("tiles", {}))
     shape = out.value("shape")
     if shape is None:
         shape = infer_shape(src, tiles, owner=lambda d: d // src_dpp)
@@ -253,7 +267,7 @@ def _infer(out, src, me, src_dpp) -> Agreed:
         raise ValueError("no process holds a src tile, so the dtype is unknown; pass dtype=")
     tiling = src.tiles(tuple(shape))
     for r, m in enumerate(metas):
-        check_tile_shapes(m.extra["tiles"], tiling, "src", rank=r)
+        check_tile_shapes(m.extra.get("tiles", {}), tiling, "src", rank=r)
     return Agreed(tuple(shape), dt[0], dt[1], out.value("kind", "numpy"), out.value("devtype", "cpu"))
 
 

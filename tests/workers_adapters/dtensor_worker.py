@@ -210,6 +210,22 @@ def main():
     done += 2
     done += order_cases()
     assert gathered >= 10, gathered
+    # one rank passes an invalid placement: every rank raises within seconds, naming it
+    import time
+    bad = dist.get_world_size() - 1
+    g = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    dt, _ = make_dtensor(g, MESHES["lo"], [Shard(0)], 0)
+    t0 = time.monotonic()
+    try:
+        reshard_dtensor(dt, MESHES["hi"], [Shard(5)] if rank == bad else [Shard(1)])
+    except (ValueError, TypeError) as e:
+        assert rank == bad or f"rank {bad}" in str(e), str(e)
+        assert time.monotonic() - t0 < 15, time.monotonic() - t0
+    else:
+        raise AssertionError("an invalid placement on one rank was not refused")
+    y = reshard_dtensor(dt, MESHES["hi"], [Shard(1)])       # the next call works
+    check(y, g, MESHES["hi"], [Shard(1)], "after a refused placement")
+    done += 1
     dist.barrier()
     print(f"DTENSOR OK {rank} {done}", flush=True)
     mc.finalize()
