@@ -67,7 +67,7 @@ from . import streams
 from .pack import pack, unpack
 
 from meshcomm.caches import memo
-__all__ = ["Work", "DoneWork", "Backend", "Step", "compile_steps", "groups_needed", "execute",
+__all__ = ["Work", "DoneWork", "Backend", "Step", "compile_steps", "wire_bytes", "groups_needed", "execute",
            "wait_polling", "backoff", "issued", "to_wire", "empty_wire", "from_wire", "TAG_MOD"]
 
 TAG_MOD = 32768   # the MPI standard guarantees tags up to 32767
@@ -378,6 +378,35 @@ def _all_steps(plan, devices_per_process: int, collective_reduce: bool) -> tuple
 def compile_steps(plan, rank: int, devices_per_process: int, collective_reduce: bool) -> tuple[Step, ...]:
     """The steps `rank` takes part in, in global order."""
     return tuple(s for s in _all_steps(plan, devices_per_process, collective_reduce) if rank in s.ranks)
+
+
+@memo(maxsize=256)
+def wire_bytes(plan, rank: int, devices_per_process: int, collective_reduce: bool) -> tuple[int, int]:
+    """(sent, received): bytes `rank` puts on / takes off the wire in its steps of `plan`, by
+    meshcomm.log's convention (summed over ranks, sent == received): p2p and bcast, the
+    root sends nbytes to each other member; gather, each contributor sends nbytes per src
+    device it holds; reduce, each non-root member sends nbytes; receivers count what is
+    sent to them; local steps count nothing."""
+    sent = recv = 0
+    for s in compile_steps(plan, rank, devices_per_process, collective_reduce):
+        if s.prim == "local":
+            continue
+        if s.prim == "gather":
+            srcs = [d // devices_per_process for d in plan.transfers[s.index].srcs]
+            if rank == s.root:
+                recv += s.nbytes * sum(1 for q in srcs if q != rank)
+            else:
+                sent += s.nbytes * srcs.count(rank)
+        elif s.prim == "reduce":
+            if rank == s.root:
+                recv += s.nbytes * (len(s.ranks) - 1)
+            else:
+                sent += s.nbytes
+        elif rank == s.root:                # p2p, bcast
+            sent += s.nbytes * (len(s.ranks) - 1)
+        else:
+            recv += s.nbytes
+    return sent, recv
 
 
 def groups_needed(plan, devices_per_process: int, collective_reduce: bool,

@@ -37,12 +37,18 @@ def base_parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--backend", default=None, help="mpi | torch | mixed (default: torch on GPU, else mpi)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tol", type=float, default=1e-4, help="largest allowed difference in --check")
+    p.add_argument("--log", metavar="DIR", default=None,
+                   help="log every meshcomm call to DIR/rank<r>.jsonl (meshcomm.log); at the end rank 0 "
+                        "prints the log against meshcomm.model (calls and bytes per phase)")
     return p
 
 
-def setup(backend: str | None):
-    """(rank, world, torch device). Initialises meshcomm when started by a launcher."""
+def setup(backend: str | None, log: str | None = None):
+    """(rank, world, torch device). Initialises meshcomm when started by a launcher; with
+    `log`, starts meshcomm.log first (init then measures the ranks' clock offsets)."""
     torch.set_num_threads(1)
+    if log:
+        mc.log.start(log)
     cuda = torch.cuda.is_available()
     world = launched_size()
     rank = 0
@@ -182,9 +188,34 @@ def report(name: str, rank: int, samples: int, step_times: list[float], comm_s: 
           flush=True)
 
 
-def finish_check(name: str, diffs: dict[str, float], mesh: mc.Mesh, rank: int, tol: float) -> None:
-    """Print the largest difference from the single-process reference; exit 1 beyond tol."""
-    worst = max_over(list(diffs.values()), mesh, rank)
+def finish_log(example: str, args, rank: int, world: int) -> bool:
+    """With --log: stop the log, wait until every rank has written its file, and on rank 0
+    print the logged calls and bytes per phase against meshcomm.model.for_example (the
+    example's flags, times --steps). Returns whether they match (True without --log and on
+    other ranks). Runs before --check, whose comparison the model does not count."""
+    if not args.log:
+        return True
+    mc.log.stop()
+    ctx = mc.runtime.current()
+    if ctx is not None:
+        ctx.backend.barrier(time.monotonic() + ctx.timeout)
+    if rank != 0:
+        return True
+    from meshcomm.model.examples import DEFAULTS
+    from meshcomm.tools.log_cmd import read
+    from meshcomm.tools.log_compare import compare
+    flags = {k: getattr(args, k) for k in DEFAULTS[example] if k != "world"}
+    cmp = compare(read(args.log).records, example, steps=args.steps, world=world, **flags)
+    print(cmp.text(), flush=True)
+    return cmp.ok
+
+
+def finish_check(name: str, diffs: dict[str, float], mesh: mc.Mesh, rank: int, tol: float,
+                 log_ok: bool = True) -> None:
+    """Print the largest difference from the single-process reference; exit 1 beyond tol
+    (or when `log_ok` is False: the log did not match the model)."""
+    with mc.log.tag("check"):
+        worst = max_over(list(diffs.values()), mesh, rank)
     mine = max(diffs.values(), default=0.0)
     if mine > tol:
         what = max(diffs, key=diffs.get)
@@ -193,7 +224,7 @@ def finish_check(name: str, diffs: dict[str, float], mesh: mc.Mesh, rank: int, t
         ok = worst <= tol
         print(f"[{name}] check: largest difference vs single process {worst:.3g} "
               f"(tolerance {tol:g}) {'OK' if ok else 'FAILED'}", flush=True)
-    sys.exit(0 if mine <= tol and (rank != 0 or worst <= tol) else 1)
+    sys.exit(0 if mine <= tol and (rank != 0 or worst <= tol) and log_ok else 1)
 
 
 def maxdiff(a, b) -> float:

@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import meshcomm as mc  # noqa: E402
-from _common import (STATS, allreduce_, base_parser, finish_check, maxdiff, report, sent_bytes,  # noqa: E402
-                     setup, sync)
+from _common import (STATS, allreduce_, base_parser, finish_check, finish_log, maxdiff, report,  # noqa: E402
+                     sent_bytes, setup, sync)
 
 
 def mlp(sizes, g):
@@ -77,7 +77,7 @@ def main():
     p.add_argument("--rows", type=int, default=100, help="rows per table")
     p.add_argument("--d", type=int, default=8)
     a = p.parse_args()
-    rank, world, dev = setup(a.backend)
+    rank, world, dev = setup(a.backend, a.log)
     widths = [int(w) for w in a.widths.split(",")]
     if a.batch % world or any(w % a.d for w in widths):
         raise SystemExit("--batch must be divisible by the ranks and every width by --d")
@@ -107,8 +107,9 @@ def main():
         emb_local = model.lookup(idx.to(dev))                       # [batch, my widths]
         # start the exchange, run the bottom MLP while it is in flight
         t_c = time.perf_counter()
-        h = mc.reshard({rank: emb_local.detach()}, feat_sharded, batch_sharded,
-                       shape=emb_shape, dtype=emb_local.dtype, async_op=True)
+        with mc.log.tag("emb.fwd"):
+            h = mc.reshard({rank: emb_local.detach()}, feat_sharded, batch_sharded,
+                           shape=emb_shape, dtype=emb_local.dtype, async_op=True)
         STATS.seconds += time.perf_counter() - t_c
         dense_out = model.bottom(dense[mine].to(dev))
         with STATS.timed(sent_bytes(emb_shape, emb_local.dtype, feat_sharded, batch_sharded, rank)):
@@ -118,11 +119,13 @@ def main():
         loss.backward()
         # embedding gradients go back the reverse way, overlapping the MLP all-reduce
         t_c = time.perf_counter()
-        hg = mc.reshard({rank: emb.grad}, batch_sharded, feat_sharded, shape=emb_shape,
-                        dtype=emb.dtype, async_op=True)
+        with mc.log.tag("emb.bwd"):
+            hg = mc.reshard({rank: emb.grad}, batch_sharded, feat_sharded, shape=emb_shape,
+                            dtype=emb.dtype, async_op=True)
         STATS.seconds += time.perf_counter() - t_c
         total = loss.detach().reshape(1)
-        allreduce_([q.grad for q in mlps] + [total], mesh, rank)   # data-parallel MLPs
+        with mc.log.tag("dp.grad"):
+            allreduce_([q.grad for q in mlps] + [total], mesh, rank)   # data-parallel MLPs
         with STATS.timed(sent_bytes(emb_shape, emb.dtype, batch_sharded, feat_sharded, rank)):
             g_local = hg.wait()[rank]
         if emb_local.requires_grad:                                # ranks without tables skip this
@@ -138,6 +141,7 @@ def main():
         if rank == 0:
             print(f"step {step} loss {losses[-1]:.6f}", flush=True)
     report("dlrm", rank, a.batch, times, comm_s, comm_b)
+    log_ok = finish_log("dlrm", a, rank, world)
     if a.check:
         ref = DLRM(**cfg, tables=range(len(widths))).to(dev)      # every table in one process
         ropt = torch.optim.SGD(ref.parameters(), lr=0.05)
@@ -156,7 +160,8 @@ def main():
                         want = rp[n].grad
                     diffs[f"grad {n}"] = maxdiff(grads[n], want)
             ropt.step()
-        finish_check("dlrm", diffs, mesh, rank, a.tol)
+        finish_check("dlrm", diffs, mesh, rank, a.tol, log_ok)
+    sys.exit(0 if log_ok else 1)
 
 
 if __name__ == "__main__":

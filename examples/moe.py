@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import meshcomm as mc  # noqa: E402
-from _common import (STATS, allreduce_, base_parser, finish_check, maxdiff, report,  # noqa: E402
+from _common import (STATS, allreduce_, base_parser, finish_check, finish_log, maxdiff, report,  # noqa: E402
                      setup, sync)
 
 
@@ -32,12 +32,14 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, send, recv, mesh, rank):
         ctx.meta = (send, recv, mesh, rank)
-        return _a2a(x, send, recv, mesh, rank)
+        with mc.log.tag("ep.fwd"):
+            return _a2a(x, send, recv, mesh, rank)
 
     @staticmethod
     def backward(ctx, g):
         send, recv, mesh, rank = ctx.meta
-        return _a2a(g.contiguous(), recv, send, mesh, rank), None, None, None, None
+        with mc.log.tag("ep.bwd"):
+            return _a2a(g.contiguous(), recv, send, mesh, rank), None, None, None, None
 
 
 def _a2a(x, send, recv, mesh, rank):
@@ -86,10 +88,12 @@ class MoELayer(torch.nn.Module):
         rows = u[tok]
         if self.world > 1:
             # counts first (tiny), then the token rows and their expert ids with known counts
-            recv = mc.all_to_all_v({self.rank: torch.tensor(send)[:, None]}, {self.rank: [1] * self.world},
-                                   self.mesh, "ep")[self.rank].reshape(-1).tolist()
+            with mc.log.tag("ep.counts"):
+                recv = mc.all_to_all_v({self.rank: torch.tensor(send)[:, None]}, {self.rank: [1] * self.world},
+                                       self.mesh, "ep")[self.rank].reshape(-1).tolist()
             rows = AllToAll.apply(rows, send, recv, self.mesh, self.rank)
-            eid = _a2a(e_sorted[:, None], send, recv, self.mesh, self.rank).reshape(-1)
+            with mc.log.tag("ep.ids"):
+                eid = _a2a(e_sorted[:, None], send, recv, self.mesh, self.rank).reshape(-1)
         else:
             eid = e_sorted
         out = torch.zeros_like(rows)
@@ -115,7 +119,7 @@ def main():
     p.add_argument("--experts-per-rank", type=int, default=2)
     p.add_argument("--top-k", type=int, default=2)
     a = p.parse_args()
-    rank, world, dev = setup(a.backend)
+    rank, world, dev = setup(a.backend, a.log)
     if a.batch % world:
         raise SystemExit(f"--batch {a.batch} must be divisible by the {world} ranks")
     experts = a.experts_per_rank * world
@@ -138,7 +142,8 @@ def main():
         loss.backward()
         reps = model.replicated_params()
         total = loss.detach().reshape(1)
-        allreduce_([q.grad for q in reps] + [total], model.mesh, rank)   # data-parallel grads
+        with mc.log.tag("dp.grad"):
+            allreduce_([q.grad for q in reps] + [total], model.mesh, rank)   # data-parallel grads
         if a.check and step == a.steps - 1:
             grads = {n: q.grad.clone() for n, q in model.named_parameters()}
         opt.step()
@@ -150,6 +155,7 @@ def main():
         if rank == 0:
             print(f"step {step} loss {losses[-1]:.6f}", flush=True)
     report("moe", rank, a.batch, times, comm_s, comm_b)
+    log_ok = finish_log("moe", a, rank, world)
     if a.check:
         ref = MoELayer(**cfg).to(dev)                          # every expert in one process
         ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -165,7 +171,8 @@ def main():
                         if n in ("w1", "w2") else q.grad
                     diffs[f"grad {n}"] = maxdiff(grads[n], want)
             ropt.step()
-        finish_check("moe", diffs, model.mesh, rank, a.tol)
+        finish_check("moe", diffs, model.mesh, rank, a.tol, log_ok)
+    sys.exit(0 if log_ok else 1)
 
 
 if __name__ == "__main__":

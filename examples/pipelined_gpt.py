@@ -35,8 +35,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("MESHCOMM_CHECK", "0")   # shapes are known: skip the per-call metadata check
 import meshcomm as mc  # noqa: E402
-from _common import (STATS, base_parser, finish_check, maxdiff, prepare_groups, report,  # noqa: E402
-                     sent_bytes, setup, sync)
+from _common import (STATS, base_parser, finish_check, finish_log, maxdiff, prepare_groups,  # noqa: E402
+                     report, sent_bytes, setup, sync)
 
 # -- the model: full weights, and each tensor-parallel rank's slice of them --------------------
 
@@ -88,13 +88,15 @@ class _Copy(torch.autograd.Function):        # Megatron's f: identity, all-reduc
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.tp.allreduce(g), None
+        with mc.log.tag("tp.bwd"):
+            return ctx.tp.allreduce(g), None
 
 
 class _Reduce(torch.autograd.Function):      # Megatron's g: all-reduce, identity gradient
     @staticmethod
     def forward(ctx, x, tp):
-        return tp.allreduce(x)
+        with mc.log.tag("tp.fwd"):
+            return tp.allreduce(x)
 
     @staticmethod
     def backward(ctx, g):
@@ -217,7 +219,8 @@ class Pipeline:
             t = self.order[self.next]
             src, dst = self.layouts(t)
             x = self.outbox.pop(t) if self.produces(t) else None
-            with STATS.timed(sent_bytes(self.shape, torch.float32, src, dst, self.rank) if x is not None else 0):
+            with STATS.timed(sent_bytes(self.shape, torch.float32, src, dst, self.rank) if x is not None else 0), \
+                    mc.log.tag("pp.fwd" if t[0] == "A" else "pp.bwd"):
                 self.handles[t] = mc.reshard({self.rank: x} if x is not None else {}, src, dst,
                                              shape=self.shape, dtype=torch.float32, async_op=True)
             self.next += 1
@@ -274,7 +277,7 @@ def main():
     p.add_argument("--d", type=int, default=32)
     p.add_argument("--vocab", type=int, default=64)
     a = p.parse_args()
-    rank, world, dev = setup(a.backend)
+    rank, world, dev = setup(a.backend, a.log)
     sizes = [int(v) for v in a.stages.split(",")] if a.stages else default_stages(world)
     heads = 4
     if sum(sizes) != world or any(heads % t for t in sizes) or a.layers < len(sizes):
@@ -321,6 +324,7 @@ def main():
         if s == len(sizes) - 1 and rank == starts[s]:
             print(f"step {step} loss {loss:.6f}", flush=True)
     report(f"gpt {a.schedule}", rank, a.micro * a.mb, times, comm_s, comm_b)
+    log_ok = finish_log("pipelined_gpt", a, rank, world)
     if a.check:
         ref = Stage(full, 0, a.layers, a.layers, heads, TP(None, 0)).to(dev)   # whole model, one process
         ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -336,7 +340,8 @@ def main():
                     want = tp_slice(n, ref.w[n].grad, model.tp.index, model.tp.size, heads)
                     diffs[f"grad {n}"] = maxdiff(grads[n], want)
             ropt.step()
-        finish_check("gpt", diffs, mc.Mesh(list(range(world)), ("r",)), rank, a.tol)
+        finish_check("gpt", diffs, mc.Mesh(list(range(world)), ("r",)), rank, a.tol, log_ok)
+    sys.exit(0 if log_ok else 1)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from . import arrays, runtime, settings
+from . import log as _log
 from .handle import Handle
 from .mesh import Mesh
 from .runtime import agreement
@@ -142,10 +143,11 @@ def all_to_all_v(x, send_counts, mesh: Mesh, axis: str, recv_counts=None, backen
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a meshcomm.Mesh, got {type(mesh).__name__}")
     groups = axis_groups(mesh, axis)
+    stamp = _log.stamp(async_op) if _log.ON else None
     ctx = runtime.current()
     if ctx is None or backend == "local":
         runtime.no_context(backend, "all_to_all_v")
-        return _local(x, send_counts, mesh, axis, recv_counts, async_op, topology, algorithm, groups)
+        return _local(x, send_counts, mesh, axis, recv_counts, async_op, topology, algorithm, groups, stamp)
     # Under a launcher every process validates, then (unless MESHCOMM_CHECK=0) all agree on the
     # call before any row moves: one process's bad input makes every process raise.
     be, err = ctx.resolve_backend(backend)
@@ -164,6 +166,7 @@ def all_to_all_v(x, send_counts, mesh: Mesh, axis: str, recv_counts=None, backen
         raise err
     bare = not isinstance(x, Mapping)
     run = _DistRun(ctx, be, groups, args, Topology.coerce(topology), algorithm, backend, mesh, axis, err, check)
+    run.stamp = stamp
     wait = ctx.run(lambda: run.run(bare), async_op)
     return Handle(wait_fn=wait) if async_op else wait()
 
@@ -204,7 +207,7 @@ def _validate(x, send_counts, recv_counts, mesh, axis, owned, groups, where):
     return xs, scs, rcs, like, row_elems, row_bytes
 
 
-def _local(x, send_counts, mesh, axis, recv_counts, async_op, topology, algorithm, groups):
+def _local(x, send_counts, mesh, axis, recv_counts, async_op, topology, algorithm, groups, stamp=None):
     """Without a launcher: every device's rows are here; run each group's plan in memory."""
     owned = list(mesh.device_ids)
     n = mesh.axis_size(axis)
@@ -224,6 +227,8 @@ def _local(x, send_counts, mesh, axis, recv_counts, async_op, topology, algorith
                                      f"along axis {axis!r} send it {list(want)}")
         p = plan_alltoall(g, counts, row_bytes, topo, algorithm)
         out.update(_run_local(p, xs))
+    if stamp is not None:           # one process: nothing on the wire (meshcomm.log)
+        _log.record_rows(stamp, "all_to_all_v", group=None, backend="local", xs=xs, out=out, like=like)
     result = out[owned[0]] if bare and len(owned) == 1 else out
     return Handle(result=result) if async_op else result
 
@@ -264,7 +269,9 @@ class _DistRun:
         self.dpp = ctx.devices_per_process
         self.timeout = ctx.timeout
         self.keep = []          # send buffers stay alive until their wait
-        self.sent_bytes = 0
+        self.sent_bytes = self.recv_bytes = 0
+        self.ctl = [0, 0]       # bytes sent / received by the count exchange
+        self.stamp = None       # meshcomm.log's, when logging
         self.args = args
         self.owned = set(args[0]) if args is not None else set()
         if args is not None:
@@ -292,6 +299,7 @@ class _DistRun:
             agreement.settle(out.metas, self.ctx.rank, self.err)
 
     def run(self, bare):
+        t_run = time.time() if self.stamp is not None else None
         if self.check:
             self._agree()
         elif self.err is not None:
@@ -321,6 +329,12 @@ class _DistRun:
         self.hold = {d: _split(xs[d], scs[d], d, p.devices) for p, _ in self.plans
                      for d in p.devices if d in self.owned}
         out = self.finish(bare)
+        if self.stamp is not None:
+            ranks = sorted({self._owner(d) for g in self.groups for d in g})
+            _log.record_rows(self.stamp, "all_to_all_v", group=ranks, backend=self.be.name, xs=xs,
+                             out=out if isinstance(out, dict) else {0: out},
+                             like=self.like, sent_bytes=self.sent_bytes, recv_bytes=self.recv_bytes,
+                             ctl_sent_bytes=self.ctl[0], ctl_recv_bytes=self.ctl[1], t_run=t_run)
         if wrong:
             # raised after the exchange ran with the senders' counts, so no peer waits on us
             f, given, sent = wrong[0]
@@ -351,7 +365,9 @@ class _DistRun:
                 if so:
                     self.keep.append(to_wire(rows[s], wire))
                     works.append(self.prim.isend(self.keep[-1], self._owner(t), tag))
+                    self.ctl[0] += 8 * n
                 elif to:
+                    self.ctl[1] += 8 * n
                     buf = empty_wire(8 * n, wire, rows[mine[0]])
                     got[t][s] = buf
                     works.append(self.prim.irecv(buf, self._owner(s), tag))
@@ -376,6 +392,7 @@ class _DistRun:
                     self.keep.append(to_wire(buf, wire))
                     works.append(self.prim.isend(self.keep[-1], self._owner(msg.dst), tag))
                 elif to:
+                    self.recv_bytes += msg.rows * self.row_bytes
                     buf = empty_wire(msg.rows * self.row_bytes, wire, self.like)
                     works.append(self.prim.irecv(buf, self._owner(msg.src), tag))
                     recvs.append((msg, buf))

@@ -109,6 +109,8 @@ def init(backend: str = "mpi", devices_per_process: int = 1, timeout: float | No
         backends["mixed"] = MixedBackend(backends["mpi"], backends["torch"])
     ctx = Context(backend, backends, int(devices_per_process), timeout)
     _set(ctx)
+    from .. import log      # MESHCOMM_LOG, and the log's clock offset to rank 0 (every rank)
+    log.on_init(ctx)
     return ctx
 
 
