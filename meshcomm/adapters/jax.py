@@ -183,18 +183,8 @@ def _owned_devices(layouts) -> set[int] | None:
     return out
 
 
-def reshard_jax(x, dst, *, backend: str | None = None, async_op: bool = False):
-    """Reshard `x` (a jax.Array with a NamedSharding) to `dst`.
-
-    `dst` is a `NamedSharding` or a meshcomm `Layout`. Returns a jax.Array with sharding
-    `dst` (or `sharding_from_layout(dst)`); where a Layout is not expressible in JAX, a
-    dict {device id: jax.Array} of the tiles this process owns.
-
-    In one process (no `meshcomm.init`) every device is local. Under a launcher, every
-    process calls `reshard_jax` with its own jax.Array; meshcomm device d belongs to rank
-    d // devices_per_process, and the JAX devices a process addresses must be the ones
-    meshcomm gives it.
-    """
+def _prepare(x, dst):
+    """(src layout, dst layout, dst sharding, this process's shards, shape), validated."""
     if not isinstance(x, jax.Array):
         raise TypeError(f"reshard_jax needs a jax.Array, got {type(x).__name__}")
     src_sharding = x.sharding
@@ -221,7 +211,6 @@ def reshard_jax(x, dst, *, backend: str | None = None, async_op: bool = False):
     else:
         raise TypeError(f"dst must be a NamedSharding or a meshcomm.Layout, got {type(dst).__name__}")
 
-    from .. import api
     shards = _local_shards(x)
     owned = _owned_devices((src, dst_layout))
     if owned is not None:
@@ -237,6 +226,31 @@ def reshard_jax(x, dst, *, backend: str | None = None, async_op: bool = False):
             raise ValueError(f"this process addresses dst device(s) {sorted(dst_addressable)} but "
                              f"meshcomm gives it {sorted(mine_dst)}; JAX processes and meshcomm ranks "
                              "must agree (process p = rank p, devices_per_process = local devices)")
+    return src, dst_layout, dst_sharding, shards, shape
+
+
+def reshard_jax(x, dst, *, backend: str | None = None, async_op: bool = False):
+    """Reshard `x` (a jax.Array with a NamedSharding) to `dst`.
+
+    `dst` is a `NamedSharding` or a meshcomm `Layout`. Returns a jax.Array with sharding
+    `dst` (or `sharding_from_layout(dst)`); where a Layout is not expressible in JAX, a
+    dict {device id: jax.Array} of the tiles this process owns.
+
+    In one process (no `meshcomm.init`) every device is local. Under a launcher, every
+    process calls `reshard_jax` with its own jax.Array; meshcomm device d belongs to rank
+    d // devices_per_process, and the JAX devices a process addresses must be the ones
+    meshcomm gives it.
+    """
+    try:
+        src, dst_layout, dst_sharding, shards, shape = _prepare(x, dst)
+    except (ValueError, TypeError) as e:
+        from .. import runtime
+        ctx = runtime.current()
+        if ctx is None:
+            raise
+        from ..runtime.agreement import raise_together
+        raise_together(ctx, "reshard", e)       # the other ranks raise too, naming this one
+    from .. import api
     # JAX arrays go to meshcomm as NumPy views (zero-copy on CPU); the result comes back as
     # NumPy tiles, committed to their JAX devices below.
     np_shards = {d: np.asarray(v) for d, v in shards.items()}
