@@ -23,6 +23,7 @@ line is one call, written when the call's communication finished:
 | in_bytes, out_bytes | bytes of the tiles this rank passed to the call / got back |
 | sent_bytes, recv_bytes | bytes this rank put on / took off the wire in this call (below) |
 | ctl_sent_bytes, ctl_recv_bytes | (all_to_all_v) its count exchange, not in sent/recv_bytes |
+| group_size | (collectives) the size of one group along the axes: the bus factor's n; their logical_bytes is nccl-tests' size (`collective_fields`) |
 | t_start, t_run, t_end | seconds on the shared clock: when the caller issued the call; when it began to run on this rank (after the calls issued before it here: later than t_start for a queued `async_op` call); when this rank's part of it finished (async calls: on the communication thread, before the handle's wait returns) |
 | tag | the `tag()` names around the call, joined with "/" ("" outside any) |
 | async | whether the call was issued with async_op=True |
@@ -51,7 +52,8 @@ corrected.
 Cost: with logging off a call checks `log.ON` once. With it on, records are kept in memory
 and written every `flush_every` records, at `stop()` and at exit; nothing synchronises ranks.
 
-For code that issues calls (collectives): at issue, on the caller's thread,
+Collectives run as reshards (meshcomm/runtime/collective_call.py) and are logged the same
+way under their own op. Code that issues other calls: at issue, on the caller's thread,
 `stamp = log.stamp(async_op) if log.ON else None`; when this rank's part is done,
 `if stamp is not None: log.record(stamp, op, group, backend=..., dtype=..., shape=...,
 logical_bytes=..., sent_bytes=..., recv_bytes=..., in_bytes=..., out_bytes=...)`.
@@ -70,7 +72,7 @@ from . import settings
 from .caches import memo
 
 __all__ = ["ON", "start", "stop", "tag", "stamp", "record", "path", "record_reshard",
-           "record_rows", "clock_sync", "on_init"]
+           "record_rows", "collective_fields", "clock_sync", "on_init"]
 
 ON = False                  # the one attribute every call checks
 FLUSH_EVERY = 1000
@@ -247,6 +249,16 @@ def record_reshard(stamp, *, rank: int | None, dpp: int | None, backend: str, pl
                out_bytes=_tile_bytes(out, plan.itemsize))
     rec.update(fields)
     record(stamp, **rec)
+
+
+def collective_fields(op: str, group_size: int, tile, out_shapes, itemsize: int) -> dict:
+    """The fields a collective run as a reshard gives `record_reshard`: its op, the size of
+    one of its groups (the bus factor's n) and nccl-tests' size, the larger of the tile passed
+    and the largest tile returned (all_gather, gather: the gathered output; reduce_scatter,
+    scatter: the input; the others: the buffer); shape: the tile passed."""
+    out = max((math.prod(s) for s in out_shapes), default=0)
+    return {"op": op, "group_size": int(group_size), "shape": tuple(tile),
+            "logical_bytes": max(math.prod(tile), out) * itemsize}
 
 
 def record_rows(stamp, op: str, *, group, backend: str, xs, out, like, sent_bytes=0, recv_bytes=0,

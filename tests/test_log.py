@@ -273,7 +273,7 @@ def test_log_under_mpiexec(tmp_path):
                         str(tmp_path), "--dlrm"], capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    for sub, n_calls in (("calls", 9), ("dlrm", 6)):
+    for sub, n_calls in (("calls", 11), ("dlrm", 6)):
         lg = log_cmd.read(tmp_path / sub)
         assert set(lg.headers) == {0, 1, 2, 3}
         assert all(h["world"] == 4 and abs(h["clock_error"]) < 0.05 for h in lg.headers.values())
@@ -294,6 +294,10 @@ def test_log_under_mpiexec(tmp_path):
             a2a = [c for c in cs if c.op == "all_to_all_v"]
             assert len(a2a) == 2 and all(x["ctl_sent_bytes"] > 0 for x in a2a[0].records)
             assert sum(x["sent_bytes"] for x in a2a[0].records) > 0
+            coll = {c.op: c for c in cs if c.tag == "coll"}      # collectives: their op, group size, nccl size
+            assert (coll["all_reduce"].n, coll["all_reduce"].size) == (2, 6 * 5 * 4)
+            assert (coll["all_gather"].n, coll["all_gather"].size) == (2, 2 * 3 * 5 * 4)
+            assert coll["all_reduce"].bus_bytes == 120 and coll["all_gather"].bus_bytes == 60
         else:
             assert "DLRM EXIT 0 0" in out and "all match" in out, out[-3000:]
             cmp = compare(lg.records, "dlrm", steps=2, world=4)

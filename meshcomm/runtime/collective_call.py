@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .. import arrays
+from .. import log as _log
 from ..backends import codec_cost
 from ..collectives.layouts import groups, problem
 from ..handle import Handle
@@ -170,6 +171,7 @@ def finish_tiles(req: Request, prob, out: Mapping[int, Any], bare: bool, owned: 
 def run(ctx, req: Request, x, *, backend=None, async_op=False):
     """A collective under a launcher: every process calls this with its own tiles (SPMD)."""
     from meshcomm.backends import streams
+    stamp = _log.stamp(async_op) if _log.ON else None
     be, err = ctx.resolve_backend(backend)
     own = ctx.ownership
     owned = own.owned(req.mesh)
@@ -225,8 +227,10 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
         src_devs = set(prob.src.mesh.device_ids)
         shards = {d: prob.in_tile(v) for d, v in tiles.items() if d in src_devs}
         loc = Local(kind=kind, devtype=devtype)
+        log_as = None if stamp is None else _log.collective_fields(
+            req.op, len(groups(req.mesh, req.axes)[0]), tile, [s for _, s in prob.out_shapes], dt[1])
         call = PlannedCall(ctx, be, prob.src, prob.dst, shards, prob.shape, dt[0], loc, False, (fence,),
-                           compression=req.compression, strip=coded_dims(req, prob))
+                           stamp, log_as, compression=req.compression, strip=coded_dims(req, prob))
         res, done, _ = call.run()
         return res, done, kind, prob
 

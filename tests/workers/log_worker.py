@@ -6,7 +6,8 @@
 Calls: point-to-point, a broadcast to 3 ranks, ordered and collective (MESHCOMM_REDUCE=
 collective, int32) reductions over 4 ranks, a reshard whose group leaves rank 3 out (rank 3
 still calls it: the agreement check is on), an async reshard under nested tags, and
-all_to_all_v with and without recv_counts. tests/test_log.py reads the files.
+all_to_all_v with and without recv_counts, an all_reduce and an all_gather on mesh axes.
+tests/test_log.py reads the files.
 """
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ def calls(rank: int, world: int) -> None:
     with mc.log.tag("outer"), mc.log.tag("inner"):
         h = mc.reshard(mc.shard(x, cases[0][0]), cases[0][0], cases[0][1], async_op=True)
     h.wait()
+    grid = mc.Mesh(np.arange(world).reshape(2, world // 2), ("x", "y"))
+    with mc.log.tag("coll"):
+        mc.all_reduce(np.ones((6, 5), np.float32), grid, "y")
+        mc.all_gather(np.ones((3, 5), np.float32), grid, "x", dim=0)
     counts = [(rank + j) % 3 for j in range(world)]
     rows = np.full((sum(counts), 5), rank, dtype=np.float64)
     with mc.log.tag("a2a"):
