@@ -75,8 +75,8 @@ def test_bad_input_raises():
     src = lay([[0, 1]], ("y",))
     with pytest.raises(ValueError):
         lower_bound_bytes((4,), 0, src, src, P3)
-    with pytest.raises(ValueError):
-        mc.lower_bound((4,), "int32", lay([[0, 1]], ("y", None, None)), src, P3)
+    with pytest.raises(ValueError):     # a split dimension the tensor does not have
+        mc.lower_bound((4,), "int32", lay([[0, 1]], (None, None, "y")), src, P3)
 
 
 TOPOS = [mc.Topology.preset("flat"), mc.Topology.preset("p3.8xlarge"),

@@ -158,7 +158,7 @@ def test_parse_examples(text, spec, partial, ids, names):
 
 
 @pytest.mark.parametrize("text,canonical", [
-    ("2x4:x,-,-", "2x4:x,-,-"),
+    ("2x4:x,-,-", "2x4:x"),             # trailing replicated entries mean nothing: dropped
     (" 2x4 @ 8 : - , x.y ", "2x4@8:-,x.y"),
     ("2x4:R,None,x", "2x4:-,-,x"),
     ("2x2:-,y;p=x", "2x2:-,y;partial=x"),
