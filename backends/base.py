@@ -448,8 +448,9 @@ class Execution:
     `start` whose plan turned out not to be agreed on (cancels what it can)."""
 
     def __init__(self, plan, shards, like, *, rank, devices_per_process, backend: Backend,
-                 device_kind="cpu", producer_fences=()):
+                 device_kind="cpu", producer_fences=(), compression=None):
         dpp = devices_per_process
+        self.compression = compression  # a planners.compressed.Compression: backends/compressed.py
         self.rank_of = rank_of = lambda d: d // dpp  # noqa: E731
         self.plan, self.backend, self.device_kind = plan, backend, device_kind
         st, dt = plan.src.tiles(plan.shape), plan.dst.tiles(plan.shape)
@@ -473,6 +474,8 @@ class Execution:
         return self.backend.choose(s.table_op, s.nbytes, len(s.ranks), self.device_kind)
 
     def groups(self) -> dict[str, list]:
+        if self.compression is not None:
+            return {}                   # compressed plans move point to point only
         return groups_needed(self.plan, self.dpp, self.coll, self._choose)
 
     def groups_ready(self) -> bool:
@@ -486,7 +489,12 @@ class Execution:
             b.prepare_groups(need.get(b.name, []), deadline)
 
     def start(self) -> None:
-        self._gen = self._program()
+        if self.compression is not None:
+            from .compressed import run_compressed
+            self._gen = run_compressed(self, self.compression, lambda: self._deadline)
+            self._done = streams.record(streams.comm_stream("local", self.device))
+        else:
+            self._gen = self._program()
         next(self._gen)                 # runs up to the first wait
 
     def finish(self, deadline):

@@ -33,6 +33,7 @@ import numpy as np
 
 from meshcomm.errors import PeerTimeoutError
 
+from . import pacing
 from .base import TAG_MOD, Backend, Work, backoff, wait_polling
 from .mpi_collectives import MPICollectives
 
@@ -179,6 +180,11 @@ class MPIBackend(MPICollectives, Backend):
 
     # -- point to point ----------------------------------------------------------------
     def isend(self, buf, peer, tag):
+        pace = pacing.pacer(self.rank)
+        if pace is not None and pace.crosses(peer):     # MESHCOMM_EMULATE_GBPS (benchmarks)
+            comm = self.comm
+            return pace.send(lambda: _MPIWork(comm.Isend(buf, dest=peer, tag=tag), buf, "send", (peer,), self.rank),
+                             buf.nbytes, "send", (peer,))
         req = self.comm.Isend(buf, dest=peer, tag=tag)
         return _MPIWork(req, buf, "send", (peer,), self.rank)
 
@@ -198,7 +204,9 @@ class MPIBackend(MPICollectives, Backend):
 
     def bcast_p2p(self, ranks) -> bool:
         """Whether a broadcast over `ranks` goes as point-to-point sends (same answer on
-        every member: each sees the same hosts)."""
+        every member: each sees the same hosts; always under MESHCOMM_EMULATE_GBPS)."""
+        if pacing.pacer(self.rank) is not None:
+            return True
         if self.mode != "auto":
             return self.mode == "p2p"
         return len({self.hosts[r] for r in ranks}) == 1
@@ -211,6 +219,9 @@ class MPIBackend(MPICollectives, Backend):
             if sub is self.comm:        # the world group: keep clear of the executor's tags
                 sub = self.bcomm
             if self.rank == root:
+                pace = pacing.pacer(self.rank)
+                if pace is not None:                    # MESHCOMM_EMULATE_GBPS (benchmarks)
+                    return self._paced_bcast(pace, sub, buf, i, ranks, what)
                 reqs = [sub.Isend(buf, dest=j, tag=BCAST_TAG) for j in range(len(ranks)) if j != i]
                 return _MPIMultiWork(reqs, buf, what, tuple(r for r in ranks if r != root), self.rank)
             return _MPIWork(sub.Irecv(buf, source=i, tag=BCAST_TAG), buf, what, (root,), self.rank)
@@ -218,6 +229,15 @@ class MPIBackend(MPICollectives, Backend):
         # in a collective any member may be the one missing: name them all
         others = tuple(r for r in ranks if r != self.rank)
         return _MPIWork(req, buf, what, others, self.rank)
+
+    def _paced_bcast(self, pace, sub, buf, i, ranks, what):
+        works = []
+        for j, r in enumerate(ranks):
+            if j == i:
+                continue
+            send = (lambda j=j: _MPIWork(sub.Isend(buf, dest=j, tag=BCAST_TAG), buf, what, (ranks[j],), self.rank))
+            works.append(pace.send(send, buf.nbytes, what, (r,)) if pace.crosses(r) else send())
+        return pacing.AllOf(works, what, tuple(r for r in ranks if r != ranks[i]))
 
     def reduce(self, buf, root, ranks, op="sum"):
         MPI = _mpi()

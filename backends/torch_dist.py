@@ -27,6 +27,7 @@ from typing import Sequence
 
 from meshcomm.errors import PeerTimeoutError
 
+from . import pacing
 from .base import Backend, Work
 from .torch_collectives import TorchCollectives
 
@@ -138,6 +139,10 @@ class TorchBackend(TorchCollectives, Backend):
 
     # -- point to point (batched) --------------------------------------------------------
     def isend(self, buf, peer, tag):
+        pace = pacing.pacer(self.rank)
+        if pace is not None and pace.crosses(peer):     # MESHCOMM_EMULATE_GBPS (benchmarks)
+            return pace.send(lambda: _TorchWork("send", (peer,), buf, self.dist.isend(buf, peer, tag=tag)),
+                             buf.numel() * buf.element_size(), "send", (peer,))
         w = _TorchWork("send", (peer,), buf)
         self._batch.append((self.dist.P2POp(self.dist.isend, buf, peer, tag=tag), w))
         return w
@@ -172,6 +177,10 @@ class TorchBackend(TorchCollectives, Backend):
 
     def bcast(self, buf, root, ranks):
         self.flush()
+        pace = pacing.pacer(self.rank)
+        if pace is not None and self.rank == root:      # the root waits for its slot (k-1 messages)
+            n = buf.numel() * buf.element_size() * sum(1 for r in ranks if pace.crosses(r))
+            time.sleep(max(0.0, pace.release(n) - time.monotonic()))
         work = self.dist.broadcast(buf, src=root, group=self._group(ranks), async_op=True)
         # in a collective any member may be the one missing: name them all
         others = tuple(r for r in ranks if r != self.rank)
@@ -203,6 +212,8 @@ class TorchBackend(TorchCollectives, Backend):
         self.flush()
         for w in works:
             left = None if deadline is None else deadline - time.monotonic()
+            if w.work is None and isinstance(w, pacing.Paced):
+                w.force()                       # a paced send not issued yet: wait for its slot
             if w.work is None:
                 continue
             if left is not None and left <= 0 and not w.work.is_completed():

@@ -155,16 +155,22 @@ def unshard(shards: Mapping[int, Any], layout: Layout):
 # -- reshard ------------------------------------------------------------------------------
 
 def reshard(x, src: Layout, dst: Layout, *, shape=None, dtype=None, backend: str | None = None,
-            async_op: bool = False):
+            async_op: bool = False, compression=None):
     """Move a sharded tensor from layout `src` to layout `dst`.
 
     `x` is {device id: tile} with the src tiles this process owns (or a bare array when it
     owns exactly one device). Returns the dst tiles this process owns, in the same array kind.
+    `compression` (a codec, "bf16", "fp16", "zfp(rate=8)" or "auto"): every piece is coded
+    once by its sender and decoded where it lands (broadcast chains forward the bytes as
+    they are); see meshcomm.compression and planners/compressed.py.
     """
     check_layouts(src, dst)
+    from . import compression as codecs
+    compression = codecs.coerce(compression)
     ctx = runtime.current()
     if ctx is not None and backend != "local":
-        return ctx.reshard(x, src, dst, shape=shape, dtype=dtype, backend=backend, async_op=async_op)
+        return ctx.reshard(x, src, dst, shape=shape, dtype=dtype, backend=backend, async_op=async_op,
+                           compression=compression)
     runtime.no_context(backend, "reshard")
     stamp = _log.stamp(async_op) if _log.ON else None
     shards, bare = normalize_input(x, src)
@@ -173,7 +179,7 @@ def reshard(x, src: Layout, dst: Layout, *, shape=None, dtype=None, backend: str
     if missing:
         raise ValueError(f"without meshcomm.init this process owns every device, so x must hold a "
                          f"tile for each src device; missing device(s) {missing[:8]}{runtime.init_hint()}")
-    result = _reshard_local(shards, src, dst, shape, dtype, stamp)
+    result = _reshard_local(shards, src, dst, shape, dtype, stamp, compression)
     if bare:
         devs = dst.mesh.device_ids
         if len(devs) != 1:
@@ -183,7 +189,7 @@ def reshard(x, src: Layout, dst: Layout, *, shape=None, dtype=None, backend: str
     return Handle(result=result) if async_op else result
 
 
-def _reshard_local(shards, src, dst, shape, dtype, stamp=None):
+def _reshard_local(shards, src, dst, shape, dtype, stamp=None, compression=None):
     shape, name, itemsize = resolve_shape_dtype(shards, src, shape, dtype)
     if shape is None:
         raise ValueError("cannot infer the global shape from the shards; pass shape=")
@@ -192,7 +198,20 @@ def _reshard_local(shards, src, dst, shape, dtype, stamp=None):
     first = next(iter(shards.values()))
     kind = arrays.kind_of(first)
     from .backends.local import LocalBackend
-    if kind == "jax":
+    comp = None
+    if compression is not None:
+        from .backends import codec_cost
+        dev = getattr(first, "device", None)
+        codec_cost.check(compression, name, getattr(dev, "type", "cpu") if kind == "torch" else "cpu", "reshard")
+        comp = codec_cost.resolve(compression, p, local=True)
+    if comp is not None:                # the same round trips as under a launcher
+        from .backends.compressed import execute_local
+        host = {d: np.asarray(v) for d, v in shards.items()} if kind == "jax" else shards
+        out = execute_local(p, host, next(iter(host.values())), comp)
+        if kind == "jax":
+            import jax
+            out = {d: jax.device_put(v, arrays.jax_device(d)) for d, v in out.items()}
+    elif kind == "jax":
         np_shards = {d: np.asarray(v) for d, v in shards.items()}
         out = LocalBackend().execute(p, np_shards, like=next(iter(np_shards.values())))
         import jax

@@ -46,6 +46,13 @@ def _int(v: str) -> int:
     return int(v)
 
 
+def _positive_int(v: str) -> int:
+    x = int(v)
+    if x < 1:
+        raise ValueError("expected a positive integer")
+    return x
+
+
 def _str(v: str) -> str:
     return v
 
@@ -86,6 +93,17 @@ _ALL = (
     Setting("LOG", _str, None,
             "a folder: log every communicating call to `rank<r>.jsonl` there (`meshcomm.log`; read with `meshcomm log summary`); read when meshcomm is imported and at `meshcomm.init`",
             "off"),
+    Setting("EMULATE_GBPS", _positive_float, None,
+            "benchmarks only, an emulation of a slow network: every process sends at most this many Gb/s to processes on other emulated nodes (a token bucket in the MPI and torch backends' sends; MPI broadcasts go point to point; native collectives are not paced). backends/pacing.py",
+            "off"),
+    Setting("EMULATE_NODE_SIZE", _positive_int, 1,
+            "consecutive ranks per emulated node under `MESHCOMM_EMULATE_GBPS` (1: every process its own node)"),
+    Setting("COMPRESSION_CHUNK", _positive_int, 262144,
+            "uncompressed bytes per message of a compressed collective or reshard (chunks on ZFP block boundaries, so coding and transfer overlap)"),
+    Setting("COMPRESSION_REDUCE", _choice("auto", "oneshot", "ring"), "auto",
+            "compressed reductions: `oneshot` (each addend coded once, sent to its root), `ring` (each hop decodes, adds, re-encodes); auto: the cost model's choice, one-shot on ties (smaller error)"),
+    Setting("COMPRESSION_PER_HOP", _bool, False,
+            "`1`: the point-to-point compression baseline (benchmarks): whole messages, decoded and re-encoded at every hop", "0"),
 )
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}

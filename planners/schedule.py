@@ -190,10 +190,12 @@ class Plan:
         return max(vals, default=0)
 
     # -- cost model ------------------------------------------------------------------
-    def simulate(self, topology: Topology | str | None = None) -> float:
-        """Seconds to run the plan under the cost model (see planners.simulate)."""
+    def simulate(self, topology: Topology | str | None = None, compression=None) -> float:
+        """Seconds to run the plan under the cost model (see planners.simulate); compressed
+        with `compression` (a planners.compressed.CodecCost) when given."""
         from .simulate import simulate
-        return simulate(self, Topology.coerce(topology) if topology is not None else self.topology)
+        return simulate(self, Topology.coerce(topology) if topology is not None else self.topology,
+                        compression)
 
     # -- printing --------------------------------------------------------------------
     def summary(self) -> str:

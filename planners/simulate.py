@@ -18,6 +18,11 @@ other, in the plan's global order. A chain of h hops adds (h - 1) further hop la
 of pipeline fill before its bytes flow. So many small messages cost many latencies, and
 one coalesced message one.
 
+Compression (`compression=`, planners/compressed.py): a transfer's links carry its payload
+(the codec's bytes per byte), and every device that encodes or decodes uses a resource
+("cpu", device) of capacity one CPU second per second, so codec and links stream at once
+as the chunk pipeline does; one chunk's pass through the other steps adds to the latency.
+
 Order. A device runs its transfers in the plan's global order with non-blocking semantics
 inside a stage: it posts all its stage-k transfers once it has finished every transfer it
 takes part in of earlier stages; a transfer starts when all its participants have posted
@@ -121,12 +126,13 @@ class SimResult:
         return f"SimResult({self.seconds:.6g} s, {len(self.end)} transfers)"
 
 
-def simulate(plan, topology: Topology) -> float:
-    """Seconds the plan takes on `topology` under the flow-level model (module docstring)."""
-    return simulate_detailed(plan, topology).seconds
+def simulate(plan, topology: Topology, compression=None) -> float:
+    """Seconds the plan takes on `topology` under the flow-level model (module docstring);
+    `compression`: a planners.compressed.CodecCost (the plan run compressed)."""
+    return simulate_detailed(plan, topology, compression).seconds
 
 
-def simulate_detailed(plan, topology: Topology) -> SimResult:
+def simulate_detailed(plan, topology: Topology, compression=None) -> SimResult:
     transfers = list(plan.transfers)
     n = len(transfers)
     start = [0.0] * n
@@ -139,16 +145,20 @@ def simulate_detailed(plan, topology: Topology) -> SimResult:
     res_index: dict[tuple[str, int], int] = {}
     uses: list[dict[int, int]] = []
     post_lat, fill_lat = [], []
-    for t in transfers:
-        u = {}
-        if t.kind != "copy":
-            for key, c in transfer_resources(t, topology).items():
-                u[res_index.setdefault(key, len(res_index))] = c
+    for i, t in enumerate(transfers):
+        u, extra = {}, 0.0
+        if compression is not None:     # links carry the payload; coding uses ("cpu", device)
+            named, extra = compression.usage(plan, i, topology)
+        else:
+            named = transfer_resources(t, topology) if t.kind != "copy" else {}
+        for key, c in named.items():
+            u[res_index.setdefault(key, len(res_index))] = c
         uses.append(u)
         p, f = _latencies(t, topology) if t.kind != "copy" else (0.0, 0.0)
         post_lat.append(p)
-        fill_lat.append(f)
-    cap = np.array([inter if k.startswith("nic") else intra for k, _ in res_index], dtype=float)
+        fill_lat.append(f + extra)
+    cap = np.array([1.0 if k == "cpu" else inter if k.startswith("nic") else intra for k, _ in res_index],
+                   dtype=float)
 
     # per device: its transfers in global order, and unfinished counts per stage
     queue: dict[int, list[int]] = defaultdict(list)

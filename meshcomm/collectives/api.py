@@ -8,7 +8,7 @@ import numpy as np
 from .. import arrays, runtime
 from ..handle import Handle
 from ..planning import plan
-from ..runtime.collective_call import Request, build, finish_tiles, local_facts, run, tiles_of
+from ..runtime.collective_call import Request, build, coded_dims, finish_tiles, local_facts, run, tiles_of
 from .layouts import REDUCE_OPS, group_axes
 from .p2p import recv, send
 
@@ -28,11 +28,13 @@ def _check_int(op: str, name: str, v) -> int:
     return int(v)
 
 
-def _check_compression(op: str, compression) -> None:
-    if compression is not None:
-        from .. import compression as codecs
-        codecs.coerce(compression)      # names a bad codec
-        raise NotImplementedError(f"{op}: compression={compression!r} is not available yet")
+def _check_compression(op: str, compression):
+    """The compression= argument as a codec, "auto" or None (ValueError/TypeError naming a bad one)."""
+    from .. import compression as codecs
+    try:
+        return codecs.coerce(compression)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{op}: {e}") from None
 
 
 def _call(req: Request, x, backend, async_op):
@@ -59,7 +61,16 @@ def _local(req: Request, x):
     shards = {d: prob.in_tile(np.asarray(v) if kind == "jax" else v)
               for d, v in tiles.items() if d in src_devs}
     p = plan(prob.shape, facts["dtype"][0], prob.src, prob.dst)
-    out = LocalBackend().execute(p, shards, like=next(iter(shards.values())))
+    comp = None
+    if req.compression is not None:
+        from ..backends import codec_cost
+        codec_cost.check(req.compression, facts["dtype"][0], facts["devtype"], req.op)
+        comp = codec_cost.resolve(req.compression, p, local=True, strip=coded_dims(req, prob))
+    if comp is not None:                # the same round trips as under a launcher
+        from ..backends.compressed import execute_local
+        out = execute_local(p, shards, next(iter(shards.values())), comp)
+    else:
+        out = LocalBackend().execute(p, shards, like=next(iter(shards.values())))
     res = finish_tiles(req, prob, out, bare, owned)
     if kind == "jax":
         import jax
@@ -71,25 +82,25 @@ def _local(req: Request, x):
 
 def all_reduce(x, mesh, axes, op: str = "sum", *, backend=None, async_op: bool = False, compression=None):
     """Every device gets the elementwise `op` (sum, prod, min, max, avg) of its group's tiles."""
-    _check_compression("all_reduce", compression)
-    req = Request("all_reduce", mesh, group_axes(mesh, axes), reduce_op=_check_op("all_reduce", op))
+    req = Request("all_reduce", mesh, group_axes(mesh, axes), reduce_op=_check_op("all_reduce", op),
+                  compression=_check_compression("all_reduce", compression))
     return _call(req, x, backend, async_op)
 
 
 def all_gather(x, mesh, axes, dim: int = 0, *, backend=None, async_op: bool = False, compression=None):
     """Every device gets its group's tiles concatenated along `dim` in group order (the tiles'
     sizes along `dim` may differ; every group must have the same sizes)."""
-    _check_compression("all_gather", compression)
-    req = Request("all_gather", mesh, group_axes(mesh, axes), dim=_check_int("all_gather", "dim", dim))
+    req = Request("all_gather", mesh, group_axes(mesh, axes), dim=_check_int("all_gather", "dim", dim),
+                  compression=_check_compression("all_gather", compression))
     return _call(req, x, backend, async_op)
 
 
 def reduce_scatter(x, mesh, axes, dim: int = 0, op: str = "sum", *, backend=None, async_op: bool = False,
                    compression=None):
     """Device i of a group gets chunk i (torch.chunk of `dim`) of the `op` of the group's tiles."""
-    _check_compression("reduce_scatter", compression)
     req = Request("reduce_scatter", mesh, group_axes(mesh, axes), dim=_check_int("reduce_scatter", "dim", dim),
-                  reduce_op=_check_op("reduce_scatter", op))
+                  reduce_op=_check_op("reduce_scatter", op),
+                  compression=_check_compression("reduce_scatter", compression))
     return _call(req, x, backend, async_op)
 
 

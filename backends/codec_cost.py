@@ -1,0 +1,150 @@
+"""What compression costs on this machine, and the choices that follow: codec throughput, the link, `compression="auto"` and the reduce algorithm.
+
+Inputs of the cost model (planners/compressed.CodecCost inside planners/simulate.py):
+
+* Codec throughput of one process while every process codes: the `meshcomm tune` table
+  (MESHCOMM_TUNING; entries {"op": "codec", "codec": "zfp(rate=8)", "encode_GBps": ..,
+  "decode_GBps": .., "world": n}) when it has the codec, else built-in per-core figures
+  (`PER_CORE_GBPS`, measured on a quiet 2-core host of this project) times
+  min(1, cores / processes on the host).
+* The link: under MESHCOMM_EMULATE_GBPS=g, g Gb/s out of every emulated node; else the
+  tuning table's largest measured `send` (point-to-point) bandwidth; else
+  `LOCAL_GBPS`, what MPI's shared memory moves between processes of one host here (several
+  GB/s). Against such a link a CPU codec near 0.2 GB/s per core never pays: "auto"
+  compresses nothing on one host unless the link is emulated (or measured) slow.
+
+Every input is the same on every process of a launch (same environment, same table, same
+host size), so every process makes the same choice; the agreement check compares the raw
+argument and the settings (`agreement_key`) beforehand.
+"""
+from __future__ import annotations
+
+import os
+
+from meshcomm import settings
+from meshcomm.arrays import numpy_dtype
+from meshcomm.compression import AUTO, Cast, ZFP, coerce
+from meshcomm.planners.compressed import CodecCost, Compression
+from meshcomm.planners.topology import Topology
+
+__all__ = ["PER_CORE_GBPS", "LOCAL_GBPS", "AUTO_CANDIDATES", "agreement_key", "check", "speed", "link",
+           "resolve", "choose_reduce"]
+
+# (encode, decode) GB/s of uncompressed bytes, one core, 4 MiB float32 normal values
+PER_CORE_GBPS = {"zfp": (0.2, 0.2), "bf16": (4.0, 8.0), "fp16": (0.5, 2.0)}
+LOCAL_GBPS = 40.0           # MPI over shared memory between processes of one host (~5 GB/s)
+AUTO_CANDIDATES = (Cast("bf16"), ZFP(rate=16))     # about bf16's accuracy, 2x smaller
+PAYS = 0.9                  # compress only when the model's time is at most this fraction
+
+
+def agreement_key(arg) -> str | None:
+    """The `("codec", ...)` field of the agreement: the argument and the settings that
+    decide how it runs ("none" without compression: a field every process knows, so the
+    agreement's one-allreduce form can still decide)."""
+    c = coerce(arg)
+    if c is None:
+        return "none"
+    key = f"{c} reduce={settings.get('COMPRESSION_REDUCE')} chunk={settings.get('COMPRESSION_CHUNK')}"
+    if settings.get("COMPRESSION_PER_HOP"):
+        key += " per-hop"
+    if c is AUTO:
+        key += f" link={settings.get('EMULATE_GBPS')}/{settings.get('EMULATE_NODE_SIZE')}"
+    return key
+
+
+def check(arg, dtype_name: str | None, devtype: str | None, what: str) -> None:
+    """TypeError when a concrete codec cannot code these tiles (CUDA tensors; ZFP: other
+    than float32/float64; casts: other than floats), naming the dtype and the codec."""
+    c = coerce(arg)
+    if c is None or c is AUTO:
+        return
+    if devtype not in (None, "cpu"):
+        raise TypeError(f"{what}: compression={c} codes on the host; the tiles are on {devtype} "
+                        "(move them to the CPU, or pass compression=None)")
+    if dtype_name is not None:
+        c.max_wire_bytes((4,), numpy_dtype(dtype_name))      # TypeError naming dtype and codec
+
+
+def _host_processes(backend, world: int) -> int:
+    hosts = getattr(backend, "hosts", None) or getattr(getattr(backend, "mpi", None), "hosts", None)
+    if hosts:
+        rank = getattr(backend, "rank", 0)
+        return sum(1 for h in hosts if h == hosts[rank])
+    return max(1, world)
+
+
+def _table():
+    from .tuning import table_from_env
+    return table_from_env()
+
+
+def speed(codec, processes_per_host: int) -> tuple[float, float]:
+    """(encode, decode) bytes/s of one process while all code at once."""
+    for m in _table().measurements:
+        if isinstance(m, dict) and m.get("op") == "codec" and m.get("codec") == str(codec):
+            return float(m["encode_GBps"]) * 1e9, float(m["decode_GBps"]) * 1e9
+    key = "zfp" if isinstance(codec, ZFP) else codec.to
+    share = min(1.0, (os.cpu_count() or 1) / max(1, processes_per_host))
+    enc, dec = PER_CORE_GBPS[key]
+    return enc * share * 1e9, dec * share * 1e9
+
+
+def link(devices_per_process: int) -> Topology:
+    """The topology the model prices links with (module docstring)."""
+    g = settings.get("EMULATE_GBPS")
+    if g is not None:
+        return Topology(devices_per_process * settings.get("EMULATE_NODE_SIZE"), intra_node_gbps=LOCAL_GBPS,
+                        inter_node_gbps=g, intra_node_latency_s=5e-6, inter_node_latency_s=20e-6,
+                        name=f"emulated {g:g} Gb/s")
+    sends = [m for m in _table().measurements if isinstance(m, dict) and m.get("op") == "send"
+             and m.get("algbw_GBps")]
+    gbps = LOCAL_GBPS
+    if sends:
+        gbps = 8 * float(max(sends, key=lambda m: m["bytes"])["algbw_GBps"])
+    return Topology(devices_per_process, intra_node_gbps=max(gbps, LOCAL_GBPS), inter_node_gbps=gbps,
+                    intra_node_latency_s=5e-6, inter_node_latency_s=20e-6, name=f"measured {gbps:.3g} Gb/s")
+
+
+def _cost(plan, comp: Compression, topo: Topology, procs: int) -> float:
+    enc, dec = speed(comp.codec, procs)
+    return plan.simulate(topo, compression=CodecCost(comp, enc, dec))
+
+
+def choose_reduce(plan, comp: Compression, topo: Topology, procs: int) -> Compression:
+    """`comp` with the reduce algorithm MESHCOMM_COMPRESSION_REDUCE names, or (auto) the
+    one the model finds faster; one-shot on ties (each addend coded once: smaller error)."""
+    mode = settings.get("COMPRESSION_REDUCE")
+    if mode != "auto":
+        return Compression(comp.codec, mode, comp.per_hop, comp.chunk_bytes, comp.strip)
+    if comp.per_hop:
+        return Compression(comp.codec, "ring", True, comp.chunk_bytes, comp.strip)
+    if not any(t.kind == "reduce" and len(t.srcs) > 2 for t in plan.transfers):
+        return comp
+    one = Compression(comp.codec, "oneshot", False, comp.chunk_bytes, comp.strip)
+    ring = Compression(comp.codec, "ring", False, comp.chunk_bytes, comp.strip)
+    return ring if _cost(plan, ring, topo, procs) < 0.95 * _cost(plan, one, topo, procs) else one
+
+
+def resolve(arg, plan, *, backend=None, world: int = 1, devices_per_process: int = 1, strip: int = 0,
+            local: bool = False) -> Compression | None:
+    """The Compression a call runs with, or None. `local`: one process owns every device
+    (nothing travels, so "auto" compresses nothing; a concrete codec still applies, so the
+    results are the same as under a launcher)."""
+    c = coerce(arg)
+    if c is None or (c is AUTO and local):
+        return None
+    per_hop = settings.get("COMPRESSION_PER_HOP")
+    chunk = settings.get("COMPRESSION_CHUNK")
+    topo, procs = link(devices_per_process), _host_processes(backend, world)
+    if c is AUTO:
+        if numpy_dtype(plan.dtype).name not in ("float32", "float64") or not plan.transfers:
+            return None
+        best, best_t = None, plan.simulate(topo) * PAYS
+        for cand in AUTO_CANDIDATES:
+            comp = choose_reduce(plan, Compression(cand, "oneshot", per_hop, chunk, strip), topo, procs)
+            t = _cost(plan, comp, topo, procs)
+            if t < best_t:
+                best, best_t = comp, t
+        return best
+    return choose_reduce(plan, Compression(c, "oneshot", per_hop, chunk, strip), topo, procs)
+

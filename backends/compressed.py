@@ -1,0 +1,449 @@
+"""The compressed executor: a plan's transfers carried as coded chunks through a pipeline (encode, wire, decode overlap).
+
+`Execution(..., compression=Compression(...))` (backends/base.py) runs this instead of its
+staged program; `execute_local` is the same for one process owning every device. What each
+transfer kind does with the codec, and the error it adds, is in planners/compressed.py;
+this module moves the bytes:
+
+* Every transfer is cut into messages of coded units (`planners.compressed.messages`), the
+  same on every process. Messages travel along the transfer's hops; a hop between devices
+  of one process hands the payload over in memory (it is still encoded and decoded, so
+  results do not depend on which process owns which device).
+* One event loop per process and stage: non-blocking sends and receives with a callback
+  each, and CPU tasks (encode, decode, add) run one at a time by priority (relays that
+  feed the next hop first, then a chain's first encodes, then final decodes), polling the
+  network between tasks. So chunk k+1 encodes while chunk k is on the wire and chunk k-1
+  is decoded at the far end, and a relay forwards a chunk as soon as it arrives.
+* Fixed-size codecs (ZFP rate, casts): the receiver knows every payload's size and posts
+  all receives at once. Data-dependent ones (tolerance, precision): each message is
+  preceded by a small header of its units' sizes (tag + 1), and its payload is received
+  once the header is in.
+* Tags: each hop between two processes in a stage gets its own even tag, in plan order,
+  so messages of different hops never match each other; messages of one hop match in order.
+
+`stats` counts what this process put on and took off the wire (payloads and headers).
+"""
+from __future__ import annotations
+
+import datetime
+import heapq
+import queue
+import threading
+import time
+from collections import Counter
+
+import numpy as np
+
+from meshcomm.arrays import numpy_dtype
+from meshcomm.compression import Encoded
+from meshcomm.compression.base import host_array
+from meshcomm.planners.boxes import box_size, local_slices
+from meshcomm.planners.compressed import Compression, chain, hops, messages
+from meshcomm.reduceops import combine_
+
+from . import pacing
+from .base import TAG_MOD, backoff, timeout_error, to_wire
+from .local import alloc_like
+
+__all__ = ["run_compressed", "execute_local", "stats"]
+
+stats: Counter = Counter()      # sent_bytes, recv_bytes, messages, calls (this process)
+RELAY, START, FINAL = 0, 1, 2   # task priorities: feeding a next hop, a chain's first encode, the rest
+
+
+def run_compressed(ex, comp: Compression, deadline_fn):
+    """The generator `Execution.start`/`finish` drive: yields once (nothing is issued before
+    `finish`), then runs every stage of this rank's part of the plan."""
+    yield
+    r = ex.run
+    b = ex.backend.choose("send", comp.chunk_bytes, 2, ex.device_kind)
+    _Program(ex.plan, comp, r.shards, ex.out, r.rank, ex.rank_of, b, deadline_fn(), r.st, r.dt).run()
+
+
+def execute_local(plan, shards, like, comp: Compression) -> dict:
+    """Run `plan` compressed in this process, which owns every device: {dst device: tile}."""
+    st, dt = plan.src.tiles(plan.shape), plan.dst.tiles(plan.shape)
+    zero = set(plan.zero_fill)
+    out = {d: alloc_like(like, tuple(b - a for a, b in box), zero=d in zero or box_size(box) == 0,
+                         op=plan.fill_op) for d, box in dt.boxes.items()}
+    _Program(plan, comp, shards, out, 0, lambda d: 0, None, None, st, dt).run()
+    return out
+
+
+class _Engine:
+    """One process's event loop for one stage: messages with callbacks, CPU tasks by priority."""
+
+    def __init__(self, backend, rank: int, deadline):
+        self.b, self.rank, self.deadline = backend, rank, deadline
+        self.pending: list = []         # (work, callback or None), in issue order
+        self.tasks: list = []           # heap of (priority, seq, fn)
+        self.seq = 0
+        self.done: list = []            # completed works the backend waits on at the end
+        self.torch = backend is not None and backend.wire == "torch"
+        self.pace = pacing.pacer(rank) if self.torch else None
+        self.waiters: dict = {}
+
+    def task(self, prio: int, fn) -> None:
+        heapq.heappush(self.tasks, (prio, self.seq, fn))
+        self.seq += 1
+
+    def send(self, buf: np.ndarray, peer: int, tag: int) -> None:
+        w = self.b.isend(to_wire(buf, self.b.wire), peer, tag)
+        stats["sent_bytes"] += buf.nbytes
+        stats["messages"] += 1
+        if self.torch:                  # waited for at the end of the stage
+            self.b.flush()
+            self.done.append(w)
+        else:
+            self.pending.append((w, None))
+
+    def recv(self, nbytes: int, peer: int, tag: int, cb) -> None:
+        buf = np.empty(nbytes, np.uint8)
+        stats["recv_bytes"] += nbytes
+        w = self.b.irecv(to_wire(buf, self.b.wire), peer, tag)
+        if self.torch:
+            self.b.flush()
+            key = (peer, tag)
+            if key not in self.waiters:
+                self.waiters[key] = _Waiter(self.deadline)
+            w = self.waiters[key].watch(w)
+        self.pending.append((w, lambda: cb(buf)))
+
+    def run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            for w in self.waiters.values():
+                w.close()
+        if self.done:
+            self.b.wait_all(self.done, self.deadline)   # sends; errors of completed works
+
+    def _loop(self) -> None:
+        spins = 0
+        while self.pending or self.tasks:
+            moved = False
+            if self.pace is not None:
+                self.pace.pump()
+            if self.pending:
+                if not self.torch:
+                    self.b.flush()
+                cur, self.pending = self.pending, []
+                keep = []
+                for w, cb in cur:
+                    if w.test():
+                        moved = True
+                        if not self.torch:
+                            self.done.append(w)
+                        if cb is not None:
+                            cb()
+                    else:
+                        keep.append((w, cb))
+                self.pending = keep + self.pending      # callbacks' new works after the old
+            if self.tasks:
+                heapq.heappop(self.tasks)[2]()
+                spins = 0
+                continue
+            if moved:
+                spins = 0
+                continue
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                raise timeout_error(self.rank, [w for w, _ in self.pending], self.b.timeout)
+            spins += 1
+            backoff(spins)
+
+
+class _Waiter:
+    """Waits, on a thread of its own, for the torch receives of one stream (peer, tag) in
+    order: gloo's point-to-point works never report completion to polling, and a stream's
+    messages complete in the order they were posted."""
+
+    def __init__(self, deadline):
+        self.deadline = deadline
+        self.q: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def watch(self, w) -> "_Watched":
+        x = _Watched(w)
+        self.q.put(x)
+        return x
+
+    def _loop(self) -> None:
+        while True:
+            x = self.q.get()
+            if x is None:
+                return
+            try:
+                if self.deadline is None:
+                    x.w.work.wait()
+                else:
+                    x.w.work.wait(timeout=datetime.timedelta(seconds=max(1e-3, self.deadline - time.monotonic())))
+            except Exception as e:      # gloo: timeouts and closed connections
+                x.error = e
+            x.flag = True
+
+    def close(self) -> None:
+        self.q.put(None)
+
+
+class _Watched:
+    """A torch receive whose completion a _Waiter reports."""
+
+    def __init__(self, w):
+        self.w, self.op, self.peers = w, w.op, w.peers
+        self.flag, self.error = False, None
+
+    def test(self) -> bool:
+        if self.error is not None:
+            raise timeout_error(None, [self.w], None) from self.error
+        return self.flag
+
+
+class _Program:
+    """This process's part of a compressed plan, stage by stage."""
+
+    def __init__(self, plan, comp: Compression, shards, out, rank, rank_of, backend, deadline, st, dt):
+        self.plan, self.comp, self.codec = plan, comp, comp.codec
+        self.rank, self.rank_of, self.backend, self.deadline = rank, rank_of, backend, deadline
+        self.st, self.dt = st, dt
+        self.dtype = numpy_dtype(plan.dtype)
+        self.src = {d: host_array(v, self.codec) for d, v in shards.items()}
+        self.dst = {d: host_array(v, self.codec) for d, v in out.items()}
+        self.fixed = self.codec.fixed_size
+        self.op = plan.reduce_op
+
+    def run(self) -> None:
+        stats["calls"] += 1
+        by_stage: dict = {}
+        for i, t in enumerate(self.plan.transfers):
+            by_stage.setdefault(t.stage, []).append(i)
+        for stage in sorted(by_stage):
+            idx = by_stage[stage]
+            self.tags = self._tags(idx)
+            self.cache: dict = {}
+            self.after: list = []
+            self.eng = _Engine(self.backend, self.rank, self.deadline)
+            for i in idx:
+                self._setup(i)
+            self.eng.run()
+            for f in self.after:
+                f()
+
+    def _tags(self, idx) -> dict:
+        tags, n = {}, 0
+        for i in idx:
+            t = self.plan.transfers[i]
+            if t.kind == "copy":
+                continue
+            for u, v in hops(t, self.comp):
+                if self.rank_of(u) != self.rank_of(v):
+                    tags[(i, u, v)] = (2 * n) % TAG_MOD
+                    n += 1
+        return tags
+
+    def _mine(self, d: int) -> bool:
+        return self.rank_of(d) == self.rank
+
+    # -- reading, coding, writing units ----------------------------------------------------
+    def _read(self, t, dev: int, unit):
+        bufs, origin = (self.src, self.st.boxes) if t.src_buf == "src" else (self.dst, self.dt.boxes)
+        if dev not in bufs:
+            raise ValueError(f"rank {self.rank} owns src device {dev} but was given no tile for it")
+        return bufs[dev][local_slices(unit.box, origin[dev])].reshape(unit.shape)
+
+    def _encode(self, t, dev: int, msg, cached: bool = True) -> list:
+        parts = []
+        for u in msg:
+            key = (t.src_buf, dev, u.box)
+            p = self.cache.get(key) if cached else None
+            if p is None:
+                p = self.codec.encode(self._read(t, dev, u)).payload
+                if cached:
+                    self.cache[key] = p
+            parts.append(p)
+        return parts
+
+    def _decode(self, part, unit) -> np.ndarray:
+        return self.codec.decode(Encoded(part, self.codec, self.dtype, unit.shape))
+
+    def _target(self, dev: int, unit):
+        return self.dst[dev][local_slices(unit.box, self.dt.boxes[dev])]
+
+    def _decode_into(self, dev: int, msg, parts) -> None:
+        for u, p in zip(msg, parts):
+            tgt = self._target(dev, u)
+            if tgt.flags.c_contiguous:
+                self.codec.decode(Encoded(p, self.codec, self.dtype, u.shape), out=tgt.reshape(u.shape))
+            else:
+                tgt[...] = self._decode(p, u).reshape(tgt.shape)
+
+    def _write(self, dev: int, unit, values) -> None:
+        tgt = self._target(dev, unit)
+        tgt[...] = values.reshape(tgt.shape)
+
+    # -- moving messages along hops ----------------------------------------------------------
+    def _deliver(self, i: int, u: int, v: int, m: int, parts, arrive) -> None:
+        """Message m of transfer i from device u to device v: in memory when v is this
+        process's (`arrive(m, parts)`), else over the network."""
+        if self._mine(v):
+            arrive(m, parts)
+            return
+        tag, peer = self.tags[(i, u, v)], self.rank_of(v)
+        if not self.fixed:
+            self.eng.send(np.array([p.size for p in parts], "<i8").view(np.uint8), peer, tag + 1)
+        self.eng.send(parts[0] if len(parts) == 1 else np.concatenate(parts), peer, tag)
+
+    def _listen(self, i: int, u: int, v: int, msgs, arrive) -> None:
+        """Post the receives of every message of hop u -> v (v is this process's)."""
+        if self._mine(u):
+            return
+        tag, peer = self.tags[(i, u, v)], self.rank_of(u)
+
+        def split(buf, sizes):
+            parts, at = [], 0
+            for n in sizes:
+                parts.append(buf[at:at + n])
+                at += n
+            return parts
+        if self.fixed:
+            for m, msg in enumerate(msgs):
+                sizes = [x.wire for x in msg]
+                self.eng.recv(sum(sizes), peer, tag, lambda buf, m=m, s=sizes: arrive(m, split(buf, s)))
+            return
+        heads: dict = {}
+        nxt = [0]
+
+        def on_head(m, buf):            # payload receives are posted in message order
+            heads[m] = [int(x) for x in buf.view("<i8")]
+            while nxt[0] in heads:
+                k = nxt[0]
+                s = heads.pop(k)
+                self.eng.recv(sum(s), peer, tag, lambda b, k=k, s=s: arrive(k, split(b, s)))
+                nxt[0] += 1
+        for m, msg in enumerate(msgs):
+            self.eng.recv(8 * len(msg), peer, tag + 1, lambda buf, m=m: on_head(m, buf))
+
+    # -- transfers ---------------------------------------------------------------------------
+    def _setup(self, i: int) -> None:
+        t, comp, eng = self.plan.transfers[i], self.comp, self.eng
+        msgs = messages(self.plan, i, comp)
+        if t.kind == "copy":
+            d = t.srcs[0]
+            if self._mine(d):
+                for msg in msgs:
+                    eng.task(FINAL, lambda msg=msg: self._decode_into(d, msg, self._encode(t, d, msg)))
+        elif t.kind in ("send", "bcast") or comp.reduce == "ring":
+            self._setup_chain(i, t, chain(t, comp), msgs)
+        else:
+            self._setup_oneshot(i, t, msgs)
+
+    def _setup_chain(self, i, t, c, msgs) -> None:
+        for pos, dev in enumerate(c):
+            if not self._mine(dev):
+                continue
+            if pos > 0:
+                self._listen(i, c[pos - 1], dev, msgs, self._arrival(i, t, c, pos, msgs))
+                continue
+            nxt = c[1] if len(c) > 1 else None
+            after = self._arrival(i, t, c, 1, msgs) if nxt is not None and self._mine(nxt) else None
+            for m, msg in enumerate(msgs):
+                self.eng.task(START, lambda m=m, msg=msg, dev=dev, nxt=nxt, after=after:
+                              self._chain_start(i, t, m, msg, dev, nxt, after))
+
+    def _arrival(self, i, t, c, pos: int, msgs):
+        """The function receiving messages at chain position `pos`."""
+        if t.kind == "reduce":
+            return self._ring_arrival(i, t, c, pos, msgs)
+        return self._bcast_arrival(i, t, c, pos, msgs)
+
+    def _chain_start(self, i, t, m, msg, dev, nxt, after) -> None:
+        if t.kind == "reduce":
+            if nxt is None:                 # a reduction of the root's own addend alone
+                for u in msg:
+                    self._write(dev, u, self._read(t, dev, u))
+                return
+            parts = self._encode(t, dev, msg, cached=False)
+        else:
+            parts = self._encode(t, dev, msg)
+            if t.src_buf == "dst":          # the sender keeps what the others get
+                self.after.append(lambda: self._decode_into(dev, msg, parts))
+        self._deliver(i, dev, nxt, m, parts, after)
+
+    def _bcast_arrival(self, i, t, c, pos, msgs):
+        dev = c[pos]
+        nxt = c[pos + 1] if pos + 1 < len(c) else None
+        after = self._arrival(i, t, c, pos + 1, msgs) if nxt is not None and self._mine(nxt) else None
+
+        def arrive(m, parts):
+            msg = msgs[m]
+            if not self.comp.per_hop:
+                if nxt is not None:         # forward the compressed bytes as they are
+                    self._deliver(i, dev, nxt, m, parts, after)
+                self.eng.task(FINAL, lambda: self._decode_into(dev, msg, parts))
+                return
+
+            def relay():                    # point-to-point compression: decode, re-encode
+                self._decode_into(dev, msg, parts)
+                if nxt is not None:
+                    again = [self.codec.encode(self._target(dev, u).reshape(u.shape)).payload for u in msg]
+                    self._deliver(i, dev, nxt, m, again, after)
+            self.eng.task(RELAY if nxt is not None else FINAL, relay)
+        return arrive
+
+    def _ring_arrival(self, i, t, c, pos, msgs):
+        dev = c[pos]
+        nxt = c[pos + 1] if pos + 1 < len(c) else None
+        after = self._arrival(i, t, c, pos + 1, msgs) if nxt is not None and self._mine(nxt) else None
+        own = dev in t.srcs
+
+        def arrive(m, parts):
+            msg = msgs[m]
+
+            def step():                     # decode the partial sum, add, re-encode or keep
+                vals = []
+                for u, p in zip(msg, parts):
+                    v = self._decode(p, u)
+                    if own:
+                        v = combine_(v, self._read(t, dev, u), self.op)
+                    vals.append(v)
+                if nxt is None:
+                    for u, v in zip(msg, vals):
+                        self._write(dev, u, v)
+                    return
+                self._deliver(i, dev, nxt, m, [self.codec.encode(v).payload for v in vals], after)
+            self.eng.task(RELAY if nxt is not None else FINAL, step)
+        return arrive
+
+    def _setup_oneshot(self, i, t, msgs) -> None:
+        eng, r = self.eng, t.dsts[0]
+        remote = [a for a in t.srcs if a != r]
+        got = [dict() for _ in msgs]
+
+        def combine(m):
+            msg = msgs[m]
+            for j, u in enumerate(msg):
+                acc = None
+                for s in t.srcs:            # the plan's order; the root's own addend exact
+                    v = got[m][s][j] if s != r else self._read(t, r, u)
+                    acc = (v if s != r else v.copy()) if acc is None else combine_(acc, v, self.op)
+                self._write(r, u, acc)
+            got[m].clear()
+
+        def arrive_from(a):
+            def arrive(m, parts):
+                def dec():
+                    got[m][a] = [self._decode(p, u) for u, p in zip(msgs[m], parts)]
+                    if len(got[m]) == len(remote):
+                        combine(m)
+                eng.task(FINAL, dec)
+            return arrive
+        for a in remote:
+            if self._mine(a):
+                for m, msg in enumerate(msgs):
+                    eng.task(START, lambda a=a, m=m, msg=msg: self._deliver(
+                        i, a, r, m, self._encode(t, a, msg), arrive_from(a) if self._mine(r) else None))
+            if self._mine(r):
+                self._listen(i, a, r, msgs, arrive_from(a))
+        if self._mine(r) and not remote:
+            for m in range(len(msgs)):
+                eng.task(FINAL, lambda m=m: combine(m))
