@@ -21,14 +21,24 @@ from __future__ import annotations
 
 import os
 
-from meshcomm import settings
-from meshcomm.arrays import numpy_dtype
-from meshcomm.compression import AUTO, Cast, ZFP, coerce
 from meshcomm.planners.compressed import CodecCost, Compression
 from meshcomm.planners.topology import Topology
 
-__all__ = ["PER_CORE_GBPS", "LOCAL_GBPS", "AUTO_CANDIDATES", "agreement_key", "check", "speed", "link",
-           "resolve", "choose_reduce"]
+from meshcomm import settings
+from meshcomm.arrays import numpy_dtype
+from meshcomm.compression import AUTO, ZFP, Cast, coerce
+
+__all__ = [
+    "AUTO_CANDIDATES",
+    "LOCAL_GBPS",
+    "PER_CORE_GBPS",
+    "agreement_key",
+    "check",
+    "choose_reduce",
+    "link",
+    "resolve",
+    "speed",
+]
 
 # (encode, decode) GB/s of uncompressed bytes, one core, 4 MiB float32 normal values
 PER_CORE_GBPS = {"zfp": (0.2, 0.2), "bf16": (4.0, 8.0), "fp16": (0.5, 2.0)}

@@ -24,7 +24,7 @@ from meshcomm import settings
 
 from .base import Work
 
-__all__ = ["Pacer", "pacer", "Paced", "AllOf"]
+__all__ = ["AllOf", "Paced", "Pacer", "pacer"]
 
 
 class Pacer:
@@ -47,7 +47,7 @@ class Pacer:
         self.free = start + nbytes / self.bytes_per_s
         return self.free
 
-    def send(self, issue, nbytes: int, op: str, peers: tuple[int, ...]) -> "Paced":
+    def send(self, issue, nbytes: int, op: str, peers: tuple[int, ...]) -> Paced:
         """A Paced send of `nbytes` (issue() hands it to the backend and returns its Work)."""
         w = Paced(self, issue, self.release(nbytes), op, peers)
         self.queue.append(w)

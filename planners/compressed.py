@@ -30,15 +30,25 @@ round trip. Consecutive units form messages of about `chunk_bytes` uncompressed 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from meshcomm.caches import memo
-from meshcomm.compression import Cast, ZFP, chunks
+from meshcomm.compression import ZFP, Cast, chunks
 
 from .boxes import Box, box_size
 from .topology import Topology
 
-__all__ = ["Compression", "Unit", "messages", "chain", "hops", "wire_ratio", "CodecCost",
-           "REDUCE_ALGORITHMS", "WHOLE"]
+__all__ = [
+    "REDUCE_ALGORITHMS",
+    "WHOLE",
+    "CodecCost",
+    "Compression",
+    "Unit",
+    "chain",
+    "hops",
+    "messages",
+    "wire_ratio",
+]
 
 REDUCE_ALGORITHMS = ("oneshot", "ring")
 WHOLE = 1 << 62             # chunk size of per-hop compression: whole messages
@@ -132,7 +142,7 @@ def hops(t, comp: Compression) -> tuple[tuple[int, int], ...]:
         r = t.dsts[0]
         return tuple((a, r) for a in t.srcs if a != r)
     c = chain(t, comp)
-    return tuple(zip(c[:-1], c[1:]))
+    return tuple(itertools.pairwise(c))
 
 
 def wire_ratio(plan, index: int, comp: Compression) -> float:

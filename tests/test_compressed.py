@@ -9,14 +9,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-import meshcomm as mc
 from meshcomm.backends import codec_cost
 from meshcomm.backends.pacing import Pacer
+from meshcomm.planners.compressed import (
+    CodecCost,
+    Compression,
+    hops,
+    messages,
+    wire_ratio,
+)
+from meshcomm.planners.topology import Topology
+
+import meshcomm as mc
 from meshcomm.collectives import collective_plan
 from meshcomm.compression import ZFP, Cast, zfp_shape
-from meshcomm.planners.compressed import CodecCost, Compression, hops, messages, wire_ratio
-from meshcomm.planners.topology import Topology
 
 zfpy = pytest.importorskip("zfpy")
 WORKER = Path(__file__).parent / "workers" / "compressed_worker.py"

@@ -21,9 +21,9 @@ import time
 
 import numpy as np
 import zfpy
+from meshcomm.backends.compressed import stats
 
 import meshcomm as mc
-from meshcomm.backends.compressed import stats
 from meshcomm.compression import ZFP
 
 F32_EPS = 2.0 ** -23
