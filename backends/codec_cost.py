@@ -2,9 +2,9 @@
 
 Inputs of the cost model (planners/compressed.CodecCost inside planners/simulate.py):
 
-* Codec throughput of one process while every process codes: the `meshcomm tune` table
-  (MESHCOMM_TUNING; entries {"op": "codec", "codec": "zfp(rate=8)", "encode_GBps": ..,
-  "decode_GBps": .., "world": n}) when it has the codec, else built-in per-core figures
+* Codec throughput of one process while every process codes: the `meshcomm tune` file
+  (MESHCOMM_TUNING; its "codecs" list: {"op": "codec", "codec": "zfp(rate=8)",
+  "encode_GBps": .., "decode_GBps": .., "world": n}) when it has the codec, else built-in per-core figures
   (`PER_CORE_GBPS`, measured on a quiet 2-core host of this project) times
   min(1, cores / processes on the host).
 * The link: under MESHCOMM_EMULATE_GBPS=g, g Gb/s out of every emulated node; else the
@@ -19,6 +19,7 @@ argument and the settings (`agreement_key`) beforehand.
 """
 from __future__ import annotations
 
+import json
 import os
 
 from meshcomm.planners.compressed import CodecCost, Compression
@@ -26,6 +27,7 @@ from meshcomm.planners.topology import Topology
 
 from meshcomm import settings
 from meshcomm.arrays import numpy_dtype
+from meshcomm.caches import memo
 from meshcomm.compression import AUTO, ZFP, Cast, coerce
 
 __all__ = [
@@ -88,10 +90,23 @@ def _table():
     return table_from_env()
 
 
+@memo(maxsize=8)
+def _codec_entries(path) -> tuple:
+    """The "codecs" list of a `meshcomm tune` file (a table read and checked by tuning)."""
+    if not path:
+        return ()
+    with open(path, "rb") as f:
+        d = json.loads(f.read().decode("utf-8"))
+    return tuple(m for m in d.get("codecs", ()) if isinstance(m, dict) and m.get("op") == "codec")
+
+
 def speed(codec, processes_per_host: int) -> tuple[float, float]:
     """(encode, decode) bytes/s of one process while all code at once."""
-    for m in _table().measurements:
-        if isinstance(m, dict) and m.get("op") == "codec" and m.get("codec") == str(codec):
+    path = settings.get("TUNING")
+    if path:
+        _table()                        # a missing or malformed file: tuning's error naming the variable
+    for m in _codec_entries(path):
+        if m.get("codec") == str(codec):
             return float(m["encode_GBps"]) * 1e9, float(m["decode_GBps"]) * 1e9
     key = "zfp" if isinstance(codec, ZFP) else codec.to
     share = min(1.0, (os.cpu_count() or 1) / max(1, processes_per_host))

@@ -46,6 +46,7 @@ import numpy as np
 
 from meshcomm.backends.tuning import OPS, bus_factor
 
+from . import codec_tune
 from .common import check_output, importable, progress, require
 
 __all__ = ["add_parser", "run", "parse_bytes", "derive_rules", "busbw_factor", "OPS"]
@@ -235,6 +236,9 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations per size (default 2)")
     p.add_argument("--trials", type=int, default=5, help="timed trials per size (median; default 5)")
     p.add_argument("--json-only", action="store_true", help="do not print the table")
+    p.add_argument("--codecs", default=codec_tune.DEFAULT,
+                   help="codecs whose throughput the compression cost model needs, every process coding at once "
+                        f"(default {codec_tune.DEFAULT}; 'none' skips)")
     p.set_defaults(func=run)
 
 
@@ -276,6 +280,7 @@ def run(args) -> int:
             raise ValueError("--trials must be >= 1 and --warmup >= 0")
         names = [b.strip() for b in args.backends.split(",") if b.strip()]
         check_output(args.out, "--out")
+        codec_list = codec_tune.parse_codecs(args.codecs)
     except ValueError as e:
         print(f"meshcomm tune: error: {e}", file=sys.stderr)
         return 2
@@ -320,17 +325,19 @@ def run(args) -> int:
                 bar.update(1)
     finally:
         bar.close()
+    codecs = codec_tune.measure_codecs(backends[0], codec_list, timeout=ctx.timeout)
     if rank == 0:
         from meshcomm.backends import tuning
         rules = derive_rules(measurements, device="cpu") + [r.to_dict() for r in tuning.default_table().rules]
         table = {"format": tuning.FORMAT, "rules": rules,
-                 "measurements": [dict(m, world=n) for m in measurements]}
+                 "measurements": [dict(m, world=n) for m in measurements], "codecs": codecs}
         tuning.from_dict(table, "meshcomm tune")        # validate before writing
         with open(args.out, "w") as f:
             json.dump(table, f, indent=1)
             f.write("\n")
         if not args.json_only:
             print(format_table(measurements, [b.name for b in backends], n))
+            print(codec_tune.format_codecs(codecs))
         print(f"wrote {args.out}: {len(rules)} rules from {len(measurements)} measurements "
               f"({n} processes); use it with MESHCOMM_TUNING={args.out}")
     mc.finalize()
