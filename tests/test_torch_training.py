@@ -7,8 +7,9 @@ hook and FSDP2's custom all-gather / reduce-scatter.
   unshards and without). Losses and final parameters must match torch's runs within rtol
   1e-5, atol 1e-6: the gradient averages are the same sums of 4 float32 addends, but gloo and
   meshcomm may add them in another order, which moves a result by an ulp or so (the
-  runs differ by up to 3e-8 here), and a few SGD steps carry that along without growing it
-  by orders of magnitude. Mesh groups that are not torch's group are refused, naming both.
+  runs differ by at most 3e-8 here: one ulp of the larger weights), and a few SGD steps
+  carry that along without growing it by orders of magnitude. The worker prints every
+  thread's stack and exits if it hangs (--stacks-after, below the launch timeout). Mesh groups that are not torch's group are refused, naming both.
 * In this process: the mapping of torch's reduce ops and the input checks.
 """
 from __future__ import annotations

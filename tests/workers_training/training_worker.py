@@ -13,6 +13,7 @@ an FSDP mesh whose group order differs from the process group's.
 argv: steps. Writes rank<r>.json into --out DIR.
 """
 import argparse
+import faulthandler
 import json
 import os
 import time
@@ -34,7 +35,10 @@ RTOL, ATOL = 1e-5, 1e-6
 ap = argparse.ArgumentParser()
 ap.add_argument("steps", type=int)
 ap.add_argument("--out", required=True)
+ap.add_argument("--stacks-after", type=float, default=240,
+                help="seconds after which every thread's stack is printed and the process exits")
 args = ap.parse_args()
+faulthandler.dump_traceback_later(args.stacks_after, exit=True)     # a hang becomes a report
 
 t0 = time.perf_counter()
 ctx = mc.init(backend="mixed")
@@ -55,9 +59,13 @@ g = torch.Generator().manual_seed(100 + rank)       # each rank its own inputs, 
 DATA = [(x, torch.tanh(x @ TEACHER)) for x in (torch.randn(8, 10, generator=g) for _ in range(args.steps))]
 
 
+STEP_SECONDS = []        # per train() call: seconds per step
+
+
 def train(m, params, before_step=None):
     opt = torch.optim.SGD(params, lr=0.2, momentum=0.9)
     losses = []
+    t = time.perf_counter()
     for x, y in DATA:
         opt.zero_grad()
         if before_step is not None:
@@ -66,6 +74,7 @@ def train(m, params, before_step=None):
         loss.backward()
         opt.step()
         losses.append(loss.item())
+    STEP_SECONDS.append((time.perf_counter() - t) / len(DATA))
     return losses
 
 
@@ -77,13 +86,20 @@ def full_params(m):
     return out
 
 
+def _backend_of(key):
+    """The backend a meshcomm.backends.base.issued key counts for: (backend, primitive) for a
+    planned call's steps, ("native_" + backend, op) for a collective run natively."""
+    name = str(key[0])
+    return name[len("native_"):] if name.startswith("native_") else name
+
+
 def counts():
-    return {k: v for k, v in base.issued.items() if k[0] in ("mpi", "torch")}
+    return {k: v for k, v in base.issued.items() if _backend_of(k) in ("mpi", "torch")}
 
 
 def ops_since(before):
     now = counts()
-    return {b: sum(v - before.get(k, 0) for k, v in now.items() if k[0] == b) for b in ("mpi", "torch")}
+    return {b: sum(v - before.get(k, 0) for k, v in now.items() if _backend_of(k) == b) for b in ("mpi", "torch")}
 
 
 def compare(name, ref, got, backend, ops):
@@ -98,13 +114,14 @@ def compare(name, ref, got, backend, ops):
     other = "torch" if backend == "mpi" else "mpi"
     assert ops[backend] > 0 and ops[other] == 0, (name, backend, ops)
     res[name] = {"loss_diff": float(np.max(np.abs(np.array(l1) - np.array(l0)))), "param_diff": worst,
-                 "ops": ops, "loss": l1}
+                 "ops": ops, "loss": l1, "step_s": STEP_SECONDS[-1]}
 
 
 # -- DDP -------------------------------------------------------------------------------
 t = time.perf_counter()
 m = DDP(model())
 ref = train(m, m.parameters()), full_params(m.module)
+res["ddp_torch_step_s"] = STEP_SECONDS[-1]
 X = torch.randn(64, 10, generator=torch.Generator().manual_seed(2))      # held out, every rank
 
 
@@ -156,6 +173,7 @@ def sharded():
 
 m = sharded()
 ref = train(m, m.parameters()), full_params(m)
+res["fsdp_torch_step_s"] = STEP_SECONDS[-1]
 for name, backend, prefetch in (("fsdp_mpi_prefetch", "mpi", True), ("fsdp_torch", "torch", False)):
     m = sharded()
     comms = use_meshcomm(m, backend=backend)
