@@ -66,6 +66,7 @@ from meshcomm.reduceops import combine_
 from . import streams
 from .pack import pack, unpack
 
+from meshcomm import settings
 from meshcomm.caches import memo
 __all__ = ["Work", "DoneWork", "Backend", "Step", "compile_steps", "wire_bytes", "groups_needed", "execute",
            "wait_polling", "backoff", "issued", "to_wire", "empty_wire", "from_wire", "TAG_MOD"]
@@ -95,7 +96,7 @@ class DoneWork(Work):
         return True
 
 
-SPIN, YIELD, SLEEP_MAX = 8, int(os.environ.get("MESHCOMM_POLL_YIELDS", 4000)), 2e-4
+SPIN, YIELD, SLEEP_MAX = 8, settings.get("POLL_YIELDS"), 2e-4
 
 
 def backoff(spins: int) -> None:
@@ -339,7 +340,7 @@ def collective_reduce_ok(dtype: str, backend: "Backend | None" = None) -> bool:
     or a 0.0/-0.0 tie gives an order-dependent result (MPI's MIN/MAX keep or drop a NaN
     by its position), so floats of every op use the collective only with
     MESHCOMM_REDUCE=collective."""
-    mode = os.environ.get("MESHCOMM_REDUCE", "auto")
+    mode = settings.get("REDUCE")
     if mode == "ordered":
         return False
     try:

@@ -24,7 +24,6 @@
 """
 from __future__ import annotations
 
-import os
 import pickle
 import time
 from typing import Sequence
@@ -37,6 +36,7 @@ from . import pacing
 from .base import TAG_MOD, Backend, Work, backoff, wait_polling
 from .mpi_collectives import MPICollectives
 
+from meshcomm import settings
 __all__ = ["MPIBackend"]
 
 
@@ -45,7 +45,7 @@ def _mpi():
     return MPI
 
 
-class _MPIMultiWork(Work):
+class MPIMultiWork(Work):
     """Several requests completing together (a broadcast done as point-to-point sends)."""
 
     def __init__(self, reqs, buf, op, peers, rank):
@@ -66,7 +66,7 @@ class _MPIMultiWork(Work):
                                    f"failed: {e}", self.peers, self.op) from e
 
 
-class _MPIWork(Work):
+class MPIWork(Work):
     __slots__ = ("req", "buf", "op", "peers", "rank")
 
     def __init__(self, req, buf, op, peers, rank):
@@ -92,10 +92,7 @@ BCAST_TAG = 7        # point-to-point broadcasts, on the group's own communicato
 
 
 def _collectives_mode() -> str:
-    mode = os.environ.get("MESHCOMM_MPI_COLLECTIVES", "auto")
-    if mode not in ("auto", "p2p", "native"):
-        raise ValueError(f"MESHCOMM_MPI_COLLECTIVES must be auto, p2p or native, got {mode!r}")
-    return mode
+    return settings.get("MPI_COLLECTIVES")
 
 
 def _dumps(obj):
@@ -110,7 +107,7 @@ def timed_allgather(comm, obj, deadline, tag, timeout, what, why):
     data = _dumps(obj)
     out = [None] * n
     out[rank] = obj
-    sends = [_MPIWork(comm.Isend(data, dest=r, tag=tag), data, f"{what} send", (r,), rank)
+    sends = [MPIWork(comm.Isend(data, dest=r, tag=tag), data, f"{what} send", (r,), rank)
              for r in range(n) if r != rank]
     pending = [r for r in range(n) if r != rank]
     status = MPI.Status()
@@ -141,7 +138,7 @@ def timed_allgather(comm, obj, deadline, tag, timeout, what, why):
 def timed_dup(comm, deadline):
     """Comm.Idup polled with a deadline (a blocking Dup would hang on a missing peer)."""
     new, req = comm.Idup()
-    w = _MPIWork(req, None, "communicator duplication", tuple(range(comm.Get_size())), comm.Get_rank())
+    w = MPIWork(req, None, "communicator duplication", tuple(range(comm.Get_size())), comm.Get_rank())
     wait_polling([w], deadline)
     return new
 
@@ -183,14 +180,14 @@ class MPIBackend(MPICollectives, Backend):
         pace = pacing.pacer(self.rank)
         if pace is not None and pace.crosses(peer):     # MESHCOMM_EMULATE_GBPS (benchmarks)
             comm = self.comm
-            return pace.send(lambda: _MPIWork(comm.Isend(buf, dest=peer, tag=tag), buf, "send", (peer,), self.rank),
+            return pace.send(lambda: MPIWork(comm.Isend(buf, dest=peer, tag=tag), buf, "send", (peer,), self.rank),
                              buf.nbytes, "send", (peer,))
         req = self.comm.Isend(buf, dest=peer, tag=tag)
-        return _MPIWork(req, buf, "send", (peer,), self.rank)
+        return MPIWork(req, buf, "send", (peer,), self.rank)
 
     def irecv(self, buf, peer, tag):
         req = self.comm.Irecv(buf, source=peer, tag=tag)
-        return _MPIWork(req, buf, "recv", (peer,), self.rank)
+        return MPIWork(req, buf, "recv", (peer,), self.rank)
 
     # -- collectives on sub-communicators ----------------------------------------------
     def _group(self, ranks):
@@ -223,19 +220,19 @@ class MPIBackend(MPICollectives, Backend):
                 if pace is not None:                    # MESHCOMM_EMULATE_GBPS (benchmarks)
                     return self._paced_bcast(pace, sub, buf, i, ranks, what)
                 reqs = [sub.Isend(buf, dest=j, tag=BCAST_TAG) for j in range(len(ranks)) if j != i]
-                return _MPIMultiWork(reqs, buf, what, tuple(r for r in ranks if r != root), self.rank)
-            return _MPIWork(sub.Irecv(buf, source=i, tag=BCAST_TAG), buf, what, (root,), self.rank)
+                return MPIMultiWork(reqs, buf, what, tuple(r for r in ranks if r != root), self.rank)
+            return MPIWork(sub.Irecv(buf, source=i, tag=BCAST_TAG), buf, what, (root,), self.rank)
         req = sub.Ibcast(buf, root=i)
         # in a collective any member may be the one missing: name them all
         others = tuple(r for r in ranks if r != self.rank)
-        return _MPIWork(req, buf, what, others, self.rank)
+        return MPIWork(req, buf, what, others, self.rank)
 
     def _paced_bcast(self, pace, sub, buf, i, ranks, what):
         works = []
         for j, r in enumerate(ranks):
             if j == i:
                 continue
-            send = (lambda j=j: _MPIWork(sub.Isend(buf, dest=j, tag=BCAST_TAG), buf, what, (ranks[j],), self.rank))
+            send = (lambda j=j: MPIWork(sub.Isend(buf, dest=j, tag=BCAST_TAG), buf, what, (ranks[j],), self.rank))
             works.append(pace.send(send, buf.nbytes, what, (r,)) if pace.crosses(r) else send())
         return pacing.AllOf(works, what, tuple(r for r in ranks if r != ranks[i]))
 
@@ -249,7 +246,7 @@ class MPIBackend(MPICollectives, Backend):
         else:
             req = sub.Ireduce(buf, None, op=mop, root=i)
         others = tuple(r for r in ranks if r != self.rank)
-        return _MPIWork(req, buf, f"reduce in group {list(ranks)}", others, self.rank)
+        return MPIWork(req, buf, f"reduce in group {list(ranks)}", others, self.rank)
 
     def has_groups(self, groups):
         return all(g in self._groups or len(g) == self.world_size for g in groups)
@@ -298,7 +295,7 @@ class MPIBackend(MPICollectives, Backend):
         out = np.empty_like(vec)
         req = self.meta.Iallreduce(vec, out, op=MPI.MIN)
         others = tuple(r for r in range(self.world_size) if r != self.rank)
-        wait_polling([_MPIWork(req, (vec, out), "the metadata check (an allreduce: any of them "
+        wait_polling([MPIWork(req, (vec, out), "the metadata check (an allreduce: any of them "
                                "may be the one missing)", others, self.rank)],
                      deadline, self.rank, self.timeout)
         return out

@@ -25,8 +25,8 @@ class MPICollectives:
     """Mixed into MPIBackend: needs `rank`, `_group(ranks)` (the cached communicator)."""
 
     def _work(self, req, bufs, what, ranks):
-        from .mpi import _MPIWork
-        return _MPIWork(req, bufs, f"{what} in group {list(ranks)}", others(ranks, self.rank), self.rank)
+        from .mpi import MPIWork
+        return MPIWork(req, bufs, f"{what} in group {list(ranks)}", others(ranks, self.rank), self.rank)
 
     def allreduce(self, buf, op, ranks):
         from mpi4py import MPI

@@ -88,6 +88,8 @@ _ALL = (
             "`0` packs CUDA tensors with torch slicing instead of the kernels", "1"),
     Setting("POLL_YIELDS", _int, 4000,
             "polls of a pending operation that yield the core before the poller starts sleeping briefly"),
+    Setting("COLLECTIVES", _choice("auto", "native", "plan"), "auto",
+            "how a collective runs: `plan` (its reshard plan on the executor), `native` (one collective call of the backend the tuning table names, where it applies: one device per process in each group, CPU tiles, the leading dimension, a dtype its reductions take); `auto`: native where it applies, else the plan"),
     Setting("UNSAFE_NO_FENCE", _bool, False,
             "`1` drops the CUDA stream fences (only to show that the fence test fails without them)", "0"),
     Setting("LOG", _str, None,

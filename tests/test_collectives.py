@@ -103,23 +103,25 @@ def test_mpiexec_4_every_backend_async_mix_and_faults(tmp_path):
         assert r["fault_max_s"] < 15 and r["endian_ok"] == 3, r
         assert r["p2p_ok"] == 9 and r.get("p2p_mismatch_ok", 0) == (3 if r["rank"] % 2 else 0), r
     assert sum(r["async"] for r in res) > 0
+    assert all(r["native"] > 0 for r in res)          # MESHCOMM_COLLECTIVES=auto: native calls ran
 
 
 @pytest.mark.mpi
 def test_mpiexec_8_and_two_devices_per_process(tmp_path):
+    # every collective as its reshard plan (the native calls are tested on 4 processes)
     res = _launch(tmp_path / "a", 8, "--init", "mixed", "--backends", "mpi,torch,mixed", "--cases", "45",
-                  "--seed", "12")
-    assert all(r["ok"] == 45 for r in res)
+                  "--seed", "12", env={"MESHCOMM_COLLECTIVES": "plan"})
+    assert all(r["ok"] == 45 and r["native"] == 0 for r in res)
     res = _launch(tmp_path / "b", 3, "--init", "mixed", "--backends", "mpi,torch", "--dpp", "2",
                   "--cases", "40", "--seed", "13")
     assert all(r["ok"] == 40 for r in res)
 
 
-def _launch(tmp_path, n, *args):
+def _launch(tmp_path, n, *args, env=None):
     from test_distributed import MPIEXEC, launch
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
     res = launch([MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", str(WORKER), *args],
-                 {"MESHCOMM_TIMEOUT": "30"}, 400, tmp_path / "out")
+                 {"MESHCOMM_TIMEOUT": "30", **(env or {})}, 400, tmp_path / "out")
     assert [r["rank"] for r in res] == list(range(n)), res
     return res

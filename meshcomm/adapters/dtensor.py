@@ -53,7 +53,7 @@ from ..mesh import Mesh
 __all__ = ["layout_from_placements", "placements_from_layout", "reshard_dtensor", "nested_chunk_sizes"]
 
 
-def _mesh_ranks_and_names(device_mesh) -> tuple[np.ndarray, tuple[str, ...]]:
+def mesh_ranks_and_names(device_mesh) -> tuple[np.ndarray, tuple[str, ...]]:
     ranks = getattr(device_mesh, "mesh", device_mesh)
     if isinstance(ranks, torch.Tensor):
         ranks = ranks.cpu().numpy()
@@ -97,7 +97,7 @@ def layout_from_placements(device_mesh, placements: Sequence[Placement], shape, 
     process group). Device id of rank r is r * devices_per_process.
     """
     shape = normalize_shape(shape)
-    ranks, names = _mesh_ranks_and_names(device_mesh)
+    ranks, names = mesh_ranks_and_names(device_mesh)
     placements = tuple(placements)
     if len(placements) != ranks.ndim:
         raise ValueError(f"{len(placements)} placement(s) {placements} for a {ranks.ndim}-d device "

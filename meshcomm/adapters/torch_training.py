@@ -52,7 +52,7 @@ from .. import collectives, runtime
 from .. import compression as codecs
 from ..collectives.layouts import group_axes
 from ..mesh import Mesh
-from .dtensor import _mesh_ranks_and_names
+from .dtensor import mesh_ranks_and_names
 
 __all__ = ["use_meshcomm", "HookState", "allreduce_hook", "MeshcommAllGather", "MeshcommReduceScatter",
            "FSDPComms", "world_mesh", "mesh_of_device_mesh", "reduce_op_name"]
@@ -76,7 +76,7 @@ def mesh_of_device_mesh(device_mesh) -> Mesh:
     """A torch DeviceMesh as a meshcomm Mesh: same shape and dim names (d0, d1, ... when it
     has none), device r * devices_per_process for global rank r."""
     ctx = _context("mesh_of_device_mesh")
-    ranks, names = _mesh_ranks_and_names(device_mesh)
+    ranks, names = mesh_ranks_and_names(device_mesh)
     return Mesh(ranks * ctx.devices_per_process, names)
 
 

@@ -46,6 +46,15 @@ def _describe(h) -> str:
     return f"{name} {tuple(int(v) for v in h[4:4 + ndim])}"
 
 
+def _primitives(ctx, backend, x):
+    """The concrete backend for one message of x's size ("mixed" picks by size)."""
+    be, err = ctx.resolve_backend(backend)
+    if err is not None:
+        raise err
+    nbytes = int(np.prod(x.shape, dtype=np.int64)) * arrays.dtype_of(x)[1]
+    return be.choose("send", nbytes, 2, "cpu")
+
+
 def _own(ctx, device, what):
     if ctx.ownership.rank_of(device) != ctx.rank:
         raise ValueError(f"{what}: device {device} belongs to rank {ctx.ownership.rank_of(device)}, "
@@ -71,21 +80,15 @@ def send(x, to_device: int, *, from_device: int | None = None, backend=None, asy
     frm = _default_device(ctx, from_device, "from_device")
     arrays.kind_of(x)
     x = native_byte_order(x)
-    if ctx is None or backend == "local":
-        runtime.no_context(backend, "send")
+    if ctx is None or backend == "local" or ctx.ownership.rank_of(to_device) == ctx.rank:
+        if ctx is None or backend == "local":
+            runtime.no_context(backend, "send")
         _MAILBOX[(frm, to_device)].append((_header(x), x.clone() if arrays.is_torch(x) else np.array(x)))
         return Handle(result=None) if async_op else None
     _own(ctx, frm, "send")
-    be, err = ctx.resolve_backend(backend)
-    if err is not None:
-        raise err
-    peer = ctx.ownership.rank_of(to_device)
-    if peer == ctx.rank:
-        _MAILBOX[(frm, to_device)].append((_header(x), x.clone() if arrays.is_torch(x) else np.array(x)))
-        return Handle(result=None) if async_op else None
     from meshcomm.backends.base import to_wire
-    nbytes = int(np.prod(x.shape, dtype=np.int64)) * arrays.dtype_of(x)[1]
-    prim = be.choose("send", nbytes, 2, "cpu")
+    peer = ctx.ownership.rank_of(to_device)
+    prim = _primitives(ctx, backend, x)
     hdr = to_wire(_header(x), prim.wire)
     data = to_wire(np.asarray(x) if arrays.kind_of(x) == "jax" else x.reshape(-1), prim.wire)
 
@@ -124,13 +127,9 @@ def recv(from_device: int, like, *, to_device: int | None = None, backend=None, 
         check(h, "")
         return Handle(result=v) if async_op else v
     _own(ctx, to, "recv")
-    be, err = ctx.resolve_backend(backend)
-    if err is not None:
-        raise err
     from meshcomm.backends.base import empty_wire, from_wire
     peer = ctx.ownership.rank_of(from_device)
-    nbytes = int(np.prod(like.shape, dtype=np.int64)) * arrays.dtype_of(like)[1]
-    prim = be.choose("send", nbytes, 2, "cpu")
+    prim = _primitives(ctx, backend, like)
     like_np = like if not arrays.is_jax(like) else np.asarray(like)
 
     def go():

@@ -20,7 +20,7 @@ from ..backends import codec_cost
 from ..collectives.layouts import groups, problem
 from ..handle import Handle
 from ..validate import native_byte_order
-from . import agreement
+from . import agreement, native_call
 from .agreement import Meta
 from .reshard_call import Local, PlannedCall
 
@@ -224,6 +224,10 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
         if dt is None:
             raise ValueError(f"{req.op}: no process passed a tile, so shape and dtype are unknown")
         prob = build(req, tile, shapes)
+        nat = None if req.compression is not None else native_call.choose(ctx, be, req, dt, tile, shapes, devtype)
+        if nat is not None:         # one native collective of the backend the table names
+            res = native_call.run(ctx, nat, req, prob, tiles, dt, tile, shapes, deadline, kind, stamp)
+            return res, None, kind, prob
         src_devs = set(prob.src.mesh.device_ids)
         shards = {d: prob.in_tile(v) for d, v in tiles.items() if d in src_devs}
         loc = Local(kind=kind, devtype=devtype)
@@ -239,7 +243,8 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
     def finish():
         res, done, kind, prob = result()
         for v in res.values():
-            done.wait_on(streams.current_stream(streams.device_of(v)))
+            if done is not None:
+                done.wait_on(streams.current_stream(streams.device_of(v)))
             break
         res = finish_tiles(req, prob, res, bare, owned)
         if kind == "jax":

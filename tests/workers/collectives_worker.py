@@ -332,6 +332,8 @@ def main():
         faults(ctx, backends, stats, args.fault_limit)
         p2p(ctx, backends, stats)
     stats["seconds"] = round(time.time() - t0, 1)
+    from meshcomm.backends.base import issued
+    stats["native"] = sum(v for (b, _), v in issued.items() if b.startswith("native_"))
     result = {"rank": ctx.rank, **stats}
     mc.finalize()
     line = json.dumps(result)

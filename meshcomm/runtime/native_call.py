@@ -1,0 +1,198 @@
+"""An agreed collective run as ONE native collective of a backend (MPI's or torch.distributed's
+own allreduce, allgatherv, ...), the per-operation mixing of backends that MCR-DL describes.
+
+`choose` decides, from facts every process agrees on (so all decide alike), whether a
+collective can run natively: one device per process in every group, CPU tiles, the gathered
+or split dimension the leading one, group order ascending in ranks where order matters, a
+dtype the backend's reduction takes. Then `run` issues that one call on the backend the
+tuning table names for (op, nccl-tests bytes, group size) and waits for it. Otherwise the
+collective runs as its reshard plan. MESHCOMM_COLLECTIVES=plan|native|auto chooses.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from .. import arrays, settings
+from ..collectives.layouts import groups
+
+__all__ = ["Native", "choose", "run"]
+
+TABLE_OP = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatter": "reduce_scatter",
+            "broadcast": "bcast", "reduce": "reduce", "all_to_all": "alltoall", "gather": "gather",
+            "scatter": "scatter"}
+_ORDERED = ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")
+_REDUCING = ("all_reduce", "reduce", "reduce_scatter")
+_TYPED_OK = {"mpi": ("float32", "float64", "int32", "int64", "int8", "uint8", "int16", "uint16", "uint32",
+                     "uint64"),
+             "torch": ("float32", "float64", "int32", "int64", "int8", "uint8", "int16", "bfloat16", "float16")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Native:
+    prim: object                    # the concrete backend (MPI or torch)
+    all_ranks: tuple                # every group's ranks, sorted (groups are created in this order)
+
+
+def choose(ctx, be, req, dt, tile, shapes, devtype) -> Native | None:
+    mode = settings.get("COLLECTIVES")
+    if mode == "plan" or devtype != "cpu" or tile is None:
+        return None
+    rank_of = ctx.ownership.rank_of
+    gs = groups(req.mesh, req.axes)
+    k = len(gs[0])
+    if k < 2:
+        return None
+    for g in gs:
+        rs = [rank_of(d) for d in g]
+        if len(set(rs)) != k or (req.op in _ORDERED and rs != sorted(rs)):
+            return None
+    nd = len(tile)
+    if req.op in ("all_gather", "gather", "reduce_scatter", "scatter") and (nd == 0 or req.dim % nd != 0):
+        return None
+    if req.op == "all_to_all" and (nd == 0 or req.split_dim % nd != 0 or req.concat_dim % nd != 0):
+        return None
+    name, itemsize = dt
+    nbytes = _nccl_bytes(req, tile, shapes, gs[0], itemsize)
+    prim = be.choose(TABLE_OP[req.op], nbytes, k, "cpu")
+    if req.op in _REDUCING and name not in _TYPED_OK.get(prim.name, ()):
+        return None
+    return Native(prim, tuple(tuple(sorted(rank_of(d) for d in g)) for g in gs))
+
+
+def _nccl_bytes(req, tile, shapes, g, itemsize) -> int:
+    n = math.prod(tile) * itemsize
+    if req.op in ("all_gather", "gather"):
+        return sum(math.prod(shapes[d]) for d in g) * itemsize if shapes else n * len(g)
+    return n
+
+
+def _chunks(n: int, k: int) -> list[int]:
+    c = -(-n // k)
+    return [min((i + 1) * c, n) - min(i * c, n) for i in range(k)]
+
+
+def wire_bytes(req, k: int, i: int, root: int | None, size: int) -> tuple[int, int]:
+    """(sent, received) by member i of a group of k for nccl-tests' size `size`: the bytes an
+    ideal algorithm moves (ring for the symmetric ops, direct for the rooted ones); the
+    backend's own algorithm may move more. Summed over the group, sent == received."""
+    if k < 2:
+        return 0, 0
+    if req.op == "all_reduce":
+        b = 2 * (k - 1) * size // k
+        return b, b
+    if req.op in ("all_gather", "reduce_scatter", "all_to_all"):
+        b = (k - 1) * size // k
+        return b, b
+    part = size // k if req.op in ("gather", "scatter") else size
+    if req.op in ("broadcast", "scatter"):
+        return ((k - 1) * part, 0) if i == root else (0, part)
+    return (0, (k - 1) * part) if i == root else (part, 0)          # reduce, gather
+
+
+def run(ctx, nat: Native, req, prob, tiles, dt, tile, shapes, deadline, kind="numpy", stamp=None) -> dict:
+    """This process's result tiles (the shapes `prob` gives), after one native call."""
+    from meshcomm.backends.base import issued
+    prim = nat.prim
+    issued[("native_" + prim.name, req.op)] += 1
+    prim.prepare_groups([r for r in nat.all_ranks if len(r) > 1], deadline)
+    rank_of = ctx.ownership.rank_of
+    res = {}
+    # a process in several groups (several devices per process) takes part in each in the
+    # groups' global order, one at a time: the same order everywhere, so no deadlock
+    import time
+    for g in groups(req.mesh, req.axes):
+        me = [d for d in g if rank_of(d) == ctx.rank]
+        if me:
+            t_run = time.time()
+            res.update(_one_group(ctx, prim, req, g, me[0], tiles, dt, tile, shapes, deadline, kind))
+            if stamp is not None:
+                _record(stamp, ctx, prim, req, g, me[0], prob, dt, tile, t_run)
+    return res
+
+
+def _all_ranks(req, ctx):
+    return [[ctx.ownership.rank_of(d) for d in g] for g in groups(req.mesh, req.axes)]
+
+
+def _record(stamp, ctx, prim, req, g, me, prob, dt, tile, t_run):
+    from .. import log
+    f = log.collective_fields(req.op, len(g), tile, [s for _, s in prob.out_shapes], dt[1])
+    root = req.root if req.op in ("broadcast", "reduce", "gather", "scatter") else None
+    sent, recv = wire_bytes(req, len(g), g.index(me), root, f["logical_bytes"])
+    ranks = tuple(sorted({r for rs in _all_ranks(req, ctx) for r in rs}))   # one call: the mesh's ranks
+    log.record(stamp, f["op"], ranks, backend=prim.name, dtype=dt[0], shape=f["shape"],
+               logical_bytes=f["logical_bytes"], sent_bytes=sent, recv_bytes=recv, t_run=t_run,
+               group_size=f["group_size"], algorithm="native")
+
+
+def _one_group(ctx, prim, req, g, me, tiles, dt, tile, shapes, deadline, kind) -> dict:
+    from meshcomm.backends.base import empty_wire, from_wire, to_wire
+    from .reshard_call import empty_like
+    rank_of = ctx.ownership.rank_of
+    ranks = tuple(sorted(rank_of(d) for d in g))
+    k = len(g)
+    itemsize = dt[1]
+    row = math.prod(tile[1:]) if tile else 1
+    x = tiles.get(me)
+    like = x if x is not None else empty_like(kind, dt[0], "cpu")
+    wire = prim.wire
+
+    def flat(v, typed):
+        return to_wire(v.reshape(-1).contiguous() if arrays.is_torch(v) else np.ascontiguousarray(v).reshape(-1),
+                       wire, typed=typed)
+
+    def out(buf, shape, typed=False):
+        return from_wire(buf, like, typed=typed).reshape(shape)
+
+    op = "sum" if req.reduce_op == "avg" else req.reduce_op
+    root = rank_of(g[req.root]) if req.op in ("broadcast", "reduce", "gather", "scatter") else None
+    if req.op in ("all_reduce", "reduce"):
+        buf = flat(x.clone() if arrays.is_torch(x) else x.copy(), typed=True)
+        if req.op == "all_reduce":
+            w = prim.allreduce(buf, op, ranks)
+        else:
+            w = prim.reduce(buf, root, ranks, op)
+        prim.wait_all([w], deadline)
+        if req.op == "reduce" and ctx.rank != root:
+            return {}
+        return {me: out(buf, tile, typed=True)}
+    if req.op == "broadcast":
+        n = math.prod(tile) * itemsize
+        buf = flat(x.clone() if arrays.is_torch(x) else x.copy(), False) if ctx.rank == root \
+            else empty_wire(n, wire, like)
+        prim.wait_all([prim.bcast(buf, root, ranks)], deadline)
+        return {me: out(buf, tile)}
+    if req.op in ("all_gather", "gather"):
+        sizes = [shapes[d][0] for d in g]
+        counts = [s * row * itemsize for s in sizes]
+        recv = empty_wire(sum(counts), wire, like) if (req.op == "all_gather" or ctx.rank == root) else None
+        send = flat(x, False)
+        if req.op == "all_gather":
+            w = prim.allgatherv(send, recv, counts, ranks)
+        else:
+            w = prim.gatherv(send, recv, counts, root, ranks)
+        prim.wait_all([w], deadline)
+        if recv is None:
+            return {}
+        return {me: out(recv, (sum(sizes),) + tuple(tile[1:]))}
+    if req.op in ("reduce_scatter", "scatter"):
+        sizes = _chunks(tile[0], k)
+        i = g.index(me)
+        shape = (sizes[i],) + tuple(tile[1:])
+        if req.op == "reduce_scatter":
+            counts = [s * row for s in sizes]
+            recv = empty_wire(counts[i] * itemsize, wire, like, typed_elems=counts[i])
+            prim.wait_all([prim.reduce_scatterv(flat(x, True), recv, counts, op, ranks)], deadline)
+            return {me: out(recv, shape, typed=True)}
+        counts = [s * row * itemsize for s in sizes]
+        recv = empty_wire(counts[i], wire, like)
+        send = flat(x, False) if ctx.rank == root else None
+        prim.wait_all([prim.scatterv(send, recv, counts, root, ranks)], deadline)
+        return {me: out(recv, shape)}
+    # all_to_all along the leading dimension
+    recv = empty_wire(math.prod(tile) * itemsize, wire, like)
+    prim.wait_all([prim.alltoall(flat(x, False), recv, ranks)], deadline)
+    return {me: out(recv, tile)}
