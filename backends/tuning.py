@@ -31,7 +31,6 @@ the host).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 from typing import Any, Mapping, Sequence
@@ -47,33 +46,8 @@ BACKEND_NAMES = ("mpi", "torch")
 DEVICES = ("cpu", "cuda")
 FALLBACK = "mpi"
 
-# nccl-tests' PERFORMANCE.md: busbw = algbw * factor(n) for a group of n ranks. Keys are the
-# table's ops; `bus_factor` also takes the API's spellings (all_reduce, broadcast, ...).
-BUS_FACTORS = {
-    "allreduce": lambda n: 2 * (n - 1) / n,
-    "allgather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "alltoall": lambda n: (n - 1) / n,
-    "bcast": lambda n: 1.0,
-    "reduce": lambda n: 1.0,
-    "gather": lambda n: 1.0,
-    "scatter": lambda n: 1.0,
-    "send": lambda n: 1.0,
-    "recv": lambda n: 0.0,      # a receive's bytes are its sender's wire bytes
-}
-_OP_ALIASES = {"all_reduce": "allreduce", "all_gather": "allgather", "all_to_all": "alltoall",
-               "broadcast": "bcast"}
-
-
-def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw / algbw for `op` over a group of `n` ranks."""
-    key = _OP_ALIASES.get(op, op)
-    if key not in BUS_FACTORS:
-        raise ValueError(f"unknown op {op!r}: expected one of {', '.join(BUS_FACTORS)} "
-                         f"(or {', '.join(_OP_ALIASES)})")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"group size of {op} must be a positive int, got {n!r}")
-    return BUS_FACTORS[key](n)
+# nccl-tests' bus factors: the one table (meshcomm.bandwidth), re-exported for the tuning suite
+from meshcomm.bandwidth import BUS_FACTORS, bus_factor  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

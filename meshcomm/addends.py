@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import arrays
 from .reduceops import check_dtype, identity
 
 __all__ = ["split_pending"]
@@ -26,7 +27,7 @@ def split_pending(value, k: int, op: str, rng, kind: str) -> list:
     xp = _namespace(kind)
     if rng is None:
         ident = _full_like(value, identity(op, value.dtype), kind)
-        return [_copy(value, kind)] + [_copy(ident, kind) for _ in range(k - 1)]
+        return [arrays.copy(value, kind)] + [arrays.copy(ident, kind) for _ in range(k - 1)]
     shape = tuple(value.shape)
     holder = rng.integers(0, k, size=shape)
     is_bool = _is_bool(value)
@@ -69,12 +70,6 @@ def _is_bool(value) -> bool:
     return str(value.dtype).removeprefix("torch.") == "bool"
 
 
-def _copy(x, kind):
-    if kind == "torch":
-        return x.clone()
-    if kind == "numpy":
-        return x.copy()
-    return x
 
 
 def _full_like(value, fill, kind):

@@ -44,29 +44,23 @@ def shard(array, layout: Layout, seed: int | None = None) -> dict[int, Any]:
                    else split_pending(value, k, layout.partial_op, rng, kind))
         for a, devs in groups.items():
             for d in devs:
-                out[d] = _copy(addends[a], kind) if len(devs) > 1 else addends[a]
+                out[d] = arrays.copy(addends[a], kind) if len(devs) > 1 else addends[a]
     if kind == "jax":
         import jax
         return {d: jax.device_put(v, arrays.jax_device(d)) for d, v in out.items()}
     return {d: out[d] for d in layout.mesh.device_ids}
 
 
-def _copy(x, kind):
-    if kind == "torch":
-        return x.clone()
-    if kind == "numpy":
-        return x.copy()
-    return x
 
 
 def _split_addends(value, k: int, rng, kind: str) -> list:
     if k == 1:
-        return [_copy(value, kind)]
+        return [arrays.copy(value, kind)]
     if rng is None:
         zeros = _zeros_like(value, kind)
-        return [_copy(value, kind)] + [_copy(zeros, kind) for _ in range(k - 1)]
+        return [arrays.copy(value, kind)] + [arrays.copy(zeros, kind) for _ in range(k - 1)]
     parts = []
-    rest = _copy(value, kind)
+    rest = arrays.copy(value, kind)
     for _ in range(k - 1):
         r = _random_like(value, rng, kind)
         parts.append(r)

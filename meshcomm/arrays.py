@@ -6,12 +6,22 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["kind_of", "normalize_dtype", "dtype_of", "to_numpy", "is_torch", "is_jax"]
+__all__ = ["kind_of", "normalize_dtype", "dtype_of", "to_numpy", "is_torch", "is_jax", "copy"]
 
 
 def is_torch(x) -> bool:
     t = sys.modules.get("torch")
     return t is not None and isinstance(x, getattr(t, "Tensor", ()))  # torch may be mid-import in another thread
+
+
+def copy(x, kind: str | None = None):
+    """A copy of a NumPy array or torch tensor (jax.Arrays are immutable: returned as is)."""
+    kind = kind or kind_of(x)
+    if kind == "torch":
+        return x.clone()
+    if kind == "numpy":
+        return x.copy()
+    return x
 
 
 def is_jax(x) -> bool:
