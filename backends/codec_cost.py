@@ -154,13 +154,19 @@ def resolve(arg, plan, *, backend=None, world: int = 1, devices_per_process: int
             local: bool = False) -> Compression | None:
     """The Compression a call runs with, or None. `local`: one process owns every device
     (nothing travels, so "auto" compresses nothing; a concrete codec still applies, so the
-    results are the same as under a launcher)."""
+    results are the same as under a launcher). Cached by its inputs and the settings."""
     c = coerce(arg)
     if c is None or (c is AUTO and local):
         return None
-    per_hop = settings.get("COMPRESSION_PER_HOP")
-    chunk = settings.get("COMPRESSION_CHUNK")
-    topo, procs = link(devices_per_process), _host_processes(backend, world)
+    env = tuple(settings.get(k) for k in ("COMPRESSION_PER_HOP", "COMPRESSION_CHUNK", "COMPRESSION_REDUCE",
+                                           "EMULATE_GBPS", "EMULATE_NODE_SIZE", "TUNING"))
+    return _resolve(c, plan, _host_processes(backend, world), devices_per_process, strip, env)
+
+
+@memo(maxsize=1024)
+def _resolve(c, plan, procs: int, devices_per_process: int, strip: int, env: tuple) -> Compression | None:
+    per_hop, chunk = env[0], env[1]
+    topo = link(devices_per_process)
     if c is AUTO:
         if numpy_dtype(plan.dtype).name not in ("float32", "float64") or not plan.transfers:
             return None
@@ -172,4 +178,3 @@ def resolve(arg, plan, *, backend=None, world: int = 1, devices_per_process: int
                 best, best_t = comp, t
         return best
     return choose_reduce(plan, Compression(c, "oneshot", per_hop, chunk, strip), topo, procs)
-
