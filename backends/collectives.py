@@ -14,7 +14,7 @@ from typing import Sequence
 
 from meshcomm.reduceops import PARTIAL_OPS
 
-__all__ = ["REDUCE_OPS", "check_op", "check_group", "check_counts", "check_len", "displs",
+__all__ = ["REDUCE_OPS", "check_op", "check_group", "check_counts", "check_len", "check_alltoall", "displs",
            "member", "others"]
 
 REDUCE_OPS = PARTIAL_OPS        # sum, prod, min, max: native in MPI and gloo alike
@@ -75,3 +75,14 @@ def displs(counts: Sequence[int]) -> tuple[int, ...]:
 def others(ranks: Sequence[int], rank: int) -> tuple[int, ...]:
     """The members other than `rank`: in a collective any of them may be the one missing."""
     return tuple(r for r in ranks if r != rank)
+
+
+def check_alltoall(rank: int, sendbuf, recvbuf, ranks) -> tuple[int, ...]:
+    """The group, after checking that sendbuf splits into equal blocks and recvbuf matches."""
+    ranks = check_group(rank, ranks, "alltoall")
+    n = len(sendbuf)
+    if n % len(ranks):
+        raise ValueError(f"alltoall: sendbuf of {n} elements does not split into "
+                         f"{len(ranks)} equal blocks (group {list(ranks)})")
+    check_len(recvbuf, n, "alltoall", "recvbuf")
+    return ranks

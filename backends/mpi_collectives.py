@@ -11,7 +11,7 @@ these are what `meshcomm tune` measures as "the MPI collective".
 """
 from __future__ import annotations
 
-from .collectives import check_counts, check_group, check_len, check_op, displs, member, others
+from .collectives import check_alltoall, check_counts, check_group, check_len, check_op, displs, member, others
 
 __all__ = ["MPICollectives", "mpi_op"]
 
@@ -51,12 +51,7 @@ class MPICollectives:
         return self._work(req, (sendbuf, recvbuf), "reduce_scatterv", ranks)
 
     def alltoall(self, sendbuf, recvbuf, ranks):
-        ranks = check_group(self.rank, ranks, "alltoall")
-        n = len(sendbuf)
-        if n % len(ranks):
-            raise ValueError(f"alltoall: sendbuf of {n} elements does not split into "
-                             f"{len(ranks)} equal blocks (group {list(ranks)})")
-        check_len(recvbuf, n, "alltoall", "recvbuf")
+        ranks = check_alltoall(self.rank, sendbuf, recvbuf, ranks)
         req = self._group(ranks).Ialltoall(sendbuf, recvbuf)
         return self._work(req, (sendbuf, recvbuf), "alltoall", ranks)
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 from meshcomm.errors import PeerTimeoutError
 
 from .base import Work
-from .collectives import check_counts, check_group, check_len, check_op, displs, member, others
+from .collectives import check_alltoall, check_counts, check_group, check_len, check_op, displs, member, others
 
 __all__ = ["TorchCollectives", "CollWork"]
 
@@ -123,12 +123,7 @@ class TorchCollectives:
             acc, op=rop, group=g, async_op=True), post)
 
     def alltoall(self, sendbuf, recvbuf, ranks):
-        ranks = check_group(self.rank, ranks, "alltoall")
-        n = len(sendbuf)
-        if n % len(ranks):
-            raise ValueError(f"alltoall: sendbuf of {n} elements does not split into "
-                             f"{len(ranks)} equal blocks (group {list(ranks)})")
-        check_len(recvbuf, n, "alltoall", "recvbuf")
+        ranks = check_alltoall(self.rank, sendbuf, recvbuf, ranks)
         return self._issue("alltoall", ranks, (sendbuf, recvbuf), lambda g: self.dist.all_to_all_single(
             recvbuf, sendbuf, group=g, async_op=True))
 
