@@ -41,7 +41,8 @@ from .pipeline import Engine, stats
 
 __all__ = ["execute_local", "run_compressed", "stats"]
 
-RELAY, START, FINAL = 0, 1, 2   # task priorities: feeding a next hop, a chain's first encode, the rest
+# task priorities, smallest first: feeding a next hop, a chain's first encode, the rest
+RELAY, START, FINAL = (0, 0), (1, 0), (2, 0)
 
 
 def run_compressed(ex, comp: Compression, deadline_fn):
@@ -75,6 +76,7 @@ class _Program:
         self.dst = {d: host_array(v, self.codec) for d, v in out.items()}
         self.fixed = self.codec.fixed_size
         self.op = plan.reduce_op
+        self.world = getattr(backend, "world_size", 1)
 
     def run(self) -> None:
         stats["calls"] += 1
@@ -301,10 +303,13 @@ class _Program:
                         combine(m)
                 eng.task(FINAL, dec)
             return arrive
+        # every process encodes for the roots after it first (rotated), so each root's
+        # addends arrive spread over the stage and no root decodes all of them at the end
+        turn = (START[0], (self.rank_of(r) - self.rank) % max(1, self.world))
         for a in remote:
             if self._mine(a):
                 for m, msg in enumerate(msgs):
-                    eng.task(START, lambda a=a, m=m, msg=msg: self._deliver(
+                    eng.task(turn, lambda a=a, m=m, msg=msg: self._deliver(
                         i, a, r, m, self._encode(t, a, msg), arrive_from(a) if self._mine(r) else None))
             if self._mine(r):
                 self._listen(i, a, r, msgs, arrive_from(a))

@@ -39,7 +39,7 @@ class Engine:
         self.pace = pacing.pacer(rank) if self.torch else None
         self.waiters: dict = {}
 
-    def task(self, prio: int, fn) -> None:
+    def task(self, prio: tuple, fn) -> None:
         heapq.heappush(self.tasks, (prio, self.seq, fn))
         self.seq += 1
 
