@@ -191,10 +191,11 @@ def cmd_crossover(a, b: Bench) -> dict:
     out = {}
     bar = progress(total=2 * len(gs), disable=b.rank != 0, desc="crossover", file=sys.stderr)
     for op in ("all_gather", "reduce_scatter"):
-        speed, model = [], []
+        speed, model, secs = [], [], []
         for g in gs:
             bar.set_postfix_str(f"{op} {g} Gb/s", refresh=False)
             t = b.times(op, size, ["none", codec], g)
+            secs.append(t)
             speed.append(t["none"] / t[codec])
             model.append(b.model(op, size, "none", g) / b.model(op, size, codec, g))
             bar.update(1)
@@ -207,7 +208,7 @@ def cmd_crossover(a, b: Bench) -> dict:
                 mid = math.sqrt(lo * hi)
                 lo, hi = (mid, hi) if f(mid) > 0 else (lo, mid)
             xm = math.sqrt(lo * hi)
-        out[op] = {"gbps": gs, "speedup": speed, "model_speedup": model, "crossover": _crossing(gs, speed),
+        out[op] = {"gbps": gs, "seconds": secs, "speedup": speed, "model_speedup": model, "crossover": _crossing(gs, speed),
                    "model_crossover": xm}
     bar.close()
     if b.rank == 0:

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .. import arrays
+from .. import arrays, settings
 from .. import log as _log
 from ..backends import codec_cost
 from ..collectives.layouts import groups, problem
@@ -224,7 +224,10 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
         if dt is None:
             raise ValueError(f"{req.op}: no process passed a tile, so shape and dtype are unknown")
         prob = build(req, tile, shapes)
-        nat = None if req.compression is not None else native_call.choose(ctx, be, req, dt, tile, shapes, devtype)
+        # compressed calls, and every call under link emulation (which paces the executor's
+        # sends only), run as their plans
+        plan_only = req.compression is not None or settings.get("EMULATE_GBPS") is not None
+        nat = None if plan_only else native_call.choose(ctx, be, req, dt, tile, shapes, devtype)
         if nat is not None:         # one native collective of the backend the table names
             res = native_call.run(ctx, nat, req, prob, tiles, dt, tile, shapes, deadline, kind, stamp)
             return res, None, kind, prob
