@@ -81,7 +81,8 @@ def _local(req: Request, x):
 
 
 def all_reduce(x, mesh, axes, op: str = "sum", *, backend=None, async_op: bool = False, compression=None):
-    """Every device gets the elementwise `op` (sum, prod, min, max, avg) of its group's tiles."""
+    """Every device gets the elementwise `op` (sum, prod, min, max, avg) of its group's tiles.
+    `compression`: a codec, "bf16", "fp16", "zfp(...)" or "auto" (README, Compression)."""
     req = Request("all_reduce", mesh, group_axes(mesh, axes), reduce_op=_check_op("all_reduce", op),
                   compression=_check_compression("all_reduce", compression))
     return _call(req, x, backend, async_op)
@@ -89,7 +90,9 @@ def all_reduce(x, mesh, axes, op: str = "sum", *, backend=None, async_op: bool =
 
 def all_gather(x, mesh, axes, dim: int = 0, *, backend=None, async_op: bool = False, compression=None):
     """Every device gets its group's tiles concatenated along `dim` in group order (the tiles'
-    sizes along `dim` may differ; every group must have the same sizes)."""
+    sizes along `dim` may differ; every group must have the same sizes). With `compression`
+    each tile is coded once by its owner: every device gets the codec's round trip of every
+    tile, its own included."""
     req = Request("all_gather", mesh, group_axes(mesh, axes), dim=_check_int("all_gather", "dim", dim),
                   compression=_check_compression("all_gather", compression))
     return _call(req, x, backend, async_op)
@@ -97,7 +100,9 @@ def all_gather(x, mesh, axes, dim: int = 0, *, backend=None, async_op: bool = Fa
 
 def reduce_scatter(x, mesh, axes, dim: int = 0, op: str = "sum", *, backend=None, async_op: bool = False,
                    compression=None):
-    """Device i of a group gets chunk i (torch.chunk of `dim`) of the `op` of the group's tiles."""
+    """Device i of a group gets chunk i (torch.chunk of `dim`) of the `op` of the group's tiles.
+    With `compression` the addends are coded once (one-shot) or the partial sums at every hop
+    (ring), as the cost model picks (planners/compressed.py gives both error bounds)."""
     req = Request("reduce_scatter", mesh, group_axes(mesh, axes), dim=_check_int("reduce_scatter", "dim", dim),
                   reduce_op=_check_op("reduce_scatter", op),
                   compression=_check_compression("reduce_scatter", compression))
