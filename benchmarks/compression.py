@@ -67,12 +67,17 @@ class Bench:
         self.speeds = {}
         os.environ["MESHCOMM_COLLECTIVES"] = "plan"       # every message through the paced executor
 
+    def sample(self, codec: str, seconds: float = 0.2) -> None:
+        """Measure (encode, decode) bytes/s of one process while all code at once, now."""
+        e = self.measure_codecs(self.ctx.get_backend("mpi"), [mc.compression.coerce(codec)], seconds=seconds)[0]
+        self.speeds.setdefault(codec, []).append((e["encode_GBps"] * 1e9, e["decode_GBps"] * 1e9))
+
     def codec_speed(self, codec: str) -> tuple[float, float]:
-        """(encode, decode) bytes/s of one process while all code at once, measured now."""
+        """The median of the samples so far (the machine's load drifts: every round takes one)."""
         if codec not in self.speeds:
-            e = self.measure_codecs(self.ctx.get_backend("mpi"), [mc.compression.coerce(codec)])[0]
-            self.speeds[codec] = (e["encode_GBps"] * 1e9, e["decode_GBps"] * 1e9)
-        return self.speeds[codec]
+            self.sample(codec, 0.5)
+        s = self.speeds[codec]
+        return statistics.median(e for e, _ in s), statistics.median(d for _, d in s)
 
     def tile(self, op: str, size: int) -> np.ndarray:
         elems = size // 4 // self.n if op == "all_gather" else size // 4 // self.n * self.n
@@ -116,6 +121,8 @@ class Bench:
         self.warm(op, size, impls, gbps)
         out = {i: [] for i in impls}
         for _ in range(reps or self.reps):
+            for c in {i.split(":")[-1] for i in impls if i != "none"}:
+                self.sample(c)
             for i in impls:
                 out[i].append(self.call(op, x, i, gbps))
         return {i: statistics.median(ts) for i, ts in out.items()}
@@ -157,10 +164,11 @@ def cmd_sizes(a, b: Bench) -> dict:
     for op, s, g in cases:
         bar.set_postfix_str(f"{op} {label(s)} {g or 'native'}", refresh=False)
         t = b.times(op, s, impls, g, reps=1 if s >= 64 << 20 else None)
-        m = {i: b.model(op, s, i, g) for i in impls}
-        rows.append({"op": op, "bytes": s, "gbps": g, "measured": t, "model": m})
+        rows.append({"op": op, "bytes": s, "gbps": g, "measured": t})
         bar.update(1)
     bar.close()
+    for r in rows:                              # the model, with the codec speed of the whole run
+        r["model"] = {i: b.model(r["op"], r["bytes"], i, r["gbps"]) for i in impls}
     if b.rank == 0:
         print(f"# {b.n} processes; link {g_codec} Gb/s = (ZFP rate-8 encode {enc8 / 1e9:.3f} GB/s per process, "
               "all coding) / 8, then not emulated; seconds (model); speedups of zfp over none and over per-hop")
@@ -191,14 +199,17 @@ def cmd_crossover(a, b: Bench) -> dict:
     out = {}
     bar = progress(total=2 * len(gs), disable=b.rank != 0, desc="crossover", file=sys.stderr)
     for op in ("all_gather", "reduce_scatter"):
-        speed, model, secs = [], [], []
+        speed, secs = [], []
         for g in gs:
             bar.set_postfix_str(f"{op} {g} Gb/s", refresh=False)
             t = b.times(op, size, ["none", codec], g)
             secs.append(t)
             speed.append(t["none"] / t[codec])
-            model.append(b.model(op, size, "none", g) / b.model(op, size, codec, g))
             bar.update(1)
+        out[op] = {"gbps": gs, "seconds": secs, "speedup": speed}
+    bar.close()
+    for op, r in out.items():                   # the model, with the codec speed of the whole run
+        model = [b.model(op, size, "none", g) / b.model(op, size, codec, g) for g in gs]
         lo, hi = 1e-4, 1e3                     # the model's crossover by bisection on log g
         def f(g, op=op):
             return b.model(op, size, "none", g) / b.model(op, size, codec, g) - 1
@@ -208,11 +219,9 @@ def cmd_crossover(a, b: Bench) -> dict:
                 mid = math.sqrt(lo * hi)
                 lo, hi = (mid, hi) if f(mid) > 0 else (lo, mid)
             xm = math.sqrt(lo * hi)
-        out[op] = {"gbps": gs, "seconds": secs, "speedup": speed, "model_speedup": model, "crossover": _crossing(gs, speed),
-                   "model_crossover": xm}
-    bar.close()
+        r.update(model_speedup=model, crossover=_crossing(gs, r["speedup"]), model_crossover=xm)
     if b.rank == 0:
-        enc, dec = b.speeds[codec]
+        enc, dec = b.codec_speed(codec)
         print(f"# {b.n} processes, {label(size)}, {codec}: speedup over none (model); codec {enc / 1e9:.3f}/"
               f"{dec / 1e9:.3f} GB/s encode/decode per process, all coding")
         print("Gb/s          " + " ".join(f"{g:>11g}" for g in gs))
@@ -233,7 +242,7 @@ def main():
     ap.add_argument("--size", default="4M")
     ap.add_argument("--rate", type=int, default=8)
     ap.add_argument("--gbps", default=",".join(str(g) for g in GBPS))
-    ap.add_argument("--reps", type=int, default=3, help="rounds per point (64 MiB and up: 1)")
+    ap.add_argument("--reps", type=int, default=3, help="rounds per point (sizes: 64 MiB and up 1)")
     ap.add_argument("--json", default="", help="write the figure's numbers here (rank 0)")
     a = ap.parse_args()
     if a.figure == "error":

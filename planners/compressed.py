@@ -171,7 +171,8 @@ class CodecCost:
     byte it decodes, so codec and links stream at once (the chunk pipeline) and the slowest
     sets the rate. `encode_bps`/`decode_bps` are one process's throughput while all code at
     once (`meshcomm tune` measures them so). The pipeline's fill (one chunk through every
-    step but the slowest) is added to the transfer's latency."""
+    step but the slowest; a relay of a chain forwards a chunk only once the decode it is
+    busy with ends, one chunk's decode per relay) is added to the transfer's latency."""
 
     comp: Compression
     encode_bps: float
@@ -210,8 +211,9 @@ class CodecCost:
                 relay = i < len(c) - 2
                 add(("cpu", d), dec + (enc if comp.per_hop and relay else 0.0))
             steps = [enc]
-            for i, s in enumerate(link_s):
-                steps += [s, dec + enc] if comp.per_hop and i < len(link_s) - 1 else [s]
+            for i, s in enumerate(link_s):   # a relay forwards once the decode it is in ends
+                relay = i < len(link_s) - 1
+                steps += [s, dec + enc] if comp.per_hop and relay else [s, dec] if relay else [s]
             steps.append(dec)
         elif comp.reduce == "oneshot":
             r = t.dsts[0]
