@@ -85,13 +85,14 @@ def _add_run_parser(bsub) -> None:
     r.add_argument("--procs", type=int, default=8, help="processes when launching (default 8)")
     r.add_argument("--size-mb", type=float, default=16.0, help="tensor size in MiB (default 16)")
     r.add_argument("--repeats", type=int, default=5, help="timed repeats after a warm-up (median)")
-    r.add_argument("--backends", default="mpi,torch,mixed", help="meshcomm backends to time")
+    r.add_argument("--backends", default="mpi,torch,mixed",
+                   help="meshcomm backends to time; a suffix :nocheck times that backend with MESHCOMM_CHECK=0")
     r.add_argument("--only", metavar="NAMES", help="comma-separated substrings of case names")
     r.add_argument("--no-dtensor", action="store_true", help="skip torch DTensor redistribute")
     r.add_argument("--no-jax", action="store_true", help="skip the one-process jax.device_put part")
     r.add_argument("--json", metavar="FILE", help="write the rows as JSON")
-    r.add_argument("--check", action="store_true",
-                   help="keep reshard's metadata exchange (MESHCOMM_CHECK=1) in the timed calls")
+    r.add_argument("--no-check", action="store_true",
+                   help="time reshard with MESHCOMM_CHECK=0 (no agreement check; default: it runs)")
     r.add_argument("--timeout", type=float, default=900.0, help="seconds for each launch")
     r.add_argument("--part", choices=("mpi", "jax"), help=argparse.SUPPRESS)
     r.add_argument("--out", help=argparse.SUPPRESS)

@@ -17,7 +17,7 @@ import numpy as np
 from .. import common, spmd
 from ..cases import Case, global_array, run_cases
 from ..common import check_output, geomean, write_json
-from . import jax_part
+from . import floor, jax_part
 
 __all__ = ["cmd_run", "format_run_table"]
 
@@ -45,6 +45,19 @@ def _entry(t, nbytes, exact, memcpy_s, note="") -> dict:
             "note": note}
 
 
+def time_interleaved(comm, methods, repeats: int, warmup: int = 1) -> dict:
+    """{name: (median seconds, last result)} for methods [(name, fn)], run in rounds: one
+    call of each method per round, so every method sees the same load on a shared machine."""
+    times = {n: [] for n, _ in methods}
+    last = {}
+    for i in range(warmup + repeats):
+        for name, fn in methods:
+            t, last[name] = spmd.time_once(comm, fn)
+            if i >= warmup:
+                times[name].append(t)
+    return {n: (statistics.median(ts), last[n]) for n, ts in times.items()}
+
+
 def _run_mpi_part(args, cases) -> list[dict] | None:
     """SPMD body: every rank runs every case; rank 0 returns the rows, others None."""
     from mpi4py import MPI
@@ -53,9 +66,9 @@ def _run_mpi_part(args, cases) -> list[dict] | None:
     from meshcomm.planners import baselines
     comm = MPI.COMM_WORLD
     me = comm.rank
-    # shape and dtype are given on every process: skip reshard's metadata exchange, so that
-    # meshcomm's time is its plan's execution, like the baseline's (--check keeps it)
-    if not args.check:
+    # default settings: reshard's agreement check runs (shape and dtype are given);
+    # --no-check times the calls with MESHCOMM_CHECK=0
+    if args.no_check:
         os.environ["MESHCOMM_CHECK"] = "0"
     ctx = mc.init(backend="mixed", devices_per_process=1)
     backends = [b for b in args.backends.split(",") if b]
@@ -78,11 +91,6 @@ def _run_mpi_part(args, cases) -> list[dict] | None:
             x = {}
         p = mc.plan(case.shape, case.dtype, case.src, case.dst)
         memcpy_s = _memcpy_seconds(p.bytes_moved, args.repeats) if me == 0 else 0.0
-        methods: dict[str, dict] = {}
-        for b in backends:
-            y, t = timed(lambda b=b: mc.reshard(x, case.src, case.dst, shape=case.shape,
-                                                dtype=case.dtype, backend=b))
-            methods[f"meshcomm-{b}"] = _entry(t, p.bytes_moved, check(y), memcpy_s)
         # meshcomm's plan and the allgather_slice plan run by the shared executor directly
         # over MPI (no reshard API around it): plan against plan, like for like
         bp = baselines.allgather_slice(case.shape, case.dtype, case.src, case.dst)
@@ -94,28 +102,61 @@ def _run_mpi_part(args, cases) -> list[dict] | None:
             out, _ = base.execute(p, x, like, rank=me, devices_per_process=1, backend=be,
                                   deadline=time.monotonic() + ctx.timeout)
             return out
-        y, t = timed(direct)
-        methods["meshcomm-plan-mpi"] = _entry(t, p.bytes_moved, check(y), memcpy_s)
 
         def ag():
             out, _ = base.execute(bp, x, like, rank=me, devices_per_process=1, backend=be,
                                   deadline=time.monotonic() + ctx.timeout)
             return {d: np.ascontiguousarray(v[box]) for d, v in out.items()}
-        y, t = timed(ag)
-        methods["allgather_slice"] = _entry(t, bp.bytes_moved, check(y), memcpy_s)
+        methods = [(f"meshcomm-{b}", _reshard_fn(mc, x, case, b)) for b in backends]
+        methods += [("meshcomm-plan-mpi", direct), ("allgather_slice", ag)]
+        nbytes = {"allgather_slice": bp.bytes_moved}
+        if not case.dst.is_partial:
+            prog = floor.floor_program(case.src, case.dst, case.shape, me)
+            methods.append(("floor", lambda: floor.run_floor(prog, x, case.dtype, be.comm)))
+            nbytes["floor"] = prog.wire_elems * np.dtype(case.dtype).itemsize
+        res = time_interleaved(comm, methods, args.repeats, warmup=1)
+        entries: dict[str, dict] = {}
+        for name, _ in methods:
+            t, y = res[name]
+            entries[name] = _entry(t, nbytes.get(name, p.bytes_moved), check(y), memcpy_s)
         if not args.no_dtensor and case.src.mesh == case.dst.mesh and \
                 baselines.dtensor_style(case.shape, case.dtype, case.src, case.dst) is not None:
-            methods["dtensor_redistribute"] = _dtensor_method(case, x, me, comm, timed, check,
+            entries["dtensor_redistribute"] = _dtensor_method(case, x, me, comm, timed, check,
                                                               memcpy_s, p.bytes_moved)
         if me == 0:
             rows.append({"case": case.name, "group": case.group, "shape": list(case.shape),
                          "dtype": case.dtype, "src": str(case.src), "dst": str(case.dst),
                          "procs": comm.size, "bytes_moved": p.bytes_moved,
                          "overlap": len(set(case.src.mesh.device_ids) & set(case.dst.mesh.device_ids)),
-                         "memcpy_s": memcpy_s, "methods": methods})
+                         "memcpy_s": memcpy_s, "check": not args.no_check, "methods": entries})
         del g, x
     mc.finalize()
     return rows if me == 0 else None
+
+
+def _reshard_fn(mc, x, case, spec: str):
+    """meshcomm.reshard with the backend `spec` names: "mpi", or "mpi:nocheck" for the
+    call with MESHCOMM_CHECK=0 (set around it, so both can be timed in one run)."""
+    b, _, flag = spec.partition(":")
+    if flag not in ("", "nocheck"):
+        raise ValueError(f"--backends entry {spec!r}: the only suffix is ':nocheck'")
+
+    def call():
+        return mc.reshard(x, case.src, case.dst, shape=case.shape, dtype=case.dtype, backend=b)
+    if not flag:
+        return call
+
+    def nocheck():
+        old = os.environ.get("MESHCOMM_CHECK")
+        os.environ["MESHCOMM_CHECK"] = "0"
+        try:
+            return call()
+        finally:
+            if old is None:
+                del os.environ["MESHCOMM_CHECK"]
+            else:
+                os.environ["MESHCOMM_CHECK"] = old
+    return nocheck
 
 
 def _dtensor_method(case, x, me, comm, timed, check, memcpy_s, nbytes) -> dict:
@@ -153,15 +194,40 @@ def _format_jax(jax_rows) -> list[str]:
     if "_error" in jax_rows:
         return [f"JAX part: {jax_rows['_error']}"]
     lines = ["", f"one process, {len(jax_rows)} cases JAX can express, 8 CPU devices:",
-             f"{'case':22} {'jax.device_put ms':>18} {'meshcomm ms':>12}"]
+             f"{'case':22} {'jax.device_put ms':>18} {'meshcomm ms':>12} {'JAX copies':>10} {'speed-up':>8}"]
+    sp = []
     for case, res in jax_rows.items():
         def cell(k):
             e = res.get(k, {})
             if e.get("time_s") is None:
                 return "refused" if e.get("note") else "-"
             return f"{e['time_s'] * 1e3:.2f}" + ("" if e.get("exact") else " !")
-        lines.append(f"{case:22} {cell('jax.device_put'):>18} {cell('meshcomm-local'):>12}")
+        j, m = (res.get(k, {}).get("time_s") for k in ("jax.device_put", "meshcomm-local"))
+        copies = res.get("jax_copies")
+        ratio = j / m if j and m else None
+        if copies and ratio:
+            sp.append(ratio)
+        lines.append(f"{case:22} {cell('jax.device_put'):>18} {cell('meshcomm-local'):>12} "
+                     f"{'-' if copies is None else ('yes' if copies else 'no'):>10} "
+                     f"{'-' if ratio is None else f'{ratio:.2f}':>8}")
+    lines.append("JAX copies: 'no' where every shard of device_put's result lies in a source shard's "
+                 "memory (JAX moved nothing); speed-up: jax.device_put time / meshcomm time")
+    if sp:
+        lines.append(f"meshcomm-local: geomean speed-up over jax.device_put where JAX copies "
+                     f"{geomean(sp):.2f}x (worst {min(sp):.2f}x, {len(sp)} cases)")
     return lines
+
+
+def _ratio(r, base: str, name: str):
+    """Time of `base` / time of `name` on row r (> 1: `name` is faster), or None."""
+    b, m = r["methods"].get(base, {}).get("time_s"), r["methods"].get(name, {}).get("time_s")
+    return b / m if b and m else None
+
+
+def _main_method(names) -> str | None:
+    """The meshcomm method the ratio columns compare: meshcomm-mpi, else the first one."""
+    ms = [n for n in names if n.startswith("meshcomm-") and n != "meshcomm-plan-mpi"]
+    return "meshcomm-mpi" if "meshcomm-mpi" in ms else (ms[0] if ms else None)
 
 
 def format_run_table(rows, jax_rows=None) -> str:
@@ -170,8 +236,10 @@ def format_run_table(rows, jax_rows=None) -> str:
         for k in r["methods"]:
             if k not in names:
                 names.append(k)
+    main = _main_method(names)
     w = 24
-    head = f"{'case':22} {'MiB':>6} {'memcpy ms':>9} " + " ".join(f"{n[:w]:>{w}}" for n in names)
+    head = (f"{'case':22} {'MiB':>6} {'memcpy ms':>9} " + " ".join(f"{n[:w]:>{w}}" for n in names)
+            + f" {'floor':>6} {'ag':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         cells = []
@@ -185,23 +253,28 @@ def format_run_table(rows, jax_rows=None) -> str:
                 flag = "" if e["exact"] else "!"
                 ratio = f"{e['memcpy_ratio']:.0f}x" if e.get("memcpy_ratio") else "-"
                 cells.append(f"{e['time_s'] * 1e3:.2f} {e['gbps']:.2f} {ratio}{flag}".rjust(w))
+        for base in ("floor", "allgather_slice"):
+            v = _ratio(r, base, main) if main else None
+            cells.append(f"{'-' if v is None else f'{v:.2f}':>6}")
         lines.append(f"{r['case']:22} {r['bytes_moved'] / 2**20:>6.1f} {r['memcpy_s'] * 1e3:>9.3f} "
                      + " ".join(cells))
-    lines.append("cells: median ms, GB/s (bytes moved / time: meshcomm's plan; allgather_slice its own "
-                 "plan), time / memcpy of the same bytes; '!' marks an inexact result")
-    base = "allgather_slice"
+    lines.append("cells: median ms, GB/s (bytes moved / time: meshcomm's plan; allgather_slice and floor "
+                 "their own), time / memcpy of the same bytes; '!' marks an inexact result")
+    if main:
+        lines.append(f"floor, ag: floor time / {main} time and allgather_slice time / {main} time "
+                     f"(> 1: {main} is faster)")
     for n in names:
-        if n.startswith("meshcomm"):
-            sp = [r["methods"][base]["time_s"] / r["methods"][n]["time_s"] for r in rows
-                  if r["methods"].get(n, {}).get("time_s") and r["methods"].get(base, {}).get("time_s")]
+        if not n.startswith("meshcomm"):
+            continue
+        for base, label, sel in (("allgather_slice", "allgather_slice", None),
+                                 ("floor", "the hand-written floor", None),
+                                 ("floor", "the floor, cases without pending sums", "plain"),
+                                 ("dtensor_redistribute", "DTensor redistribute", None)):
+            sp = [v for r in rows if (sel is None or "P(" not in r["src"])
+                  for v in [_ratio(r, base, n)] if v is not None]
             if sp:
-                lines.append(f"{n}: geomean speedup over allgather_slice {geomean(sp):.2f}x "
+                lines.append(f"{n}: geomean speedup over {label} {geomean(sp):.2f}x "
                              f"(worst {min(sp):.2f}x, {len(sp)} cases)")
-            dt = [r["methods"]["dtensor_redistribute"]["time_s"] / r["methods"][n]["time_s"] for r in rows
-                  if r["methods"].get("dtensor_redistribute", {}).get("time_s") and r["methods"][n].get("time_s")]
-            if dt:
-                lines.append(f"{n}: geomean speedup over DTensor redistribute {geomean(dt):.2f}x "
-                             f"(worst {min(dt):.2f}x, {len(dt)} same-mesh cases)")
     if jax_rows:
         lines += _format_jax(jax_rows)
     return "\n".join(lines)
@@ -241,8 +314,8 @@ def cmd_run(args) -> int:
             argv += ["--only", args.only]
         if args.no_dtensor:
             argv.append("--no-dtensor")
-        if args.check:
-            argv.append("--check")
+        if args.no_check:
+            argv.append("--no-check")
         try:
             r = spmd.launch(args.procs, argv, timeout=args.timeout)
         except FileNotFoundError:
