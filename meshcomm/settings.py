@@ -74,7 +74,7 @@ _ALL = (
             "`0` skips the agreement check when `shape=` and `dtype=` are given, and trusts `all_to_all_v`'s `recv_counts` (no count exchange; a wrong count is then undefined)",
             "1"),
     Setting("CHECK_EXCHANGE", _choice("auto", "allgather", "allreduce"), "auto",
-            "how the check travels: `allgather` (every rank's metadata to every rank; a missing peer is named exactly) or `allreduce` (one MIN-allreduce of hashes, O(log N) messages per rank; a timeout names the group); auto: allreduce above 8 processes. Disagreements and calls whose shape a process cannot infer fall back to the allgather, which names who differs"),
+            "how the check travels: `allgather` (every rank's hashes to every rank, point to point over MPI, then its metadata only if the hashes do not decide; a missing peer is named exactly) or `allreduce` (one MIN-allreduce of hashes, O(log N) messages per rank; a timeout names the group); auto: allreduce above 8 processes. Disagreements and calls whose shape a process cannot infer fall back to the allgather of the metadata, which names who differs"),
     Setting("OPTIMISTIC", _bool, True,
             "MPI starts the first stage while the check is in flight; `0` waits for it", "1"),
     Setting("TUNING", _str, None,

@@ -8,7 +8,13 @@ shapes, counts). `exchange` sends it to every process:
 * `allgather` (default up to 8 processes): every Meta reaches every process, so all of them
   run `settle` on the same list and raise the same error (the process whose input was wrong
   raises its own TypeError/ValueError; the others a ValueError naming its rank and cause).
-  A missing peer is named exactly.
+  A missing peer is named exactly. Over MPI it starts with a round of hashes: every process
+  sends the fixed-size vector of hashes described below (200 bytes) to every other one,
+  point to point, into receives posted beforehand (no pickling, no probing). Where every
+  process could decide and all vectors agree, that decides (a repeated call, the common
+  case); otherwise every process sees so in the same vectors and the Metas follow.
+  `start` posts that round without waiting, so a caller may start its data first
+  (reshard's first stage) and wait for both together.
 * `allreduce` (above 8 processes, or MESHCOMM_CHECK_EXCHANGE=allreduce): first one
   MIN-allreduce of a vector of hashes, O(log N) messages per process. Where every process
   could decide (no local error, nothing to infer) and all agree, that decides. Otherwise
@@ -26,7 +32,7 @@ import numpy as np
 from .. import settings
 from ..caches import memo
 
-__all__ = ["Meta", "Outcome", "exchange", "settle", "check_mode", "error_of", "raise_together", "LABELS"]
+__all__ = ["Meta", "Outcome", "Pending", "start", "exchange", "settle", "check_mode", "error_of", "raise_together", "LABELS"]
 
 LABELS = {
     "op": "the operation", "layouts": "the src/dst layouts", "mesh": "the mesh", "axes": "the mesh axes",
@@ -70,11 +76,12 @@ def check_mode(be) -> str:
 @dataclasses.dataclass
 class Outcome:
     """What `exchange` learnt: every process's Meta (`metas`, after the allgather), or only
-    that all agree (`metas` None: the allreduce decided; `reduced` is its vector)."""
+    that all agree (`metas` None: the hashes decided; `reduced` is their minimum)."""
 
     fields: tuple
     metas: list | None = None
     reduced: list | None = None
+    via: str = "allgather"      # what decided: "allgather" (the Metas), "allreduce" or "hash"
 
     def value(self, name: str, default=None):
         """The agreed value of a field: from any process that knows it (a process without
@@ -96,15 +103,67 @@ class Outcome:
 
 
 def exchange(be, meta: Meta, deadline: float | None, eligible: bool = True) -> Outcome:
-    """Send `meta` to every process. With the collective form, a call where every process
-    is `eligible` (no error, nothing left to infer: every field but the coded ones known)
-    and all agree is decided by one allreduce; otherwise the allgather runs everywhere."""
-    if check_mode(be) == "allreduce":
+    """Send `meta` to every process. A call where every process is `eligible` (no error,
+    nothing left to infer: every field but the coded ones known) and all agree is decided
+    by the hashes alone (one allreduce, or over MPI's allgather one round of fixed-size
+    vectors); otherwise the allgather of the Metas runs everywhere."""
+    return start(be, meta, deadline, eligible).finish()
+
+
+HASH_TAG = 32766    # the hash round's tag on the data communicator (see Pending)
+
+
+class Pending:
+    """An exchange in flight (`start`); `finish()` waits for it and returns the Outcome.
+
+    The hash round of the allgather form travels on the p2p backend's own (data)
+    communicator: every process posts it before any data of the call, and MPI keeps
+    messages between two ranks with one tag in order, so it never takes a data message
+    of the same tag. `meta.extra` may still be filled in until `finish` (the Metas are
+    sent only there, when the hashes do not decide)."""
+
+    def __init__(self, be, meta: Meta, deadline: float | None, eligible: bool):
+        self.be, self.meta, self.deadline = be, meta, deadline
+        self.mode = check_mode(be)
         ok = eligible and meta.err is None and all(v is not None for k, v in meta.fields if k not in CODES)
-        out = be.allreduce_min(_vector(meta.fields, ok), deadline).tolist()
-        if _decided(out):
-            return Outcome(meta.fields, None, out)
-    return Outcome(meta.fields, be.allgather_obj(meta, deadline))
+        self.vec = _vector_any(meta.fields, ok)
+        self.works, self.rows, self.p2p = [], None, None
+        if self.mode == "allgather":
+            self.p2p = next((b for b in be.members() if b.wire == "numpy"), None)
+        if self.p2p is not None and be.world_size > 1:
+            me, n = self.p2p.rank, self.p2p.world_size
+            self.rows = np.empty((n, len(self.vec)), np.int64)
+            self.rows[me] = self.vec
+            peers = [r for r in range(n) if r != me]
+            self.works = [self.p2p.irecv(self.rows[r], r, HASH_TAG) for r in peers]
+            self.works += [self.p2p.isend(self.vec, r, HASH_TAG) for r in peers]
+            for w in self.works:
+                w.op = "the agreement check"
+
+    def finish(self) -> Outcome:
+        be, meta = self.be, self.meta
+        if self.mode == "allreduce":
+            out = be.allreduce_min(self.vec, self.deadline).tolist()
+            if _decided(out):
+                return Outcome(meta.fields, None, out, "allreduce")
+        elif self.rows is not None:
+            try:
+                self.p2p.wait_all(self.works, self.deadline)
+            except BaseException:
+                for w in self.works:
+                    cancel = getattr(w, "cancel", None)
+                    if cancel is not None:
+                        cancel()
+                raise
+            out = self.rows.min(axis=0).tolist()
+            if _decided(out):
+                return Outcome(meta.fields, None, out, "hash")
+        return Outcome(meta.fields, be.allgather_obj(meta, self.deadline))
+
+
+def start(be, meta: Meta, deadline: float | None, eligible: bool = True) -> Pending:
+    """Begin `exchange` without waiting: post the hash round where there is one."""
+    return Pending(be, meta, deadline, eligible)
 
 
 def settle(metas: Sequence[Meta], me: int, own_error: BaseException | None,
@@ -173,6 +232,14 @@ def _vector(fields: tuple, eligible: bool) -> np.ndarray:
     row = np.array([0 if eligible else -1] + lo + neg_hi, dtype=np.int64)
     row.setflags(write=False)           # cached: shared by every call with these fields
     return row
+
+
+def _vector_any(fields: tuple, eligible: bool) -> np.ndarray:
+    """`_vector`, cached when the fields are hashable."""
+    try:
+        return _vector(fields, eligible)
+    except TypeError:
+        return _vector.__wrapped__(fields, eligible)
 
 
 def _decided(out: list) -> bool:

@@ -134,6 +134,7 @@ class PlannedCall:
     stamp: Any = None       # meshcomm.log: set when logging (the call's issue time and tag)
     log_as: Any = None      # meshcomm.log: fields overriding the record's (a collective's op)
     compression: Any = None  # the compression= argument, resolved with the plan (backends/codec_cost.py)
+    early: Any = None       # (kind, devtype) a process without src tiles started early with
     strip: int = 0          # leading dims the codec leaves out (a collective's group dims)
 
     def run(self):
@@ -160,6 +161,7 @@ class PlannedCall:
                 devtype = "cpu"
             agreed = Agreed(shape, name, itemsize, kind, devtype)
         if ex is None:
+            self.early = None
             p = plan(agreed.shape, agreed.dtype, src, dst)
             like = next(iter(shards.values())) if shards else empty_like(agreed.kind, agreed.dtype,
                                                                          agreed.devtype)
@@ -170,6 +172,8 @@ class PlannedCall:
             ex.prepare(deadline)
         wire0 = (coded.stats["sent_bytes"], coded.stats["recv_bytes"])
         out, done = ex.finish(deadline)
+        if self.early is not None and self.early != (agreed.kind, agreed.devtype):
+            out = {d: _as_kind(v, agreed.kind, agreed.devtype, agreed.dtype) for d, v in out.items()}
         if ex.compression is not None and self.stamp is not None:   # meshcomm.log: the payload's bytes
             self.log_as = dict(self.log_as or {}, sent_bytes=coded.stats["sent_bytes"] - wire0[0],
                                recv_bytes=coded.stats["recv_bytes"] - wire0[1], codec=str(ex.compression))
@@ -189,11 +193,19 @@ class PlannedCall:
         if loc.err is None and loc.shape is not None and loc.dtype is not None:
             p = plan(loc.shape, loc.dtype, src, dst)
             plan_fp = p.fingerprint
-            if _optimistic(be) and shards and self.compression is None:
+            if _optimistic(be) and self.compression is None:
                 # Start the first stage now, before the exchange confirms the plan (its
                 # messages travel while the metadata does); undone below on disagreement.
-                ex = base.Execution(p, shards, next(iter(shards.values())),
-                                    device_kind=loc.devtype or "cpu", **run_kw)
+                # A process without src tiles posts its receives too, into host arrays of
+                # the kind the last call with these layouts agreed on (else NumPy); the
+                # bytes are the same whatever the kind, so `run` converts them if needed.
+                if shards:
+                    like, dev = next(iter(shards.values())), loc.devtype or "cpu"
+                else:
+                    g = ctx.agreed.get(key)
+                    self.early = (g.kind if g is not None and g.devtype == "cpu" else "numpy", "cpu")
+                    like, dev = empty_like(self.early[0], loc.dtype, "cpu"), "cpu"
+                ex = base.Execution(p, shards, like, device_kind=dev, **run_kw)
         elif loc.err is None and not shards and _optimistic(be) and key in ctx.agreed and self.compression is None:
             # No src tile here: guess what the last call with these layouts agreed on.
             g = ctx.agreed[key]
@@ -202,26 +214,28 @@ class PlannedCall:
                 guess = (p.fingerprint, g.kind, g.devtype)
                 ex = base.Execution(p, {}, empty_like(g.kind, g.dtype, g.devtype),
                                     device_kind=g.devtype or "cpu", **run_kw)
-        if ex is not None:
-            if ex.groups_ready():
-                ex.start()
-                opt = True
-            else:
-                ex, guess = None, None
+        if ex is not None and not ex.groups_ready():
+            ex, guess = None, None
         meta = Meta("reshard", (
             ("op", "reshard"), ("layouts", _layouts_fp(src, dst)),
             ("backend", getattr(be, "signature", be.name)), ("shape", loc.shape),
             ("dtype", None if loc.dtype is None else (loc.dtype, loc.itemsize)),
             ("kind", loc.kind), ("devtype", loc.devtype), ("plan", plan_fp),
             ("codec", codec_cost.agreement_key(self.compression))),
-            agreement.error_of(loc.err),
-            {"tiles": {d: tuple(v.shape) for d, v in shards.items()}, "opt": opt, "guess": guess,
-             "desc": _desc(src, dst)})
-        out = agreement.exchange(ctx.backend, meta, deadline)   # every process meets on the same backend
-        if out.metas is None:               # the allreduce decided: all agree
+            agreement.error_of(loc.err))
+        # every process meets on the same backend; the check's hashes go out before any data
+        # of this call (so they never wait behind it), then the first stage starts
+        pending = agreement.start(ctx.backend, meta, deadline)
+        if ex is not None:
+            ex.start()
+            opt = True
+        meta.extra.update({"tiles": {d: tuple(v.shape) for d, v in shards.items()}, "opt": opt,
+                           "guess": guess, "desc": _desc(src, dst)})
+        out = pending.finish()
+        if out.metas is None:               # the hashes decided: all agree
             agreed = Agreed(tuple(loc.shape), loc.dtype, loc.itemsize, out.value("kind", "numpy"),
                             out.value("devtype", "cpu"))
-            base.issued[("allreduce_check", be.name)] += 1
+            base.issued[(f"{out.via}_check", be.name)] += 1
         else:
             try:
                 agreement.settle(out.metas, ctx.rank, loc.err, {"layouts": lambda v, m: m.extra.get("desc", v)})
@@ -286,6 +300,23 @@ def _optimistic(be) -> bool:
 def _layouts_fp(src, dst) -> str:
     import hashlib
     return hashlib.sha1(repr((src, dst)).encode()).hexdigest()[:16]
+
+
+def _as_kind(a, kind, devtype, name):
+    """A host tile received early (see `_agree`) as the agreed kind and device (`name`: the
+    dtype; bfloat16 and the float8 types reach torch through their bits)."""
+    if kind != "torch":
+        return a
+    import torch
+    if isinstance(a, torch.Tensor):
+        t = a
+    elif a.dtype.kind in "biufc":
+        t = torch.from_numpy(a)
+    else:
+        t = torch.from_numpy(a.view(f"u{a.dtype.itemsize}")).view(getattr(torch, name))
+    if devtype == "cuda":
+        t = t.to(torch.device("cuda", torch.cuda.current_device()))
+    return t
 
 
 def empty_like(kind, name, devtype):
