@@ -206,8 +206,10 @@ def _reshard_local(shards, src, dst, shape, dtype, stamp=None, compression=None)
             import jax
             out = {d: jax.device_put(v, arrays.jax_device(d)) for d, v in out.items()}
     elif kind == "jax":
+        # one copy per piece into 64-byte-aligned NumPy tiles, which jax.device_put adopts
+        # on CPU devices without a copy; replicas share one (JAX arrays are immutable)
         np_shards = {d: np.asarray(v) for d, v in shards.items()}
-        out = LocalBackend().execute(p, np_shards, like=next(iter(np_shards.values())))
+        out = LocalBackend().execute(p, np_shards, like=next(iter(np_shards.values())), share=True)
         import jax
         out = {d: jax.device_put(v, arrays.jax_device(d)) for d, v in out.items()}
     else:

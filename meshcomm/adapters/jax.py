@@ -252,8 +252,11 @@ def reshard_jax(x, dst, *, backend: str | None = None, async_op: bool = False):
         raise_together(ctx, "reshard", e)       # the other ranks raise too, naming this one
     from .. import api
     # JAX arrays go to meshcomm as NumPy views (zero-copy on CPU); the result comes back as
-    # NumPy tiles, committed to their JAX devices below.
-    np_shards = {d: np.asarray(v) for d, v in shards.items()}
+    # NumPy tiles, committed to their JAX devices below. In one process they go as they are:
+    # the local path then commits them itself, one copy per piece, replicas sharing one.
+    from .. import runtime
+    one = runtime.current() is None and backend in (None, "local")
+    np_shards = shards if one else {d: np.asarray(v) for d, v in shards.items()}
     res = api.reshard(np_shards, src, dst_layout, shape=shape, dtype=x.dtype, backend=backend,
                       async_op=async_op)
     finish = functools.partial(_assemble, shape=shape, dtype=x.dtype, dst_sharding=dst_sharding)
@@ -266,7 +269,10 @@ def _assemble(out, *, shape, dtype, dst_sharding):
     """meshcomm's NumPy tiles -> committed single-device arrays -> one jax.Array (or a dict)."""
     if out is None:
         out = {}
-    tiles = {d: jax.device_put(np.asarray(v), jax_device_by_id(d)) for d, v in out.items()}
+    tiles = {}
+    for d, v in out.items():
+        dev = jax_device_by_id(d)
+        tiles[d] = v if isinstance(v, jax.Array) and v.devices() == {dev} else jax.device_put(np.asarray(v), dev)
     if dst_sharding is None:
         return tiles
     arrays = []
