@@ -18,9 +18,12 @@
    fanned out. Other ops (prod, min, max: `Plan.reduce_op`) take the same routes.
 6. Coalescing and order. Everything between the same route in the same stage is one
    message. Transfers get rounds by list scheduling and one deterministic global order.
+7. Best of. The plan is simulated beside the baselines' plans for the same layouts
+   (send_recv, alpa_broadcast) and the fastest under the cost model is kept.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import defaultdict
@@ -162,9 +165,36 @@ def plan_reshard(shape: tuple[int, ...], dtype: str, itemsize: int, src, dst,
         _plan_reduction(b, box, sgroups, needers, itemsize)
     _plan_deliveries(b, deliveries)
     transfers = _finish(b, itemsize)
-    return Plan(shape=shape, dtype=dtype, itemsize=itemsize, src=src, dst=dst, topology=topology,
-                transfers=transfers, zero_fill=tuple(sorted(zero_fill)),
-                plan_seconds=time.perf_counter() - t0)
+    p = Plan(shape=shape, dtype=dtype, itemsize=itemsize, src=src, dst=dst, topology=topology,
+             transfers=transfers, zero_fill=tuple(sorted(zero_fill)))
+    p = _best_of(p, shape, dtype, src, dst, topology)
+    return dataclasses.replace(p, plan_seconds=time.perf_counter() - t0)
+
+
+# Plans of up to this many transfers are compared with the baselines' under the cost model;
+# beyond it the simulations would cost more than the planning itself.
+COMPARE_MAX_TRANSFERS = 4096
+
+
+def _best_of(p: Plan, shape, dtype, src, dst, topology: Topology) -> Plan:
+    """The fastest under the cost model (planners.simulate) of this plan and the baselines'
+    plans that deliver the same layout (send_recv, alpa_broadcast): the flow heuristics
+    above can lose a little to a simpler schedule (message latency, pipeline fill), and a
+    plan should never lose to a baseline under its own cost model. Ties keep this plan."""
+    from . import baselines         # baselines import this module: import at call time
+    if len(p.transfers) > COMPARE_MAX_TRANSFERS:
+        return p
+    if src.num_addends > 1 and dst.num_addends > 1 and src.partial_op != dst.partial_op:
+        return p                    # the baselines pass addends through whatever the ops
+    best, best_s = p, p.simulate(topology)
+    for make in (baselines.send_recv, baselines.alpa_broadcast):
+        c = make(shape, dtype, src, dst, topology)
+        if c is None or len(c.transfers) > COMPARE_MAX_TRANSFERS:
+            continue
+        s = c.simulate(topology)
+        if s < best_s:
+            best, best_s = c, s
+    return best if best is p else dataclasses.replace(best, planner="meshcomm")
 
 
 def _split_among_groups(box: Box, dgroups: dict, index: int, itemsize: int):

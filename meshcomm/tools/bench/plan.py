@@ -12,7 +12,7 @@ from meshcomm.mesh import Mesh
 from .. import common
 from ..common import check_output, write_json
 
-__all__ = ["PLAN_SIZES", "plan_cases", "plan_rows", "cmd_plan"]
+__all__ = ["PLAN_SIZES", "plan_cases", "alltoall_case", "plan_rows", "cmd_plan"]
 
 PLAN_SIZES = ((2, 4), (4, 8), (8, 16), (16, 32), (32, 64), (32, 128))
 
@@ -33,7 +33,21 @@ def plan_cases(max_devices: int = 4096):
         src = Layout(Mesh.grid((a2, b2), ("x", "y")), ("x", "y"))
         dst = Layout(Mesh.grid((a2, b2), ("x", "y"), start=h), ("y", "x"))
         out.append((f"cross {a2}x{b2}->{a2}x{b2}@{h} transposed", n, (8192, 8192), src, dst))
+    if max_devices >= 4096:
+        out.append(alltoall_case(4096))
     return out
+
+
+def alltoall_case(n: int = 4096):
+    """(label, devices, shape, src, dst): a tiny tensor of 4 elements per device, split over
+    a 1-d mesh of n devices, to the transposed split of the same devices seen as a
+    sqrt(n) x sqrt(n) mesh (minor axis major): every device sends its 4 elements to the
+    device at its transposed grid position, n tiny pieces."""
+    import math
+    k = math.isqrt(n)
+    src = Layout(Mesh(list(range(n)), ("x",)), ("x",))
+    dst = Layout(Mesh([list(range(i * k, (i + 1) * k)) for i in range(k)], ("a", "b")), (("b", "a"),))
+    return (f"all-to-all {n} -> {k}x{k} transposed, tiny", n, (4 * n,), src, dst)
 
 
 def plan_rows(topology, repeats: int = 5, cached_repeats: int = 200, max_devices: int = 4096,
@@ -71,7 +85,7 @@ def cmd_plan(args) -> int:
         check_output(args.json, "--json")
     rows = plan_rows(args.topology, repeats=args.repeats, max_devices=args.max_devices,
                      progress=not args.quiet)
-    print(f"planning time, 8192x8192 float32, topology {args.topology} "
+    print(f"planning time, 8192x8192 float32 (the all-to-all: 4 floats per device), topology {args.topology} "
           f"(median of {args.repeats} cold / 200 cached calls)")
     print(f"{'case':40} {'devices':>7} {'transfers':>9} {'cold ms':>9} {'cold cpu ms':>11} {'cached us':>10}")
     for r in rows:
