@@ -170,7 +170,7 @@ def main():
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=4, help="sequences per process per step")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--emulate-gbps", type=float, default=None,
                    help="pace every process's sends at this many Gb/s (MESHCOMM_EMULATE_GBPS)")
     p.add_argument("--collective-backend", dest="backend_collectives", default="mpi",
