@@ -43,6 +43,9 @@ How a process runs a plan (`execute`):
   check, and `abort` it if the processes disagree.
 * Zero copies where possible: a single box contiguous in its tile is sent from (or
   received into) the tile's memory; otherwise boxes are packed/unpacked.
+* Compression (`Execution(..., compression=planners.compressed.Compression)`): the plan's
+  transfers run as coded chunks through backends/compressed.py's pipeline (point-to-point
+  messages only, so no groups), instead of the staged program below; nothing else changes.
 * CUDA: packing, unpacking and communication run on the backend's stream
   (backends/streams.py); an MPI-bound device buffer is synchronised and staged through the
   host. On CPU the same calls are no-ops.
