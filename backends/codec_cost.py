@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 
-from meshcomm.planners.compressed import CodecCost, Compression
+from meshcomm.planners.compressed import CodecCost, Compression, replicated_reductions
 from meshcomm.planners.topology import Topology
 
 from meshcomm import settings
@@ -143,8 +143,8 @@ def choose_reduce(plan, comp: Compression, topo: Topology, procs: int) -> Compre
         return Compression(comp.codec, mode, comp.per_hop, comp.chunk_bytes, comp.strip)
     if comp.per_hop:
         return Compression(comp.codec, "ring", True, comp.chunk_bytes, comp.strip)
-    if not any(t.kind == "reduce" and len(t.srcs) > 2 for t in plan.transfers):
-        return comp
+    if not any(t.kind == "reduce" and len(t.srcs) > 2 for t in plan.transfers) or replicated_reductions(plan):
+        return comp                     # replicated roots: one-shot keeps the replicas equal
     one = Compression(comp.codec, "oneshot", False, comp.chunk_bytes, comp.strip)
     ring = Compression(comp.codec, "ring", False, comp.chunk_bytes, comp.strip)
     return ring if _cost(plan, ring, topo, procs) < 0.95 * _cost(plan, one, topo, procs) else one

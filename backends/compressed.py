@@ -28,7 +28,13 @@ from __future__ import annotations
 
 import numpy as np
 from meshcomm.planners.boxes import box_size, local_slices
-from meshcomm.planners.compressed import Compression, chain, hops, messages
+from meshcomm.planners.compressed import (
+    Compression,
+    chain,
+    hops,
+    messages,
+    replicated_reductions,
+)
 
 from meshcomm.arrays import numpy_dtype
 from meshcomm.compression import Encoded
@@ -282,16 +288,21 @@ class _Program:
 
     def _setup_oneshot(self, i, t, msgs) -> None:
         eng, r = self.eng, t.dsts[0]
-        remote = [a for a in t.srcs if a != r]
+        # an all-reduce planned as one reduction per device: every root codes its own addend
+        # too and all combine in device order, so the replicas hold the same values
+        same = t.boxes in replicated_reductions(self.plan)
+        order = tuple(sorted(t.srcs)) if same else t.srcs
+        remote = [a for a in t.srcs if a != r or same]
         got = [{} for _ in msgs]
 
         def combine(m):
             msg = msgs[m]
             for j, u in enumerate(msg):
                 acc = None
-                for s in t.srcs:            # the plan's order; the root's own addend exact
-                    v = got[m][s][j] if s != r else self._read(t, r, u)
-                    acc = (v if s != r else v.copy()) if acc is None else combine_(acc, v, self.op)
+                for s in order:             # the plan's order; the root's own addend exact
+                    coded = s in got[m]
+                    v = got[m][s][j] if coded else self._read(t, r, u)
+                    acc = (v if coded else v.copy()) if acc is None else combine_(acc, v, self.op)
                 self._write(r, u, acc)
             got[m].clear()
 

@@ -14,7 +14,9 @@ what changes is what travels:
   encodes its chunk once and sends it straight to the root, which decodes and combines in
   the plan's srcs order (its own addend exact). Error: |err| <= sum over the k-1 remote
   contributors of the codec's error on that addend (ZFP(tolerance=t): (k-1) t), plus the
-  rounding of the sum itself.
+  rounding of the sum itself. Where the plan reduces the same piece at several roots (an
+  all-reduce as one reduction per device), every addend is coded, the root's own too, and
+  all roots combine in device order: the replicas agree, and the bound is k addends' errors.
 * ``reduce`` ring (`reduce="ring"`): along the route srcs[0] -> srcs[1] -> ... -> root; each
   hop decodes the partial sum, adds its own addend and re-encodes. Error: |err| <= sum over
   the k-1 hops of the codec's error on the partial sum S_j it carries (tolerance t: (k-1) t
@@ -156,6 +158,18 @@ def wire_ratio(plan, index: int, comp: Compression) -> float:
 
 
 @memo(maxsize=256)
+def replicated_reductions(plan) -> frozenset:
+    """The box sets reduced at more than one root (an all-reduce planned as one reduction
+    per device): one-shot codes every addend of those, the root's own too, and combines in
+    device order, so every replica holds the same values (the ring would not: it is not used)."""
+    seen: dict = {}
+    for t in plan.transfers:
+        if t.kind == "reduce":
+            seen[t.boxes] = seen.get(t.boxes, 0) + 1
+    return frozenset(b for b, n in seen.items() if n > 1)
+
+
+@memo(maxsize=256)
 def _encoded_boxes(plan, comp: Compression) -> frozenset:
     """(src_buf, device, boxes) a send or bcast encodes: a copy of the same boxes reuses it."""
     return frozenset((t.src_buf, t.srcs[0], t.boxes) for t in plan.transfers if t.kind in ("send", "bcast"))
@@ -220,6 +234,8 @@ class CodecCost:
             for a, _ in hops(t, comp):
                 add(("cpu", a), enc)
                 add(("cpu", r), dec)
+            if t.boxes in replicated_reductions(plan) and r in t.srcs:
+                add(("cpu", r), enc + dec)  # the root codes its own addend too
             steps = [enc, max(link_s, default=0.0), dec * max(1, len(link_s))]
         else:
             c = chain(t, comp)
