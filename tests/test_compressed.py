@@ -75,6 +75,16 @@ def test_reduce_scatter_errors_within_the_documented_bounds(monkeypatch):
     assert np.abs(one - exact).max() < np.abs(ring - exact).max()
 
 
+def test_all_reduce_replicas_agree():
+    mesh = mc.Mesh(list(range(4)), ("x",))
+    xs = _tiles(mesh, (33,), seed=7)
+    exact = np.sum(np.stack(list(xs.values())).astype(np.float64), axis=0)
+    for codec in ("bf16", ZFP(tolerance=1e-3)):
+        out = mc.all_reduce(xs, mesh, "x", compression=codec)
+        assert all(np.array_equal(out[0], out[d]) for d in mesh.device_ids), codec
+        assert np.abs(out[0] - exact).max() <= 4 * 2.0 ** -8 * np.abs(exact).max() + 4e-3
+
+
 def test_reshard_within_tolerance_and_replicas_agree():
     a, b = mc.Mesh([0, 1, 2], ("x",)), mc.Mesh([[3, 4], [5, 6]], ("p", "q"))
     g = np.random.default_rng(1).standard_normal((30, 12)).astype(np.float64)
