@@ -16,7 +16,7 @@ n-to-m suite) scaled to a 2x2 src mesh (devices 0-3, axes x, y) and a 2x2 dst me
   Isend/Irecv of each tile to every process (one step, like reshard's own messages).
 
 Each figure is the median over repeats of the slowest process's time (barrier before
-each repeat). Both results are checked bitwise against the tile of the original tensor.
+each call); every round calls each method once, in turn (the same load on a shared machine). Both results are checked bitwise against the tile of the original tensor.
 Rank 0 prints one row per case and the geometric mean of the speed-ups.
 """
 from __future__ import annotations
@@ -34,7 +34,8 @@ import meshcomm as mc
 from meshcomm.backends.base import Work, wait_polling
 from meshcomm.tools.cases import alpa_spec, global_array, load_alpa
 from meshcomm.tools.common import geomean
-from meshcomm.tools.spmd import exact, time_repeats
+from meshcomm.tools.bench.run import time_interleaved
+from meshcomm.tools.spmd import exact
 
 BASELINES = {"blocking": "MPI_Allgatherv", "polite": "MPI_Iallgatherv polled like meshcomm polls",
              "direct": "Isend/Irecv of each tile to every process"}
@@ -123,11 +124,31 @@ class AllgatherSlice:
         return full[tuple(slice(a, b) for a, b in box)].copy()
 
 
+def _reshard_fn(inp, src, dst, shape, spec: str):
+    """meshcomm.reshard as `spec` says: "mpi" (default settings, shape and dtype not given:
+    processes without tiles learn them), "mpi:shape" (given, the check on) or "mpi:nocheck"
+    (given, MESHCOMM_CHECK=0 set around the call)."""
+    name, _, opt = spec.partition(":")
+    if opt not in ("", "shape", "nocheck"):
+        raise SystemExit(f"--backends entry {spec!r}: the suffix is :shape or :nocheck")
+    kw = {"shape": shape, "dtype": "float32"} if opt else {}
+
+    def call():
+        if opt != "nocheck":
+            return mc.reshard(inp, src, dst, backend=name, **kw)
+        os.environ["MESHCOMM_CHECK"] = "0"
+        try:
+            return mc.reshard(inp, src, dst, backend=name, **kw)
+        finally:
+            os.environ["MESHCOMM_CHECK"] = "1"
+    return call
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backends", default="mpi,mpi:nocheck",
-                    help="comma list of mpi, torch, mixed; NAME:nocheck passes shape/dtype and sets "
-                         "MESHCOMM_CHECK=0 (no metadata exchange)")
+    ap.add_argument("--backends", default="mpi,mpi:shape,mpi:nocheck",
+                    help="comma list of mpi, torch, mixed; NAME:shape passes shape/dtype, NAME:nocheck "
+                         "passes them and sets MESHCOMM_CHECK=0 (no agreement check)")
     ap.add_argument("--mib", type=float, default=16.0)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
@@ -150,7 +171,7 @@ def main():
               f"{shape} float32 ({x.nbytes / 2**20:.0f} MiB), median of {args.reps}")
         print(f"allgather ms: {' / '.join(BASELINES[n] for n in baselines)}; the speed-up is over "
               "the fastest")
-        print(f"{'case':>4} {'src':>16} {'dst':>16} {'backend':>7} {'moved MiB':>9} "
+        print(f"{'case':>4} {'src':>16} {'dst':>16} {'backend':>11} {'moved MiB':>9} "
               f"{'reshard ms':>10} {'allgather ms':>26} {'speed-up':>8} exact")
     for case, sspec, dspec in alpa_cases():
         src, dst = mc.Layout(SRC, sspec), mc.Layout(DST, dspec)
@@ -158,27 +179,20 @@ def main():
         mine = tiles.get(rank)
         base = AllgatherSlice(comm, shape, src, dst)
         arg = mine if mine is not None else np.empty(0, np.float32)
-        t_b, ok_ag = {}, True
-        for name in baselines:
-            t_b[name], got_ag = time_repeats(comm, lambda: base(arg, polite=name == "polite", direct=name == "direct"),
-                                             args.reps, args.warmup)
-            ok_ag = exact(comm, dst, shape, x, got_ag) and ok_ag
+        inp = {rank: mine} if mine is not None else {}
+        methods = [(n, lambda n=n: base(arg, polite=n == "polite", direct=n == "direct")) for n in baselines]
+        methods += [(b, _reshard_fn(inp, src, dst, shape, b)) for b in backends]
+        res = time_interleaved(comm, methods, args.reps, args.warmup)
+        t_b = {n: res[n][0] for n in baselines}
+        ok_ag = all([exact(comm, dst, shape, x, res[n][1]) for n in baselines])
         t_ag = min(t_b.values())            # the fastest baseline
         p = mc.plan(shape, "float32", src, dst)
         for b in backends:
-            inp = {rank: mine} if mine is not None else {}
-            name, _, opt = b.partition(":")
-            kw = {}
-            if opt == "nocheck":        # no metadata exchange: shape and dtype given everywhere
-                os.environ["MESHCOMM_CHECK"] = "0"
-                kw = {"shape": shape, "dtype": "float32"}
-            t_rs, got = time_repeats(comm, lambda: mc.reshard(inp, src, dst, backend=name, **kw),
-                                     args.reps, args.warmup)
-            os.environ["MESHCOMM_CHECK"] = "1"
+            t_rs, got = res[b]
             ok = exact(comm, dst, shape, x, got) and ok_ag
             rows.append((case, b, t_rs, t_ag, ok))
             if rank == 0:
-                print(f"{case:>4} {str(src.spec_str()):>16} {str(dst.spec_str()):>16} {b:>7} "
+                print(f"{case:>4} {str(src.spec_str()):>16} {str(dst.spec_str()):>16} {b:>11} "
                       f"{p.bytes_moved / 2**20:>9.1f} {t_rs * 1e3:>10.2f} "
                       f"{' / '.join(f'{t_b[n] * 1e3:.1f}' for n in baselines):>26} "
                       f"{t_ag / t_rs:>7.2f}x {'yes' if ok else 'NO'}", flush=True)

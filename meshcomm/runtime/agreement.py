@@ -122,11 +122,12 @@ class Pending:
     of the same tag. `meta.extra` may still be filled in until `finish` (the Metas are
     sent only there, when the hashes do not decide)."""
 
-    def __init__(self, be, meta: Meta, deadline: float | None, eligible: bool):
+    def __init__(self, be, meta: Meta, deadline: float | None, eligible: bool, hashed=None):
         self.be, self.meta, self.deadline = be, meta, deadline
         self.mode = check_mode(be)
-        ok = eligible and meta.err is None and all(v is not None for k, v in meta.fields if k not in CODES)
-        self.vec = _vector_any(meta.fields, ok)
+        fields = meta.fields if hashed is None else hashed
+        ok = eligible and meta.err is None and all(v is not None for k, v in fields if k not in CODES)
+        self.vec = _vector_any(fields, ok)
         self.works, self.rows, self.p2p = [], None, None
         if self.mode == "allgather":
             self.p2p = next((b for b in be.members() if b.wire == "numpy"), None)
@@ -140,7 +141,10 @@ class Pending:
             for w in self.works:
                 w.op = "the agreement check"
 
-    def finish(self) -> Outcome:
+    def finish(self, idle: bool = False) -> Outcome:
+        """Wait for the exchange. `idle`: this process has no data of its own in flight, so
+        once the hashes are late it sleeps between polls instead of yielding the core
+        (on a host with more processes than cores, the peers still moving data get it)."""
         be, meta = self.be, self.meta
         if self.mode == "allreduce":
             out = be.allreduce_min(self.vec, self.deadline).tolist()
@@ -148,6 +152,8 @@ class Pending:
                 return Outcome(meta.fields, None, out, "allreduce")
         elif self.rows is not None:
             try:
+                if idle:
+                    _wait_sleeping(self.p2p, self.works, self.deadline)
                 self.p2p.wait_all(self.works, self.deadline)
             except BaseException:
                 for w in self.works:
@@ -161,9 +167,29 @@ class Pending:
         return Outcome(meta.fields, be.allgather_obj(meta, self.deadline))
 
 
-def start(be, meta: Meta, deadline: float | None, eligible: bool = True) -> Pending:
-    """Begin `exchange` without waiting: post the hash round where there is one."""
-    return Pending(be, meta, deadline, eligible)
+SPIN_S, NAP_S = 1e-4, 5e-5    # an idle wait polls for this long, then naps this long per poll
+
+
+def _wait_sleeping(be, works, deadline) -> None:
+    """Poll `works` for SPIN_S, then nap NAP_S between polls until they complete or the
+    deadline passes (the caller's wait_all then raises naming the peers)."""
+    import time
+    t0 = time.monotonic()
+    pending = list(works)
+    while pending:
+        pending = [w for w in pending if not w.test()]
+        now = time.monotonic()
+        if not pending or (deadline is not None and now > deadline):
+            return
+        time.sleep(NAP_S if now - t0 > SPIN_S else 0)
+
+
+def start(be, meta: Meta, deadline: float | None, eligible: bool = True, hashed=None) -> Pending:
+    """Begin `exchange` without waiting: post the hash round where there is one. `hashed`:
+    the fields to hash instead of `meta.fields` (a process that guesses values it does
+    not know: the hashes decide only if every process agrees with the guess; its Meta,
+    sent when they do not, keeps the fields it really knows)."""
+    return Pending(be, meta, deadline, eligible, hashed)
 
 
 def settle(metas: Sequence[Meta], me: int, own_error: BaseException | None,

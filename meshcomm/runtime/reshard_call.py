@@ -206,14 +206,15 @@ class PlannedCall:
                     self.early = (g.kind if g is not None and g.devtype == "cpu" else "numpy", "cpu")
                     like, dev = empty_like(self.early[0], loc.dtype, "cpu"), "cpu"
                 ex = base.Execution(p, shards, like, device_kind=dev, **run_kw)
-        elif loc.err is None and not shards and _optimistic(be) and key in ctx.agreed and self.compression is None:
-            # No src tile here: guess what the last call with these layouts agreed on.
+        elif loc.err is None and _optimistic(be) and key in ctx.agreed and self.compression is None \
+                and _fits(ctx.agreed[key], loc, shards, src):
+            # Shape or dtype unknown here (no src tile, or tiles that do not pin the shape):
+            # guess what the last call with these layouts agreed on.
             g = ctx.agreed[key]
-            if (loc.shape is None or loc.shape == g.shape) and (loc.dtype is None or loc.dtype == g.dtype):
-                p = plan(g.shape, g.dtype, src, dst)
-                guess = (p.fingerprint, g.kind, g.devtype)
-                ex = base.Execution(p, {}, empty_like(g.kind, g.dtype, g.devtype),
-                                    device_kind=g.devtype or "cpu", **run_kw)
+            p = plan(g.shape, g.dtype, src, dst)
+            guess = (p.fingerprint, g.kind, g.devtype)
+            like = next(iter(shards.values())) if shards else empty_like(g.kind, g.dtype, g.devtype)
+            ex = base.Execution(p, shards, like, device_kind=g.devtype or "cpu", **run_kw)
         if ex is not None and not ex.groups_ready():
             ex, guess = None, None
         meta = Meta("reshard", (
@@ -223,16 +224,26 @@ class PlannedCall:
             ("kind", loc.kind), ("devtype", loc.devtype), ("plan", plan_fp),
             ("codec", codec_cost.agreement_key(self.compression))),
             agreement.error_of(loc.err))
+        hashed = None
+        if guess is not None:
+            # its hashes say what it guessed: if every process agrees with them, the guess was
+            # right; any difference (a wrong guess) sends every process to the full exchange
+            g = ctx.agreed[key]
+            hashed = tuple((k, {"shape": g.shape, "dtype": (g.dtype, g.itemsize), "kind": g.kind,
+                                "devtype": g.devtype, "plan": guess[0]}.get(k, v)) for k, v in meta.fields)
         # every process meets on the same backend; the check's hashes go out before any data
         # of this call (so they never wait behind it), then the first stage starts
-        pending = agreement.start(ctx.backend, meta, deadline)
+        pending = agreement.start(ctx.backend, meta, deadline, hashed=hashed)
         if ex is not None:
             ex.start()
             opt = True
         meta.extra.update({"tiles": {d: tuple(v.shape) for d, v in shards.items()}, "opt": opt,
                            "guess": guess, "desc": _desc(src, dst)})
-        out = pending.finish()
-        if out.metas is None:               # the hashes decided: all agree
+        out = pending.finish(idle=ex is None or not ex.steps)
+        if out.metas is None and hashed is not None:     # the hashes confirmed the guess
+            agreed = ctx.agreed[key]
+            base.issued[(f"{out.via}_check", be.name)] += 1
+        elif out.metas is None:             # the hashes decided: all agree
             agreed = Agreed(tuple(loc.shape), loc.dtype, loc.itemsize, out.value("kind", "numpy"),
                             out.value("devtype", "cpu"))
             base.issued[(f"{out.via}_check", be.name)] += 1
@@ -256,6 +267,19 @@ class PlannedCall:
             ctx.agreed.clear()
         ctx.agreed[key] = agreed
         return ex, agreed
+
+
+def _fits(g: Agreed, loc: Local, shards, src) -> bool:
+    """Whether this process's own facts allow the guess `g`: the shape and dtype it knows are
+    g's, and its tiles are the ones g's shape gives its devices (kind and device too)."""
+    if (loc.shape is not None and loc.shape != g.shape) or (loc.dtype is not None and loc.dtype != g.dtype):
+        return False
+    if shards:
+        if (loc.kind, loc.devtype) != (g.kind, g.devtype):
+            return False
+        boxes = src.tiles(g.shape).boxes
+        return all(tuple(v.shape) == tuple(b - a for a, b in boxes[d]) for d, v in shards.items())
+    return True
 
 
 @memo(maxsize=1024)
