@@ -173,7 +173,7 @@ def plan_reshard(shape: tuple[int, ...], dtype: str, itemsize: int, src, dst,
 
 # Plans of up to this many transfers are compared with the baselines' under the cost model;
 # beyond it the simulations would cost more than the planning itself.
-COMPARE_MAX_TRANSFERS = 4096
+COMPARE_MAX_TRANSFERS = 1024
 
 
 def _best_of(p: Plan, shape, dtype, src, dst, topology: Topology) -> Plan:

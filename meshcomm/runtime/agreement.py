@@ -116,11 +116,10 @@ HASH_TAG = 32766    # the hash round's tag on the data communicator (see Pending
 class Pending:
     """An exchange in flight (`start`); `finish()` waits for it and returns the Outcome.
 
-    The hash round of the allgather form travels on the p2p backend's own (data)
-    communicator: every process posts it before any data of the call, and MPI keeps
-    messages between two ranks with one tag in order, so it never takes a data message
-    of the same tag. `meta.extra` may still be filled in until `finish` (the Metas are
-    sent only there, when the hashes do not decide)."""
+    The hash round of the allgather form (backends/hash_round.py) travels on the p2p
+    backend's own (data) communicator, posted before any data of the call. `meta.extra`
+    may still be filled in until `finish` (the Metas are sent only there, when the hashes
+    do not decide)."""
 
     def __init__(self, be, meta: Meta, deadline: float | None, eligible: bool, hashed=None):
         self.be, self.meta, self.deadline = be, meta, deadline
@@ -128,60 +127,37 @@ class Pending:
         fields = meta.fields if hashed is None else hashed
         ok = eligible and meta.err is None and all(v is not None for k, v in fields if k not in CODES)
         self.vec = _vector_any(fields, ok)
-        self.works, self.rows, self.p2p = [], None, None
+        self.round, self.p2p = None, None
         if self.mode == "allgather":
             self.p2p = next((b for b in be.members() if b.wire == "numpy"), None)
         if self.p2p is not None and be.world_size > 1:
-            me, n = self.p2p.rank, self.p2p.world_size
-            self.rows = np.empty((n, len(self.vec)), np.int64)
-            self.rows[me] = self.vec
-            peers = [r for r in range(n) if r != me]
-            self.works = [self.p2p.irecv(self.rows[r], r, HASH_TAG) for r in peers]
-            self.works += [self.p2p.isend(self.vec, r, HASH_TAG) for r in peers]
-            for w in self.works:
-                w.op = "the agreement check"
+            from ..backends import hash_round
+            self.round = hash_round.start(self.p2p, self.vec, HASH_TAG)
 
-    def finish(self, idle: bool = False) -> Outcome:
-        """Wait for the exchange. `idle`: this process has no data of its own in flight, so
-        once the hashes are late it sleeps between polls instead of yielding the core
-        (on a host with more processes than cores, the peers still moving data get it)."""
-        be, meta = self.be, self.meta
+    def hashes(self) -> Outcome | None:
+        """Wait for the hashes (the allreduce, or the round of vectors); the Outcome when
+        they decide, else None (every process gets None together: `metas` must follow).
+        Once the hashes are late the wait naps between polls instead of yielding the core
+        (on a host with more processes than cores, the peers still working get it)."""
+        meta = self.meta
         if self.mode == "allreduce":
-            out = be.allreduce_min(self.vec, self.deadline).tolist()
-            if _decided(out):
-                return Outcome(meta.fields, None, out, "allreduce")
-        elif self.rows is not None:
-            try:
-                if idle:
-                    _wait_sleeping(self.p2p, self.works, self.deadline)
-                self.p2p.wait_all(self.works, self.deadline)
-            except BaseException:
-                for w in self.works:
-                    cancel = getattr(w, "cancel", None)
-                    if cancel is not None:
-                        cancel()
-                raise
-            out = self.rows.min(axis=0).tolist()
-            if _decided(out):
-                return Outcome(meta.fields, None, out, "hash")
-        return Outcome(meta.fields, be.allgather_obj(meta, self.deadline))
+            out = self.be.allreduce_min(self.vec, self.deadline).tolist()
+            return Outcome(meta.fields, None, out, "allreduce") if _decided(out) else None
+        if self.round is not None:
+            self.round.wait(self.deadline, NAP_S, SPIN_S)
+            out = self.round.rows.min(axis=0).tolist()
+            return Outcome(meta.fields, None, out, "hash") if _decided(out) else None
+        return None
+
+    def metas(self) -> Outcome:
+        """Every process's Meta (the allgather), after `hashes` returned None."""
+        return Outcome(self.meta.fields, self.be.allgather_obj(self.meta, self.deadline))
+
+    def finish(self) -> Outcome:
+        return self.hashes() or self.metas()
 
 
-SPIN_S, NAP_S = 1e-4, 5e-5    # an idle wait polls for this long, then naps this long per poll
-
-
-def _wait_sleeping(be, works, deadline) -> None:
-    """Poll `works` for SPIN_S, then nap NAP_S between polls until they complete or the
-    deadline passes (the caller's wait_all then raises naming the peers)."""
-    import time
-    t0 = time.monotonic()
-    pending = list(works)
-    while pending:
-        pending = [w for w in pending if not w.test()]
-        now = time.monotonic()
-        if not pending or (deadline is not None and now > deadline):
-            return
-        time.sleep(NAP_S if now - t0 > SPIN_S else 0)
+SPIN_S, NAP_S = 2e-3, 5e-5    # the hash wait polls for this long, then naps between polls
 
 
 def start(be, meta: Meta, deadline: float | None, eligible: bool = True, hashed=None) -> Pending:
