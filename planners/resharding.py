@@ -180,7 +180,10 @@ def _best_of(p: Plan, shape, dtype, src, dst, topology: Topology) -> Plan:
     """The fastest under the cost model (planners.simulate) of this plan and the baselines'
     plans that deliver the same layout (send_recv, alpa_broadcast): the flow heuristics
     above can lose a little to a simpler schedule (message latency, pipeline fill), and a
-    plan should never lose to a baseline under its own cost model. Ties keep this plan."""
+    plan should never lose to a baseline under its own cost model. Ties keep this plan, and
+    a baseline plan that fetches a box over the network into a node already holding it is
+    not taken (this planner's own rule; for a pending sum a node holding another addend of
+    the box does not hold its value, so there the rule does not apply)."""
     from . import baselines         # baselines import this module: import at call time
     if len(p.transfers) > COMPARE_MAX_TRANSFERS:
         return p
@@ -189,7 +192,8 @@ def _best_of(p: Plan, shape, dtype, src, dst, topology: Topology) -> Plan:
     best, best_s = p, p.simulate(topology)
     for make in (baselines.send_recv, baselines.alpa_broadcast):
         c = make(shape, dtype, src, dst, topology)
-        if c is None or len(c.transfers) > COMPARE_MAX_TRANSFERS:
+        if c is None or len(c.transfers) > COMPARE_MAX_TRANSFERS or \
+                (src.num_addends == 1 and _fetches_held(c, src, shape, topology)):
             continue
         s = c.simulate(topology)
         if s < best_s:
@@ -206,6 +210,26 @@ def _split_among_groups(box: Box, dgroups: dict, index: int, itemsize: int):
         return [(box, groups[index % k])]
     return [(sub, groups[j]) for j in range(k)
             for sub in row_major_range(box, n * j // k, n * (j + 1) // k)]
+
+
+def _fetches_held(p: Plan, src, shape, topology: Topology) -> bool:
+    """Whether some hop of `p` brings a box over the network into a node where a src tile
+    already holds it (this planner never does: it copies inside the node instead)."""
+    node = topology.node_of
+    by_node = defaultdict(list)
+    for d, box in src.tiles(shape).boxes.items():
+        by_node[node(d)].append(box)
+    for t in p.transfers:
+        if t.kind == "copy" or t.src_buf != "src":
+            continue
+        for u, v in t.hops:
+            if node(u) != node(v) and any(_inside(b, h) for b in t.boxes for h in by_node[node(v)]):
+                return True
+    return False
+
+
+def _inside(box: Box, outer: Box) -> bool:
+    return all(a >= c and b <= e for (a, b), (c, e) in zip(box, outer))
 
 
 # -- partial sums ---------------------------------------------------------------------
