@@ -41,29 +41,25 @@ class Round:
         self.works = [w for w in self.works if not w.test()]
         return not self.works
 
-    def wait(self, deadline: float | None, nap: float = 0.0, spin_s: float = 0.0) -> None:
-        """Poll until done; after `spin_s` seconds sleep `nap` between polls (0: yield the
-        core as every wait does). PeerTimeoutError naming the missing ranks at `deadline`."""
-        if self.reqs is None and not nap:
+    def wait(self, deadline: float | None) -> None:
+        """Poll until done (yielding the core as every wait does); PeerTimeoutError naming
+        the ranks whose vectors are missing at `deadline`. (Napping between polls instead
+        was measured slower here: 8 processes on 2 cores, alpa1 8.0 ms against 7.1 ms.)"""
+        if self.reqs is None:
             try:
                 wait_polling(self.works, deadline, self.be.rank, self.be.timeout)
             except BaseException:
                 self.cancel()
                 raise
             return
-        t0 = time.monotonic()
         spins = 0
         while not self.test():
-            now = time.monotonic()
-            if deadline is not None and now > deadline:
+            if deadline is not None and time.monotonic() > deadline:
                 missing = self.missing()
                 self.cancel()
                 raise timeout_error(self.be.rank, missing, self.be.timeout)
             spins += 1
-            if nap and now - t0 > spin_s:
-                time.sleep(nap)
-            else:
-                backoff(spins)
+            backoff(spins)
 
     def missing(self) -> list:
         if self.reqs is None:

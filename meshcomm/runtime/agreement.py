@@ -136,15 +136,13 @@ class Pending:
 
     def hashes(self) -> Outcome | None:
         """Wait for the hashes (the allreduce, or the round of vectors); the Outcome when
-        they decide, else None (every process gets None together: `metas` must follow).
-        Once the hashes are late the wait naps between polls instead of yielding the core
-        (on a host with more processes than cores, the peers still working get it)."""
+        they decide, else None (every process gets None together: `metas` must follow)."""
         meta = self.meta
         if self.mode == "allreduce":
             out = self.be.allreduce_min(self.vec, self.deadline).tolist()
             return Outcome(meta.fields, None, out, "allreduce") if _decided(out) else None
         if self.round is not None:
-            self.round.wait(self.deadline, NAP_S, SPIN_S)
+            self.round.wait(self.deadline)
             out = self.round.rows.min(axis=0).tolist()
             return Outcome(meta.fields, None, out, "hash") if _decided(out) else None
         return None
@@ -155,9 +153,6 @@ class Pending:
 
     def finish(self) -> Outcome:
         return self.hashes() or self.metas()
-
-
-SPIN_S, NAP_S = 2e-3, 5e-5    # the hash wait polls for this long, then naps between polls
 
 
 def start(be, meta: Meta, deadline: float | None, eligible: bool = True, hashed=None) -> Pending:
