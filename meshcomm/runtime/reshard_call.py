@@ -184,8 +184,8 @@ class PlannedCall:
         return out, done, agreed.kind
 
     def _agree(self, base, run_kw, deadline):
-        """The agreement check, with the first stage started early where that is safe.
-        Returns (the Execution already started or None, the agreed facts)."""
+        """The agreement check, with the first stage readied before it and started as soon
+        as that is safe. Returns (the Execution already started or None, the agreed facts)."""
         ctx, be, src, dst, shards, loc = self.ctx, self.be, self.src, self.dst, self.shards, self.loc
         plan_fp = guess = ex = None
         opt = False
@@ -194,10 +194,10 @@ class PlannedCall:
             p = plan(loc.shape, loc.dtype, src, dst)
             plan_fp = p.fingerprint
             if _optimistic(be) and self.compression is None:
-                # Start the first stage now, before the exchange confirms the plan (its
-                # messages travel while the metadata does); undone below on disagreement.
-                # A process without src tiles posts its receives too, into host arrays of
-                # the kind the last call with these layouts agreed on (else NumPy); the
+                # Ready the first stage now: it starts once the hashes agree, or, when they
+                # do not decide, while the metadata travels (undone below on disagreement).
+                # A process without src tiles readies its receives too, into host arrays
+                # of the kind the last call with these layouts agreed on (else NumPy); the
                 # bytes are the same whatever the kind, so `run` converts them if needed.
                 if shards:
                     like, dev = next(iter(shards.values())), loc.devtype or "cpu"
