@@ -29,9 +29,10 @@ Under a launcher (`mpiexec`, or `torchrun` for the torch backend)::
   Set `MESHCOMM_CHECK=0` to skip the exchange when both `shape=` and `dtype=` are
   given (pass them on every process or on none; a process without src tiles then gets
   torch tensors when `dtype` is a torch dtype, NumPy arrays otherwise).
-  With the MPI backend a process that holds src tiles and knows the plan starts its first
-  stage (non-blocking) before the exchange completes, so the check costs no extra round
-  trip; if the processes turn out to disagree, all of them drop those messages by moving
+  Over MPI the check first sends a small vector of hashes to every process
+  (backends/hash_round.py); where all agree it decides and the first stage starts. Where it
+  cannot decide, a process that holds src tiles and knows the plan starts its first stage
+  (non-blocking) beside the metadata exchange; if the processes turn out to disagree, all of them drop those messages by moving
   to fresh communicators (collectively) and raise. Only plans whose sub-communicators
   exist already start early; `MESHCOMM_OPTIMISTIC=0` turns this off. A process holding
   no src tile starts early too when the same layouts were resharded before: it guesses
