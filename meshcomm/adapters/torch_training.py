@@ -239,11 +239,15 @@ class MeshcommAllGather(_FSDPComm, AllGather):
         self._check(group)
         h = collectives.all_gather(input_tensor, self.mesh, self.axes, dim=0, backend=self.backend,
                                    async_op=True, compression=self.compression)
-        work = _HandleWork(h, _copy_into(output_tensor))
-        if async_op:
-            return work
-        work.wait()
-        return None
+        return _returned(_HandleWork(h, _copy_into(output_tensor)), async_op)
+
+
+def _returned(work, async_op: bool):
+    """FSDP's contract: the Work when async, else wait and return None."""
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 class MeshcommReduceScatter(_FSDPComm, ReduceScatter):
@@ -256,11 +260,7 @@ class MeshcommReduceScatter(_FSDPComm, ReduceScatter):
         x = input_tensor if factor is None else input_tensor * factor
         h = collectives.reduce_scatter(x, self.mesh, self.axes, dim=0, op=name, backend=self.backend,
                                        async_op=True, compression=self.compression)
-        work = _HandleWork(h, _copy_into(output_tensor))
-        if async_op:
-            return work
-        work.wait()
-        return None
+        return _returned(_HandleWork(h, _copy_into(output_tensor)), async_op)
 
 
 @dataclasses.dataclass(frozen=True)
