@@ -324,7 +324,7 @@ def _executor_cases():
         ((7, 10), L(m1, (None, "y"), partial=("x",)), L(m2, (None, "b"))),
         ((7, 10), L(m1, ("x", None)), L(m3, (None, "z"))),
         ((7, 10, 3), L(m3, ("z", None, None)), L(m1, (None, ("x", "y"), None))),
-        ((12, 8), L(m1, ("x", None)), L(m4, (None, None))),                           # bcast
+        ((1200, 200), L(m1, ("x", None)), L(m4, (None, None))),     # bcast (small ones go as sends now)
         ((12, 8), L(m1, (None, "y"), partial=("x",)), L(m4, ("a", None))),            # reduce, then send from dst
         ((12, 8), L(m1, (None, None), partial=("x", "y")), L(m4, (None, "b"))),       # reduce, bcast from dst
     ]
