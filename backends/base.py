@@ -114,7 +114,14 @@ def backoff(spins: int) -> None:
     time.sleep(min(SLEEP_MAX, 1e-5 * (spins - YIELD + 1)))
 
 
+# Works given up on after a timeout stay referenced here for the life of the process: MPI may
+# still write into their buffers (a peer can arrive late, and a collective request cannot be
+# cancelled), so freeing them would let it write into freed memory.
+ABANDONED: list = []
+
+
 def timeout_error(rank, works: Sequence[Work], timeout: float | None) -> PeerTimeoutError:
+    ABANDONED.extend(works)
     peers = sorted({p for w in works for p in w.peers})
     ops = sorted({w.op for w in works})
     t = f"{timeout:g}s" if timeout is not None else "the timeout"
