@@ -24,6 +24,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+
 import pickle
 import time
 from typing import Sequence
@@ -87,6 +89,7 @@ class MPIWork(Work):
                                    f"failed: {e}", self.peers, self.op) from e
 
 
+SIG_MAX = 64        # call signatures with a communicator of their own (per process)
 INIT_TAG = 32000     # the tag of the join check on the launcher's communicator
 BCAST_TAG = 7        # point-to-point broadcasts, on the group's own communicator
 
@@ -173,6 +176,9 @@ class MPIBackend(MPICollectives, Backend):
         self.world_size = self.comm.Get_size()
         self.timeout = timeout
         self._groups: dict[tuple[int, ...], object] = {}
+        self._retired: list = []         # communicators given up by reset (never freed)
+        self._sig: dict = {}             # (ranks, call signature) -> its own communicator
+        self._pin = None                 # the communicator `pinned` routes collectives to
         self._meta_seq = 0
 
     # -- point to point ----------------------------------------------------------------
@@ -191,6 +197,8 @@ class MPIBackend(MPICollectives, Backend):
 
     # -- collectives on sub-communicators ----------------------------------------------
     def _group(self, ranks):
+        if self._pin is not None:
+            return self._pin
         if len(ranks) == self.world_size:
             return self.comm
         try:
@@ -213,7 +221,7 @@ class MPIBackend(MPICollectives, Backend):
         i = ranks.index(root)
         what = f"bcast in group {list(ranks)}"
         if self.bcast_p2p(ranks):
-            if sub is self.comm:        # the world group: keep clear of the executor's tags
+            if sub is self.comm and self._pin is None:  # the world group: clear of the executor's tags
                 sub = self.bcomm
             if self.rank == root:
                 pace = pacing.pacer(self.rank)
@@ -248,23 +256,52 @@ class MPIBackend(MPICollectives, Backend):
         others = tuple(r for r in ranks if r != self.rank)
         return MPIWork(req, buf, f"reduce in group {list(ranks)}", others, self.rank)
 
+    def sig_comm(self, ranks, sig, deadline=None, create=False):
+        """The communicator of group `ranks` kept for one exact native call (`sig`: op,
+        dtype, counts, reduction, root), or None. A native collective posted before its
+        agreement has decided goes only there: processes that disagree then post on
+        different communicators (or not at all), so mismatched calls never meet (two typed
+        calls of different dtypes on one communicator abort inside MPICH). `create`: make
+        it now (collective over the group's members, once the call is agreed; at most
+        SIG_MAX, the same ones on every member)."""
+        key = (ranks, sig)
+        c = self._sig.get(key)
+        if c is None and create and len(self._sig) < SIG_MAX:
+            c = timed_dup(self.comm if len(ranks) == self.world_size else self._groups[ranks], deadline)
+            c.Set_errhandler(_mpi().ERRORS_RETURN)
+            self._sig[key] = c
+        return c
+
+    @contextlib.contextmanager
+    def pinned(self, comm):
+        """Route the native collectives issued inside to `comm` (a `sig_comm`)."""
+        self._pin = comm
+        try:
+            yield
+        finally:
+            self._pin = None
+
     def has_groups(self, groups):
         return all(g in self._groups or len(g) == self.world_size for g in groups)
 
     def reset(self):
         """After an aborted call (every rank calls this, see meshcomm.runtime): messages of
-        the aborted plan may still be in flight, so move to fresh communicators."""
+        the aborted plan, or of a native collective posted before the agreement failed, may
+        still be in flight, so move to fresh communicators. The old ones are retired, not
+        freed: a freed communicator's context id can be given to the next one while a
+        request of the old one is still pending, and its messages would then match the new
+        one's (seen: garbage in the next planned all_gather)."""
         MPI = _mpi()
-        old, self.comm = self.comm, self._base.Dup()
+        self._retired.append(self.comm)
+        self._retired.append(self.bcomm)
+        self._retired.extend(c for c in self._groups.values() if c is not None)
+        self._retired.extend(self._sig.values())
+        self._groups.clear()
+        self._sig.clear()
+        self.comm = self._base.Dup()
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
-        self.bcomm.Free()
         self.bcomm = self._base.Dup()
         self.bcomm.Set_errhandler(MPI.ERRORS_RETURN)
-        for c in self._groups.values():
-            if c is not None:
-                c.Free()
-        self._groups.clear()
-        old.Free()
 
     def prepare_groups(self, groups: Sequence[tuple[int, ...]], deadline):
         new = [g for g in groups if g not in self._groups and len(g) < self.world_size]
@@ -301,13 +338,14 @@ class MPIBackend(MPICollectives, Backend):
         return out
 
     def close(self):
-        for c in self._groups.values():
+        for c in list(self._groups.values()) + list(self._sig.values()):
             if c is not None:
                 try:
                     c.Free()
                 except Exception:
                     pass
         self._groups.clear()
+        self._sig.clear()
         for c in (self.comm, self.meta, self.bcomm):
             try:
                 c.Free()

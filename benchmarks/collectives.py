@@ -7,7 +7,9 @@ One group: all processes (a 1-d mesh of one device per process). Per op and size
 implementations are timed interleaved within each round (same machine load for all):
 `mpi4py` (the MPI collective on a communicator of the group, blocking), `gloo`
 (torch.distributed on the default group), and `meshcomm[mpi|torch|mixed]` (the meshcomm call
-with that backend, default settings: the agreement check included). Time is the median over
+with that backend, default settings: the agreement check included). The MPI-based and the
+gloo-based implementations are timed in two phases (see PHASES); torch runs one thread per
+process, as under torchrun. Time is the median over
 rounds of the slowest rank (meshcomm.tools.spmd.time_once: polite barriers). algbw and busbw
 as nccl-tests defines them (meshcomm.bandwidth): the size is the buffer for all_reduce,
 broadcast and reduce, the gathered output for all_gather and gather, the input for
@@ -30,6 +32,13 @@ from meshcomm.bandwidth import algbw_busbw             # noqa: E402
 from meshcomm.tools.common import progress             # noqa: E402
 from meshcomm.tools.spmd import time_once              # noqa: E402
 
+# Implementations over MPI and over gloo are timed in separate phases (each interleaved within
+# its own rounds): with 8 processes on 2 cores, a gloo call leaves its threads busy for a while
+# and slowed whatever ran right after it by up to 7x (measured: meshcomm[mpi] all_gather of
+# 4 MiB 6.8 ms alone, 45 ms right after gloo), which would charge one implementation for
+# another's leftovers.
+PHASES = (("mpi4py", "meshcomm[mpi]", "meshcomm[mixed]"), ("gloo", "meshcomm[torch]"))
+IMPLS = PHASES[0] + PHASES[1]
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather", "scatter")
 
 
@@ -114,7 +123,11 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--json", default="")
+    ap.add_argument("--impls", default=",".join(IMPLS), help="which implementations to time")
     args = ap.parse_args()
+    chosen = args.impls.split(",")
+    import torch
+    torch.set_num_threads(1)        # as torchrun does with several processes per host
     ctx = mc.init(backend="mixed")
     from mpi4py import MPI
     comm = MPI.COMM_WORLD.Dup()
@@ -125,15 +138,18 @@ def main():
     todo = [(op, size) for op in args.ops.split(",") for size in sizes]
     for op, size in progress(todo, desc="collectives", disable=rank != 0):
         x = np.random.default_rng(rank).standard_normal(per_rank_elems(op, size, n)).astype(np.float32)
-        fns = {k: v for k, v in impls(op, comm, x, n, rank, mesh).items() if supported(k, op)}
+        fns = {k: v for k, v in impls(op, comm, x, n, rank, mesh).items() if supported(k, op) and k in chosen}
         times = {k: [] for k in fns}
-        for name, f in fns.items():             # warm-up (plans, groups, first-touch)
-            time_once(comm, f)
-        for _ in range(args.reps):
-            for name, f in fns.items():
-                times[name].append(time_once(comm, f)[0])
+        for phase in PHASES:                    # each phase interleaved within its rounds
+            mine = {k: f for k, f in fns.items() if k in phase}
+            for name, f in mine.items():        # warm-up (plans, groups, communicators, first-touch)
+                time_once(comm, f)
+                time_once(comm, f)
+            for _ in range(args.reps):
+                for name, f in mine.items():
+                    times[name].append(time_once(comm, f)[0])
         med = {k: statistics.median(v) for k, v in times.items()}
-        direct = min(med[k] for k in ("mpi4py", "gloo") if k in med)
+        direct = min((med[k] for k in ("mpi4py", "gloo") if k in med), default=float("nan"))
         for name, t in med.items():
             algbw, busbw = algbw_busbw(op, size, n, t)
             rows.append({"op": op, "bytes": size, "impl": name, "seconds": t, "algbw": algbw, "busbw": busbw,

@@ -76,7 +76,7 @@ _ALL = (
     Setting("CHECK_EXCHANGE", _choice("auto", "allgather", "allreduce"), "auto",
             "how the check travels: `allgather` (every rank's hashes to every rank, point to point over MPI, then its metadata only if the hashes do not decide; a missing peer is named exactly) or `allreduce` (one MIN-allreduce of hashes, O(log N) messages per rank; a timeout names the group); auto: allreduce above 8 processes. Disagreements and calls whose shape a process cannot infer fall back to the allgather of the metadata, which names who differs"),
     Setting("OPTIMISTIC", _bool, True,
-            "MPI starts the first stage while the check's metadata exchange (when the hashes do not decide) is in flight; `0` waits for it", "1"),
+            "MPI starts the first stage while the check's metadata exchange (when the hashes do not decide) is in flight, and posts a repeated native collective beside the hashes (on a communicator of its own call signature; the result is used once they agree); `0` waits for the check", "1"),
     Setting("TUNING", _str, None,
             "path of a `meshcomm tune` table that `mixed` reads (a missing file is an error naming this variable)",
             "built-in"),

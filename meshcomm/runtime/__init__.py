@@ -37,7 +37,10 @@ Under a launcher (`mpiexec`, or `torchrun` for the torch backend)::
   exist already start early; `MESHCOMM_OPTIMISTIC=0` turns this off. A process holding
   no src tile starts early too when the same layouts were resharded before: it guesses
   the shape/dtype agreed last time; a wrong guess anywhere makes every process reset and
-  run the call again without guessing.
+  run the call again without guessing. Collectives do the same (collective_call.py): a
+  gather hashes the tile sizes agreed last time, and over MPI a repeated native collective
+  is posted beside the hashes on a communicator kept for its exact signature, so processes
+  that disagree never meet in one MPI call.
 * Timeouts: a peer that never calls `init` makes `init` raise `PeerTimeoutError` on the
   others within `MESHCOMM_TIMEOUT` (under MPI it is named; under torchrun the rendezvous
   error names the group). A peer that does not arrive (or dies) makes `reshard` raise

@@ -5,6 +5,15 @@ share), all agree on the call (operation, mesh, axes, parameters, dtype, tile sh
 `agreement`, then the collective runs as the reshard `collectives.layouts.problem` gives,
 with the plan executed by the backend. Tile sizes along a gathered dimension travel with the
 agreement, so uneven all_gather/gather cost no extra round.
+
+Repeated calls: every process keeps what the last call with the same arguments agreed on
+(`Agreed`, in `ctx.agreed`). A gather, or a process without a tile, hashes that instead of
+what it cannot know alone (the other tiles' sizes); all hashes equal decides, so a repeated
+uneven all_gather costs the round of hashes and no metadata exchange. Over MPI the native
+call is posted beside the hashes (the optimistic start) on a communicator of its own exact
+signature (backends/mpi.py `sig_comm`), and its result is released only once the hashes
+agree; where they do not, every process learns so from the same Metas, gives the posted
+call up and moves to fresh communicators before raising or running the call again.
 """
 from __future__ import annotations
 
@@ -16,7 +25,7 @@ import numpy as np
 
 from .. import arrays, settings
 from .. import log as _log
-from ..backends import codec_cost
+from ..backends import base, codec_cost
 from ..collectives.layouts import groups, problem
 from ..handle import Handle
 from ..validate import native_byte_order
@@ -200,33 +209,70 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
 
     def go():
         deadline = time.monotonic() + ctx.timeout
-        tile, kind, devtype, dt = facts["tile"], facts["kind"], facts["devtype"], facts["dtype"]
-        shapes = None
-        meta = Meta(req.op, (
-            ("op", req.op), ("mesh", repr(req.mesh)), ("axes", req.axes), ("params", req.params),
-            ("backend", getattr(be, "signature", be.name)), ("dtype", dt), ("kind", kind),
-            ("devtype", devtype), ("tile", _masked(req, tile)), ("codec", codec_cost.agreement_key(req.compression))),
-            agreement.error_of(err), {"tiles": {d: tuple(v.shape) for d, v in tiles.items()}})
+        own_shapes = {d: tuple(v.shape) for d, v in tiles.items()}
+        key = _key(req, be)
+        guess = _guess(ctx, key, req, err, facts, own_shapes)
         # Always agreed (MESHCOMM_CHECK does not apply): a process without a tile of the mesh
         # still takes part in creating the plan's groups, so it must learn shape and dtype.
-        out = agreement.exchange(ctx.backend, meta, deadline,
-                                 eligible=req.op not in _GATHERS and tile is not None)
-        if out.metas is not None:
-            agreement.settle(out.metas, ctx.rank, err,
-                             {"mesh": lambda v, m: v, "params": lambda v, m: _params_str(req.op, v)})
-            shapes = {}
-            for m in out.metas:
-                shapes.update(m.extra.get("tiles", {}))
-            if tile is None:
-                tile = _any_tile(out.metas)
-            dt = out.value("dtype")
-        kind, devtype = out.value("kind", "numpy"), out.value("devtype", "cpu")
-        if dt is None:
-            raise ValueError(f"{req.op}: no process passed a tile, so shape and dtype are unknown")
-        prob = build(req, tile, shapes)
-        # compressed calls, and every call under link emulation (which paces the executor's
-        # sends only), run as their plans
+        meta = Meta(req.op, _fields(req, be, facts["dtype"], facts["kind"], facts["devtype"],
+                                    _masked(req, facts["tile"]), None),
+                    agreement.error_of(err), {"tiles": own_shapes})
+        known = req.op not in _GATHERS and facts["tile"] is not None
+        # What this process hashes: its own facts, or (a gather, or no tile here) what the last
+        # call with these arguments agreed on; all hashes equal means every process's own
+        # tiles fit that, so it is this call's truth too.
+        hashed = None if known or guess is None else _fields(
+            req, be, guess.dtype, guess.kind, guess.devtype, _masked(req, guess.tile), guess.shapes_key)
+        f = guess if hashed is not None else (Agreed(facts["tile"], None, facts["dtype"], facts["kind"],
+                                                      facts["devtype"]) if known else None)
+        pending = agreement.start(ctx.backend, meta, deadline, eligible=f is not None, hashed=hashed)
+        # plan_only: compressed calls, and every call under link emulation (which paces the
+        # executor's sends only), run as their plans
         plan_only = req.compression is not None or settings.get("EMULATE_GBPS") is not None
+        posted = nat = None
+        if f is not None and err is None and not plan_only and settings.get("OPTIMISTIC") \
+                and (hashed is None or guess.streak > 0):
+            # The optimistic start: the native call goes out beside the hashes (they travel
+            # on another communicator); its result is used only once they agree. A guess
+            # the hashes have not confirmed before (shapes that change from call to call)
+            # waits for them: a wrong guess then costs the metadata round, not a reset.
+            nat = native_call.choose(ctx, be, req, f.dtype, f.tile, f.shapes, f.devtype)
+            if nat is not None:
+                posted = native_call.start(ctx, nat, req, tiles, f.dtype, f.tile, f.shapes, f.kind)
+        out = pending.hashes()
+        if out is not None:                     # every process agrees with f
+            base.issued[(f"{out.via}_check", be.name)] += 1
+            agreed = dataclasses.replace(f, streak=f.streak + 1) if hashed is not None else Agreed(
+                f.tile, None, f.dtype, out.value("kind", "numpy"), out.value("devtype", "cpu"))
+            if posted is not None:
+                prob = build(req, agreed.tile, agreed.shapes)
+                res = posted.finish(ctx, nat, req, prob, agreed.dtype, agreed.tile, deadline, stamp)
+                _remember(ctx, key, agreed)
+                return res, None, agreed.kind, prob
+        else:
+            meta.extra["opt"] = posted is not None and bool(posted.works)
+            out = pending.metas()
+            if posted is not None:
+                posted.abandon()
+            try:
+                agreement.settle(out.metas, ctx.rank, err,
+                                 {"mesh": lambda v, m: v, "params": lambda v, m: _params_str(req.op, v)})
+            finally:                            # every process sees the same Metas: all reset
+                if any(m.extra.get("opt") for m in out.metas):
+                    ctx.reset_started(["mpi"])
+            shapes = None
+            if req.op in _GATHERS:
+                shapes = {}
+                for m in out.metas:
+                    shapes.update(m.extra.get("tiles", {}))
+            tile = facts["tile"] if facts["tile"] is not None else _any_tile(out.metas)
+            dt = out.value("dtype")
+            if dt is None:
+                raise ValueError(f"{req.op}: no process passed a tile, so shape and dtype are unknown")
+            agreed = Agreed(tile, shapes, dt, out.value("kind", "numpy"), out.value("devtype", "cpu"))
+        tile, shapes, dt, kind, devtype = agreed.tile, agreed.shapes, agreed.dtype, agreed.kind, agreed.devtype
+        prob = build(req, tile, shapes)
+        _remember(ctx, key, agreed)
         nat = None if plan_only else native_call.choose(ctx, be, req, dt, tile, shapes, devtype)
         if nat is not None:         # one native collective of the backend the table names
             res = native_call.run(ctx, nat, req, prob, tiles, dt, tile, shapes, deadline, kind, stamp)
@@ -260,6 +306,62 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
         return Handle(finish)
     return finish()
 
+
+@dataclasses.dataclass(frozen=True)
+class Agreed:
+    """The facts of a collective every process agreed on (kept per call signature in
+    `ctx.agreed`, so a repeated call can be decided by the hashes alone)."""
+
+    tile: tuple | None
+    shapes: Mapping[int, tuple] | None      # every device's tile shape (gathers), else None
+    dtype: tuple
+    kind: str
+    devtype: str
+    streak: int = 0                         # calls since that the hashes confirmed it as a guess
+
+    @property
+    def shapes_key(self):
+        return None if self.shapes is None else tuple(sorted(self.shapes.items()))
+
+
+def _key(req: Request, be):
+    """The call's signature in `ctx.agreed` (None when an argument is not hashable)."""
+    k = ("collective", req, getattr(be, "signature", be.name))
+    try:
+        hash(k)
+    except TypeError:
+        return None
+    return k
+
+
+def _fields(req: Request, be, dt, kind, devtype, tile, shapes_key) -> tuple:
+    return (("op", req.op), ("mesh", repr(req.mesh)), ("axes", req.axes), ("params", req.params),
+            ("backend", getattr(be, "signature", be.name)), ("dtype", dt), ("kind", kind),
+            ("devtype", devtype), ("tile", tile), ("codec", codec_cost.agreement_key(req.compression))) + \
+        ((("shapes", shapes_key),) if req.op in _GATHERS else ())
+
+
+def _guess(ctx, key, req: Request, err, facts: Mapping, own_shapes: Mapping) -> Agreed | None:
+    """What the last call with this signature agreed on, where this process's own facts fit
+    it (dtype, kind, device type, each own tile's shape); else None."""
+    g = ctx.agreed.get(key) if key is not None and err is None else None
+    if g is None:
+        return None
+    if facts["dtype"] is not None and (facts["dtype"], facts["kind"], facts["devtype"]) != (g.dtype, g.kind, g.devtype):
+        return None
+    for d, shape in own_shapes.items():
+        want = g.shapes.get(d) if g.shapes is not None else g.tile
+        if want is None or tuple(want) != shape:
+            return None
+    return g
+
+
+def _remember(ctx, key, agreed: Agreed) -> None:
+    if key is None:
+        return
+    if len(ctx.agreed) > 256:
+        ctx.agreed.clear()
+    ctx.agreed[key] = agreed
 
 def coded_dims(req: Request, prob) -> int:
     """The leading dimensions of the logical tensor a codec leaves out: the group dimensions

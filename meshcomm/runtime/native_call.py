@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
+from typing import Any
 
 import numpy as np
 
 from .. import arrays, settings
 from ..collectives.layouts import groups
 
-__all__ = ["Native", "choose", "run"]
+__all__ = ["Native", "Posted", "choose", "run", "start"]
 
 TABLE_OP = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatter": "reduce_scatter",
             "broadcast": "bcast", "reduce": "reduce", "all_to_all": "alltoall", "gather": "gather",
@@ -102,12 +104,15 @@ def run(ctx, nat: Native, req, prob, tiles, dt, tile, shapes, deadline, kind="nu
     res = {}
     # a process in several groups (several devices per process) takes part in each in the
     # groups' global order, one at a time: the same order everywhere, so no deadlock
-    import time
     for g in groups(req.mesh, req.axes):
         me = [d for d in g if rank_of(d) == ctx.rank]
         if me:
             t_run = time.time()
-            res.update(_one_group(ctx, prim, req, g, me[0], tiles, dt, tile, shapes, deadline, kind))
+            sig = _sig_comm(ctx, prim, req, g, dt, tile, shapes, deadline, create=True)
+            with _pinned(prim, sig):
+                works, fin = _post(ctx, prim, req, g, me[0], tiles, dt, tile, shapes, kind)
+            prim.wait_all(works, deadline)
+            res.update(fin())
             if stamp is not None:
                 _record(stamp, ctx, prim, req, g, me[0], prob, dt, tile, t_run)
     return res
@@ -128,7 +133,81 @@ def _record(stamp, ctx, prim, req, g, me, prob, dt, tile, t_run):
                group_size=f["group_size"], algorithm="native")
 
 
-def _one_group(ctx, prim, req, g, me, tiles, dt, tile, shapes, deadline, kind) -> dict:
+def start(ctx, nat: Native, req, tiles, dt, tile, shapes, kind="numpy") -> "Posted | None":
+    """Post this process's native collective without waiting: the optimistic start, while the
+    agreement's hashes are still in flight. Only where that can be undone: an MPI call (a
+    disagreement resets MPI's communicators on every process, see collective_call), this
+    process in one group at most, every group's communicator created already (creating one
+    is collective, so it waits for the agreement). None where it does not apply; a Posted
+    with no works for a process that owns no device of the mesh."""
+    prim = nat.prim
+    if prim.name != "mpi" or not prim.has_groups([r for r in nat.all_ranks if len(r) > 1]):
+        return None
+    rank_of = ctx.ownership.rank_of
+    mine = [(g, [d for d in g if rank_of(d) == ctx.rank]) for g in groups(req.mesh, req.axes)]
+    mine = [(g, m[0]) for g, m in mine if m]
+    if len(mine) > 1:
+        return None
+    if not mine:
+        return Posted(None, None, [], dict, 0.0)
+    g, me = mine[0]
+    sig = _sig_comm(ctx, prim, req, g, dt, tile, shapes, None, create=False)
+    if sig is None:                     # first call of this signature: after the agreement
+        return None
+    t_run = time.time()
+    with _pinned(prim, sig):
+        works, fin = _post(ctx, prim, req, g, me, tiles, dt, tile, shapes, kind)
+    return Posted(g, me, works, fin, t_run)
+
+
+def _sig_comm(ctx, prim, req, g, dt, tile, shapes, deadline, create):
+    """MPI's communicator for exactly this call of group g (backends/mpi.py `sig_comm`)."""
+    if prim.name != "mpi":
+        return None
+    ranks = tuple(sorted(ctx.ownership.rank_of(d) for d in g))
+    sizes = tuple(shapes[d][0] for d in g) if req.op in ("all_gather", "gather") else None
+    root = req.root if req.op in ("broadcast", "reduce", "gather", "scatter") else None
+    red = req.reduce_op if req.op in ("all_reduce", "reduce", "reduce_scatter") else None
+    return prim.sig_comm(ranks, (req.op, tuple(dt), tuple(tile), sizes, root, red), deadline, create)
+
+
+def _pinned(prim, comm):
+    import contextlib
+    return prim.pinned(comm) if comm is not None else contextlib.nullcontext()
+
+
+@dataclasses.dataclass
+class Posted:
+    """A native collective posted by `start`: its works, and what turns its buffers into the
+    result tiles once they complete."""
+
+    group: tuple | None
+    me: int | None
+    works: list
+    fin: Any
+    t_run: float
+
+    def finish(self, ctx, nat: Native, req, prob, dt, tile, deadline, stamp=None) -> dict:
+        from meshcomm.backends.base import issued
+        issued[("native_" + nat.prim.name, req.op)] += 1
+        issued[("optimistic_native", nat.prim.name)] += 1
+        nat.prim.wait_all(self.works, deadline)
+        res = self.fin()
+        if stamp is not None and self.group is not None:
+            _record(stamp, ctx, nat.prim, req, self.group, self.me, prob, dt, tile, self.t_run)
+        return res
+
+    def abandon(self) -> None:
+        """Give the works up (the agreement failed): MPI may still write into their buffers,
+        so they stay referenced; the caller resets the communicators they were posted on."""
+        from meshcomm.backends.base import ABANDONED
+        ABANDONED.extend(self.works)
+        self.works = []
+
+
+def _post(ctx, prim, req, g, me, tiles, dt, tile, shapes, kind):
+    """Post the group's one native call: (its works, a function giving the result tiles once
+    they complete)."""
     from meshcomm.backends.base import empty_wire, from_wire, to_wire
     from .reshard_call import empty_like
     rank_of = ctx.ownership.rank_of
@@ -155,16 +234,14 @@ def _one_group(ctx, prim, req, g, me, tiles, dt, tile, shapes, deadline, kind) -
             w = prim.allreduce(buf, op, ranks)
         else:
             w = prim.reduce(buf, root, ranks, op)
-        prim.wait_all([w], deadline)
         if req.op == "reduce" and ctx.rank != root:
-            return {}
-        return {me: out(buf, tile, typed=True)}
+            return [w], dict
+        return [w], lambda: {me: out(buf, tile, typed=True)}
     if req.op == "broadcast":
         n = math.prod(tile) * itemsize
         buf = flat(x.clone() if arrays.is_torch(x) else x.copy(), False) if ctx.rank == root \
             else empty_wire(n, wire, like)
-        prim.wait_all([prim.bcast(buf, root, ranks)], deadline)
-        return {me: out(buf, tile)}
+        return [prim.bcast(buf, root, ranks)], lambda: {me: out(buf, tile)}
     if req.op in ("all_gather", "gather"):
         sizes = [shapes[d][0] for d in g]
         counts = [s * row * itemsize for s in sizes]
@@ -174,10 +251,9 @@ def _one_group(ctx, prim, req, g, me, tiles, dt, tile, shapes, deadline, kind) -
             w = prim.allgatherv(send, recv, counts, ranks)
         else:
             w = prim.gatherv(send, recv, counts, root, ranks)
-        prim.wait_all([w], deadline)
         if recv is None:
-            return {}
-        return {me: out(recv, (sum(sizes),) + tuple(tile[1:]))}
+            return [w], dict
+        return [w], lambda: {me: out(recv, (sum(sizes),) + tuple(tile[1:]))}
     if req.op in ("reduce_scatter", "scatter"):
         sizes = _chunks(tile[0], k)
         i = g.index(me)
@@ -185,14 +261,12 @@ def _one_group(ctx, prim, req, g, me, tiles, dt, tile, shapes, deadline, kind) -
         if req.op == "reduce_scatter":
             counts = [s * row for s in sizes]
             recv = empty_wire(counts[i] * itemsize, wire, like, typed_elems=counts[i])
-            prim.wait_all([prim.reduce_scatterv(flat(x, True), recv, counts, op, ranks)], deadline)
-            return {me: out(recv, shape, typed=True)}
+            w = prim.reduce_scatterv(flat(x, True), recv, counts, op, ranks)
+            return [w], lambda: {me: out(recv, shape, typed=True)}
         counts = [s * row * itemsize for s in sizes]
         recv = empty_wire(counts[i], wire, like)
         send = flat(x, False) if ctx.rank == root else None
-        prim.wait_all([prim.scatterv(send, recv, counts, root, ranks)], deadline)
-        return {me: out(recv, shape)}
+        return [prim.scatterv(send, recv, counts, root, ranks)], lambda: {me: out(recv, shape)}
     # all_to_all along the leading dimension
     recv = empty_wire(math.prod(tile) * itemsize, wire, like)
-    prim.wait_all([prim.alltoall(flat(x, False), recv, ranks)], deadline)
-    return {me: out(recv, tile)}
+    return [prim.alltoall(flat(x, False), recv, ranks)], lambda: {me: out(recv, tile)}

@@ -312,6 +312,62 @@ def p2p(ctx, backends, stats):
         assert y.tolist() == [7, 8]
 
 
+def repeats(ctx, backends, stats):
+    """Calls that repeat one every process made before: the hashes decide them, with the
+    native call already posted beside the hashes (MPI). Broadcasts whose non-roots pass None
+    (they guess the tile). An uneven all_gather whose sizes stay, then change (a confirmed
+    guess posted early turns out wrong: every process resets and starts over), then
+    alternate (guesses not yet confirmed: no early post, no reset). A bad input on a
+    repeated call: every rank raises, naming it; the next call works."""
+    from meshcomm.backends.base import issued
+    ws, me, bad = ctx.world_size, ctx.rank, ctx.world_size - 1
+    mesh = mc.Mesh(np.arange(ws), ("x",))
+    total = sum(range(ws))
+
+    def gather(sizes, b, what):
+        x = np.full((sizes[me], 2), me, np.int64)
+        y = mc.all_gather(x, mesh, "x", backend=b)
+        want = np.concatenate([np.full((s, 2), r, np.int64) for r, s in enumerate(sizes)])
+        assert np.array_equal(y, want), (b, what, sizes, y)
+
+    for b in backends:
+        before = issued[("optimistic_native", "mpi")]
+        for it in range(3):
+            y = mc.all_reduce(np.full((4, 3), me, np.float32), mesh, "x", backend=b)
+            assert np.array_equal(y, np.full((4, 3), total, np.float32)), (b, it, y)
+            x = np.full((2, 2), me, np.int32)
+            y = mc.all_gather(x, mesh, "x", backend=b)
+            assert np.array_equal(y, np.repeat(np.arange(ws, dtype=np.int32), 2)[:, None].repeat(2, 1)), y
+            y = mc.broadcast(np.arange(6.0) + it if me == 0 else None, mesh, "x", root=0, backend=b)
+            assert np.array_equal(y, np.arange(6.0) + it), (b, it, y)
+            y = mc.reduce_scatter(np.full(2 * ws, me + it, np.int64), mesh, "x", backend=b)
+            assert np.array_equal(y, np.full(2, total + ws * it, np.int64)), (b, it, y)
+            stats["repeat_ok"] += 1
+        if b == "mpi":
+            assert issued[("optimistic_native", "mpi")] > before, "no native call was posted beside the hashes"
+        stats["optimistic_native"] += issued[("optimistic_native", "mpi")] - before
+        a, c = [1 + r % 3 for r in range(ws)], [2 + r % 2 for r in range(ws)]
+        for i, sizes in enumerate([a, a, a, c, c]):
+            gather(sizes, b, f"sizes change, call {i}")
+        resets = issued[("reset", "mpi")]
+        for i in range(4):
+            gather(a if i % 2 else c, b, f"sizes alternate, call {i}")
+        assert issued[("reset", "mpi")] == resets, "alternating sizes reset the communicators"
+        stats["repeat_ok"] += 1
+        x = np.full((2, 2), me, np.int32)
+        t0 = time.monotonic()
+        try:
+            mc.all_gather(x.astype(np.int64) if me == bad else x, mesh, "x", backend=b)
+        except (ValueError, TypeError) as e:
+            assert me == bad or f"rank(s) [{bad}]" in str(e) or f", {bad}]" in str(e), str(e)
+            stats["repeat_fault_raised"] += 1
+            stats["fault_max_s"] = max(stats.get("fault_max_s", 0), round(time.monotonic() - t0, 2))
+        else:
+            raise AssertionError(f"all_gather [{b}]: rank {me}: an int64 tile on rank {bad} raised nothing")
+        y = mc.all_gather(x, mesh, "x", backend=b)
+        assert np.array_equal(y, np.repeat(np.arange(ws, dtype=np.int32), 2)[:, None].repeat(2, 1)), y
+        stats["repeat_fault_next_ok"] += 1
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--init", default="mixed")
@@ -331,6 +387,7 @@ def main():
     if args.faults and args.dpp == 1:
         faults(ctx, backends, stats, args.fault_limit)
         p2p(ctx, backends, stats)
+        repeats(ctx, backends, stats)
     stats["seconds"] = round(time.time() - t0, 1)
     from meshcomm.backends.base import issued
     stats["native"] = sum(v for (b, _), v in issued.items() if b.startswith("native_"))
