@@ -89,7 +89,7 @@ class MPIWork(Work):
                                    f"failed: {e}", self.peers, self.op) from e
 
 
-SIG_MAX = 64        # call signatures with a communicator of their own (per process)
+SIG_MAX = 64        # call signatures with a communicator of their own (per group)
 INIT_TAG = 32000     # the tag of the join check on the launcher's communicator
 BCAST_TAG = 7        # point-to-point broadcasts, on the group's own communicator
 
@@ -263,10 +263,11 @@ class MPIBackend(MPICollectives, Backend):
         different communicators (or not at all), so mismatched calls never meet (two typed
         calls of different dtypes on one communicator abort inside MPICH). `create`: make
         it now (collective over the group's members, once the call is agreed; at most
-        SIG_MAX, the same ones on every member)."""
+        SIG_MAX per group: every member takes part in each of its group's creations, so all
+        of them decide alike, whatever other groups each also belongs to)."""
         key = (ranks, sig)
         c = self._sig.get(key)
-        if c is None and create and len(self._sig) < SIG_MAX:
+        if c is None and create and sum(1 for r, _ in self._sig if r == ranks) < SIG_MAX:
             c = timed_dup(self.comm if len(ranks) == self.world_size else self._groups[ranks], deadline)
             c.Set_errhandler(_mpi().ERRORS_RETURN)
             self._sig[key] = c

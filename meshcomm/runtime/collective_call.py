@@ -363,6 +363,7 @@ def _remember(ctx, key, agreed: Agreed) -> None:
         ctx.agreed.clear()
     ctx.agreed[key] = agreed
 
+
 def coded_dims(req: Request, prob) -> int:
     """The leading dimensions of the logical tensor a codec leaves out: the group dimensions
     in front of the tiles (so each tile is coded in its own shape)."""

@@ -10,6 +10,7 @@ collective runs as its reshard plan. MESHCOMM_COLLECTIVES=plan|native|auto choos
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -172,7 +173,6 @@ def _sig_comm(ctx, prim, req, g, dt, tile, shapes, deadline, create):
 
 
 def _pinned(prim, comm):
-    import contextlib
     return prim.pinned(comm) if comm is not None else contextlib.nullcontext()
 
 

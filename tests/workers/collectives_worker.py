@@ -346,12 +346,18 @@ def repeats(ctx, backends, stats):
         if b == "mpi":
             assert issued[("optimistic_native", "mpi")] > before, "no native call was posted beside the hashes"
         stats["optimistic_native"] += issued[("optimistic_native", "mpi")] - before
-        a, c = [1 + r % 3 for r in range(ws)], [2 + r % 2 for r in range(ws)]
+        # c differs from a on the last rank only: the others' tiles still fit the confirmed
+        # guess `a`, so they post early while the last rank does not; all must reset
+        a = [1 + r % 3 for r in range(ws)]
+        c = a[:-1] + [a[-1] + 1]
+        resets = issued[("reset", "mpi")]
         for i, sizes in enumerate([a, a, a, c, c]):
             gather(sizes, b, f"sizes change, call {i}")
+        if b == "mpi":          # the third call confirmed `a`, the fourth posted it early: wrong
+            assert issued[("reset", "mpi")] > resets, "a wrong guess posted early did not reset"
         resets = issued[("reset", "mpi")]
         for i in range(4):
-            gather(a if i % 2 else c, b, f"sizes alternate, call {i}")
+            gather(a if i % 2 else [2 + r % 2 for r in range(ws)], b, f"sizes alternate, call {i}")
         assert issued[("reset", "mpi")] == resets, "alternating sizes reset the communicators"
         stats["repeat_ok"] += 1
         x = np.full((2, 2), me, np.int32)
@@ -367,6 +373,7 @@ def repeats(ctx, backends, stats):
         y = mc.all_gather(x, mesh, "x", backend=b)
         assert np.array_equal(y, np.repeat(np.arange(ws, dtype=np.int32), 2)[:, None].repeat(2, 1)), y
         stats["repeat_fault_next_ok"] += 1
+
 
 def main():
     ap = argparse.ArgumentParser()
