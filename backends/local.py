@@ -2,8 +2,10 @@
 (the plan's reduce_op: sum, prod, min or max, in the order of each transfer's srcs)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
+from meshcomm.caches import BoundedDict
 from meshcomm.planners.boxes import box_size, local_slices
 from meshcomm.reduceops import combine_, fill_identity_
 
@@ -42,47 +44,130 @@ def aligned_numpy(shape, dtype, zero: bool = False):
 class LocalBackend:
     name = "local"
 
-    def execute(self, plan, shards: Mapping[int, object], like, share: bool = False) -> dict[int, object]:
+    def execute(self, plan, shards: Mapping[int, object], like, share: bool = False,
+                alias: bool = False) -> dict[int, object]:
         """Run `plan` on `shards` ({src device: tile}); return {dst device: tile}. Each piece
         is copied once, straight from its src tile into the dst tile (a reduction writes its
         first addend there and combines the others into it in place). With `share`, dst
         devices holding the same box and addend get one array, written once (for results
         that are immutable, like JAX arrays, which on CPU devices may share memory as
-        jax.device_put's own results do)."""
-        st, dt = plan.src.tiles(plan.shape), plan.dst.tiles(plan.shape)
-        zero, op = set(plan.zero_fill), plan.reduce_op
-        out = {}
-        for groups in dt.classes.values():
-            for devs in groups.values():
-                for i, d in enumerate(devs):
-                    if share and i:
-                        out[d] = out[devs[0]]
-                        continue
-                    box = dt.boxes[d]
-                    shape = tuple(b - a for a, b in box)
-                    out[d] = alloc_like(like, shape, zero=d in zero or box_size(box) == 0, op=plan.fill_op)
-        for t in plan.transfers:
-            if t.src_buf == "src":
-                bufs, origin = shards, st.boxes
-            else:
-                bufs, origin = out, dt.boxes
-            dsts = t.dsts
-            if share and len(dsts) > 1:
-                dsts = list({id(out[d]): d for d in reversed(dsts)}.values())
-            for box in t.boxes:
-                if t.kind == "reduce":
-                    d = t.dsts[0]
-                    view = out[d][local_slices(box, dt.boxes[d]) or ...]    # 0-d: a view, not a scalar
-                    it = iter(t.srcs)
-                    s = next(it)
-                    view[...] = bufs[s][local_slices(box, origin[s])]
-                    for s in it:
-                        combine_(view, bufs[s][local_slices(box, origin[s])], op)
+        jax.device_put's own results do). With `alias` too, a dst tile that is one
+        contiguous run of a src tile is that src tile's memory, not a copy (immutable host
+        arrays only: JAX CPU devices, where jax.device_put adopts it). What to copy where
+        is worked out once per plan (`_program`)."""
+        prog = _program(plan, share, alias)
+        op = plan.reduce_op
+        bufs, aliased = [], set()
+        for k, (shape, zero, view) in enumerate(prog.slots):
+            if view is not None:
+                s, where = view
+                v = shards[s][where]
+                if getattr(v, "flags", None) is not None and v.flags.c_contiguous:
+                    bufs.append(v)
+                    aliased.add(k)
                     continue
-                s = t.srcs[0]
-                value = bufs[s][local_slices(box, origin[s])]
-                for d in dsts:
-                    if bufs is out and out[d] is out[s]:
-                        continue            # a shared array already holds it
-                    out[d][local_slices(box, dt.boxes[d])] = value
-        return out
+            bufs.append(alloc_like(like, shape, zero=zero, op=plan.fill_op))
+        for kind, slot, where, from_out, srcs in prog.ops:
+            if slot in aliased:
+                continue
+            src = bufs if from_out else shards
+            if kind == "copy":
+                s, sw = srcs[0]
+                bufs[slot][where] = src[s][sw]
+                continue
+            view = bufs[slot][where or ...]         # 0-d: a view, not a scalar
+            (s, sw), rest = srcs[0], srcs[1:]
+            view[...] = src[s][sw]
+            for s, sw in rest:
+                combine_(view, src[s][sw], op)
+        return {d: bufs[k] for d, k in prog.slot_of.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class _LocalProgram:
+    """A plan as one process runs it: `slots` are the dst arrays, (shape, zero-filled,
+    (src device, slices) when it may be a view of a src tile instead), `slot_of` gives each
+    dst device its slot (replicas share one with `share`), and `ops` are (kind, slot,
+    slices in the slot, whether the sources are slots rather than src tiles, ((source,
+    slices), ...)) in plan order, each (slot, box) written once."""
+    slots: tuple
+    slot_of: dict
+    ops: tuple
+
+
+_PROGRAMS = BoundedDict(256)
+
+
+def _program(plan, share: bool, alias: bool) -> _LocalProgram:
+    key = (id(plan), share, alias)
+    hit = _PROGRAMS.get(key)
+    if hit is not None and hit[0] is plan:
+        return hit[1]
+    prog = _compile(plan, share, alias)
+    _PROGRAMS.put(key, (plan, prog))
+    return prog
+
+
+def _compile(plan, share: bool, alias: bool) -> _LocalProgram:
+    st, dt = plan.src.tiles(plan.shape), plan.dst.tiles(plan.shape)
+    zero = set(plan.zero_fill)
+    views = _whole_tile_views(plan, st, dt, zero) if share and alias else {}
+    slots, slot_of = [], {}
+    for groups in dt.classes.values():
+        for devs in groups.values():
+            for i, d in enumerate(devs):
+                if share and i:
+                    slot_of[d] = slot_of[devs[0]]
+                    continue
+                box = dt.boxes[d]
+                view = next((views[e] for e in devs if e in views), None) if share else None
+                slot_of[d] = len(slots)
+                slots.append((tuple(b - a for a, b in box), d in zero or box_size(box) == 0, view))
+    ops, written = [], set()
+    for t in plan.transfers:
+        from_out = t.src_buf != "src"
+        origin = dt.boxes if from_out else st.boxes
+
+        def src_of(s, box):
+            return (slot_of[s] if from_out else s), local_slices(box, origin[s])
+        for box in t.boxes:
+            if t.kind == "reduce":
+                d = t.dsts[0]
+                ops.append(("reduce", slot_of[d], local_slices(box, dt.boxes[d]), from_out,
+                            tuple(src_of(s, box) for s in t.srcs)))
+                continue
+            s = t.srcs[0]
+            for d in t.dsts:
+                k = slot_of[d]
+                if (k, box) in written or (from_out and slot_of[s] == k):
+                    continue            # a shared array already holds it
+                written.add((k, box))
+                ops.append(("copy", k, local_slices(box, dt.boxes[d]), from_out, (src_of(s, box),)))
+    return _LocalProgram(tuple(slots), slot_of, tuple(ops))
+
+
+def _whole_tile_views(plan, st, dt, zero) -> dict:
+    """{dst device: (src device, slices)} for dst tiles lying whole inside a src tile (no
+    pending sums on either side: the dst tile's values are then exactly that part of the
+    src tile, which `execute` uses in place when it is one contiguous run)."""
+    if plan.src.partial or plan.dst.partial:
+        return {}
+    views = {}
+    for d, box in dt.boxes.items():
+        if d in zero or box_size(box) == 0:
+            continue
+        for s, sb in st.boxes.items():
+            if all(o <= a and b <= e for (a, b), (o, e) in zip(box, sb)) and _contiguous(box, sb):
+                views[d] = (s, local_slices(box, sb))
+                break
+    return views
+
+
+def _contiguous(box, origin) -> bool:
+    """Whether `box` is one contiguous run of a C-ordered tile whose box is `origin`: single
+    indices up to some dimension, any range there, and whole dimensions after it."""
+    dims = list(zip(box, origin))
+    for i, ((a, b), _) in enumerate(dims):
+        if b - a != 1:
+            return all(x == y for x, y in dims[i + 1:])
+    return True

@@ -46,8 +46,7 @@ def shard(array, layout: Layout, seed: int | None = None) -> dict[int, Any]:
             for d in devs:
                 out[d] = arrays.copy(addends[a], kind) if len(devs) > 1 else addends[a]
     if kind == "jax":
-        import jax
-        return {d: jax.device_put(v, arrays.jax_device(d)) for d, v in out.items()}
+        return arrays.to_jax_devices(out)
     return {d: out[d] for d in layout.mesh.device_ids}
 
 
@@ -166,14 +165,7 @@ def reshard(x, src: Layout, dst: Layout, *, shape=None, dtype=None, backend: str
         return ctx.reshard(x, src, dst, shape=shape, dtype=dtype, backend=backend, async_op=async_op,
                            compression=compression)
     runtime.no_context(backend, "reshard")
-    stamp = _log.stamp(async_op) if _log.ON else None
-    shards, bare = normalize_input(x, src)
-    owned_src = list(src.mesh.device_ids)
-    missing = [d for d in owned_src if d not in shards]
-    if missing:
-        raise ValueError(f"without meshcomm.init this process owns every device, so x must hold a "
-                         f"tile for each src device; missing device(s) {missing[:8]}{runtime.init_hint()}")
-    result = _reshard_local(shards, src, dst, shape, dtype, stamp, compression)
+    result, bare = _one_process(x, src, dst, shape, dtype, async_op, compression)
     if bare:
         devs = dst.mesh.device_ids
         if len(devs) != 1:
@@ -183,7 +175,25 @@ def reshard(x, src: Layout, dst: Layout, *, shape=None, dtype=None, backend: str
     return Handle(result=result) if async_op else result
 
 
-def _reshard_local(shards, src, dst, shape, dtype, stamp=None, compression=None):
+def _one_process(x, src, dst, shape, dtype, async_op=False, compression=None, commit=True):
+    """reshard without a launcher: (the dst tiles, whether x was a bare array). With
+    `commit=False`, JAX tiles come back as host arrays for the caller to commit."""
+    stamp = _log.stamp(async_op) if _log.ON else None
+    shards, bare = normalize_input(x, src)
+    owned_src = list(src.mesh.device_ids)
+    missing = [d for d in owned_src if d not in shards]
+    if missing:
+        raise ValueError(f"without meshcomm.init this process owns every device, so x must hold a "
+                         f"tile for each src device; missing device(s) {missing[:8]}{runtime.init_hint()}")
+    return _reshard_local(shards, src, dst, shape, dtype, stamp, compression, commit), bare
+
+
+def _on_cpu(shards) -> bool:
+    """Whether every JAX tile lives on a CPU device (host memory JAX adopts without a copy)."""
+    return all(d.platform == "cpu" for v in shards.values() for d in v.devices())
+
+
+def _reshard_local(shards, src, dst, shape, dtype, stamp=None, compression=None, commit=True):
     shape, name, itemsize = resolve_shape_dtype(shards, src, shape, dtype)
     if shape is None:
         raise ValueError("cannot infer the global shape from the shards; pass shape=")
@@ -202,16 +212,16 @@ def _reshard_local(shards, src, dst, shape, dtype, stamp=None, compression=None)
         from .backends.compressed import execute_local
         host = {d: np.asarray(v) for d, v in shards.items()} if kind == "jax" else shards
         out = execute_local(p, host, next(iter(host.values())), comp)
-        if kind == "jax":
-            import jax
-            out = {d: jax.device_put(v, arrays.jax_device(d)) for d, v in out.items()}
+        if kind == "jax" and commit:
+            out = arrays.to_jax_devices(out)
     elif kind == "jax":
         # one copy per piece into 64-byte-aligned NumPy tiles, which jax.device_put adopts
         # on CPU devices without a copy; replicas share one (JAX arrays are immutable)
         np_shards = {d: np.asarray(v) for d, v in shards.items()}
-        out = LocalBackend().execute(p, np_shards, like=next(iter(np_shards.values())), share=True)
-        import jax
-        out = {d: jax.device_put(v, arrays.jax_device(d)) for d, v in out.items()}
+        out = LocalBackend().execute(p, np_shards, like=next(iter(np_shards.values())), share=True,
+                                     alias=_on_cpu(shards))
+        if commit:
+            out = arrays.to_jax_devices(out)
     else:
         out = LocalBackend().execute(p, shards, like=first)
     if stamp is not None:       # one process: nothing on the wire (meshcomm.log)

@@ -125,3 +125,16 @@ def jax_device(device_id: int):
         if d.id == device_id:
             return d
     return jax.devices()[0]
+
+
+def to_jax_devices(tiles: dict) -> dict:
+    """{device id: host array} -> {device id: jax.Array committed to that JAX device}, in one
+    batched `jax.device_put` (on CPU, 64-byte-aligned NumPy arrays are adopted, not copied)."""
+    if not tiles:
+        return {}
+    import jax
+    by_id = {d.id: d for d in jax.devices()}
+    first = jax.devices()[0]
+    keys = list(tiles)
+    put = jax.device_put([tiles[d] for d in keys], [by_id.get(d, first) for d in keys])
+    return dict(zip(keys, put))

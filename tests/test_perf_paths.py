@@ -152,6 +152,54 @@ def test_jax_local_path_is_one_copy_and_replicas_share_memory():
     assert out[4].devices() == {devs[4]} and out[5].devices() == {devs[5]}
 
 
+def test_jax_local_path_adopts_whole_contiguous_src_runs_and_copies_the_rest():
+    """A dst tile lying whole in one contiguous run of a src tile is that memory (no copy;
+    JAX arrays are immutable), on the other device; other tiles are fresh copies; values
+    exact; donating the source afterwards leaves the result intact."""
+    jax = pytest.importorskip("jax")
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 JAX CPU devices (XLA_FLAGS in conftest.py)")
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from meshcomm.adapters import reshard_jax
+    devs = np.array(jax.devices()[:8])
+    g = np.arange(16 * 8 * 4, dtype=np.float32).reshape(16, 8, 4)
+    x = jax.device_put(g, NamedSharding(Mesh(devs[:2], ("x",)), P("x")))
+    spans = [(s.data.unsafe_buffer_pointer(), s.data.unsafe_buffer_pointer() + s.data.nbytes)
+             for s in x.addressable_shards]
+
+    def inside(y):
+        return [any(lo <= s.data.unsafe_buffer_pointer() < hi for lo, hi in spans) for s in y.addressable_shards]
+    # rows 0-3, 4-7, ... of a (8, 8, 4) src tile: contiguous runs, adopted on devices 4-7
+    y = reshard_jax(x, NamedSharding(Mesh(devs[4:8], ("a",)), P("a")))
+    np.testing.assert_array_equal(np.asarray(y), g)
+    assert all(inside(y)) and {s.device for s in y.addressable_shards} == set(devs[4:8])
+    # columns: strided in the src tile, so copied
+    z = reshard_jax(x, NamedSharding(Mesh(devs[4:8], ("a",)), P(None, "a")))
+    np.testing.assert_array_equal(np.asarray(z), g)
+    assert not any(inside(z))
+    f = jax.jit(lambda a: a * 2, donate_argnums=0)
+    np.testing.assert_array_equal(np.asarray(f(x)), 2 * g)
+    np.testing.assert_array_equal(np.asarray(y), g)
+
+
+def test_local_program_writes_each_box_of_a_shared_tile_once():
+    """The plan to a replicated dst copies each piece to one replica and broadcasts it to
+    the others: with `share` they are one array, so each piece is copied once."""
+    from meshcomm.backends.local import _program
+    m = mc.Mesh.grid((2, 4), ("x", "y"))
+    src, dst = mc.Layout(m, (("x", "y"),)), mc.Layout(m, ())
+    g = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+    p = mc.plan(g.shape, g.dtype, src, dst)
+    assert sum(len(t.boxes) * len(t.dsts) for t in p.transfers) > 8
+    prog = _program(p, True, False)
+    assert len(prog.ops) == 8 and len(prog.slots) == 1
+    assert _program(p, True, False) is prog          # worked out once per plan
+    x = mc.shard(g, src)
+    out = LocalBackend().execute(p, x, like=x[0], share=True)
+    assert all(out[d] is out[0] for d in m.device_ids)
+    np.testing.assert_array_equal(out[0], g)
+
+
 # -- the agreement check over MPI ---------------------------------------------------------------
 
 @pytest.mark.mpi

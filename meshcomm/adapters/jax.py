@@ -31,6 +31,7 @@ import numpy as np
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ..caches import memo
 from ..layout import Blocks, Layout, normalize_shape
 from ..mesh import Mesh
 
@@ -57,6 +58,14 @@ def layout_from_sharding(sharding, shape=None) -> Layout:
     if not isinstance(sharding, NamedSharding):
         raise TypeError(f"layout_from_sharding needs a jax.sharding.NamedSharding, got "
                         f"{type(sharding).__name__}")
+    if shape is not None:
+        shape = normalize_shape(shape)
+    return _layout_of(sharding, shape, _devices_key())
+
+
+@memo(maxsize=256)
+def _layout_of(sharding, shape, devices) -> Layout:
+    """layout_from_sharding's work, cached (`devices`: the JAX devices it was read under)."""
     mesh = _mesh_from_jax(sharding.mesh)
     spec = []
     for dim, e in enumerate(tuple(sharding.spec)):
@@ -67,7 +76,6 @@ def layout_from_sharding(sharding, shape=None) -> Layout:
     partial = tuple(sorted(getattr(sharding.spec, "unreduced", ()) or ()))
     layout = Layout(mesh, tuple(spec), partial=partial)
     if shape is not None:
-        shape = normalize_shape(shape)
         layout.check_shape(shape)
         _check_even(layout, shape, what="sharding")
     return layout
@@ -92,12 +100,26 @@ def _check_even(layout, shape, what):
                          "cannot express (NamedSharding needs even splits)")
 
 
+def _devices_key() -> tuple:
+    return tuple(jax.devices())
+
+
 def _sorted_devices() -> list:
-    return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return list(_ordered(_devices_key()))
+
+
+@memo(maxsize=8)
+def _ordered(devices: tuple) -> tuple:
+    return tuple(sorted(devices, key=lambda d: (d.process_index, d.id)))
 
 
 def _positions() -> dict:
-    return {d: i for i, d in enumerate(_sorted_devices())}
+    return _positions_of(_devices_key())
+
+
+@memo(maxsize=8)
+def _positions_of(devices: tuple) -> dict:
+    return {d: i for i, d in enumerate(_ordered(devices))}
 
 
 def meshcomm_id(device) -> int:
@@ -119,7 +141,12 @@ def jax_device_by_id(device_id: int):
 
 
 def _device_table() -> dict[int, Any]:
-    return dict(enumerate(_sorted_devices()))
+    return _table_of(_devices_key())
+
+
+@memo(maxsize=8)
+def _table_of(devices: tuple) -> dict[int, Any]:
+    return dict(enumerate(_ordered(devices)))
 
 
 def expressible(layout: Layout, shape=None) -> str | None:
@@ -250,29 +277,53 @@ def reshard_jax(x, dst, *, backend: str | None = None, async_op: bool = False):
             raise
         from ..runtime.agreement import raise_together
         raise_together(ctx, "reshard", e)       # the other ranks raise too, naming this one
-    from .. import api
-    # JAX arrays go to meshcomm as NumPy views (zero-copy on CPU); the result comes back as
-    # NumPy tiles, committed to their JAX devices below. In one process they go as they are:
-    # the local path then commits them itself, one copy per piece, replicas sharing one.
-    from .. import runtime
-    one = runtime.current() is None and backend in (None, "local")
-    np_shards = shards if one else {d: np.asarray(v) for d, v in shards.items()}
+    from .. import api, runtime
+    finish = functools.partial(_assemble, shape=shape, dtype=x.dtype, dst=dst_layout, dst_sharding=dst_sharding)
+    if runtime.current() is None and backend in (None, "local"):
+        # One process: the JAX tiles go in as they are and the dst tiles come back as host
+        # arrays (one copy per piece, none for a dst tile that is a contiguous run of a src
+        # tile), committed below in one batched transfer that adopts them (CPU devices).
+        out, _ = api._one_process(shards, src, dst_layout, shape, x.dtype, async_op, commit=False)
+        return api.Handle(result=finish(out)) if async_op else finish(out)
+    # Under a launcher they go as NumPy views (zero-copy on CPU) and come back as NumPy tiles.
+    np_shards = {d: np.asarray(v) for d, v in shards.items()}
     res = api.reshard(np_shards, src, dst_layout, shape=shape, dtype=x.dtype, backend=backend,
                       async_op=async_op)
-    finish = functools.partial(_assemble, shape=shape, dtype=x.dtype, dst_sharding=dst_sharding)
     if async_op:
         return api.Handle(lambda: finish(res.wait()))
     return finish(res)
 
 
-def _assemble(out, *, shape, dtype, dst_sharding):
-    """meshcomm's NumPy tiles -> committed single-device arrays -> one jax.Array (or a dict)."""
+def _assemble(out, *, shape, dtype, dst, dst_sharding):
+    """meshcomm's tiles -> one jax.Array with `dst_sharding` (or, without one, a dict of
+    committed single-device arrays). Host tiles for a NamedSharding go in one batched
+    transfer (`jax.make_array_from_callback`); JAX adopts aligned host memory on CPU."""
     if out is None:
         out = {}
+    if dst_sharding is not None and out and not any(isinstance(v, jax.Array) for v in out.values()):
+        mine = {meshcomm_id(d) for d in dst_sharding.addressable_devices}
+        if mine - set(out):
+            raise ValueError(f"dst device(s) {sorted(mine - set(out))[:8]} are addressable by this process "
+                             "but meshcomm did not give them a tile (device ownership differs between JAX "
+                             "and meshcomm)")
+        boxes = dst.tiles(shape).boxes
+        by_index = {tuple(boxes[d]): v for d, v in out.items()}
+
+        def tile(index):
+            key = tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
+            return by_index[key]
+        return jax.make_array_from_callback(shape, dst_sharding, tile, dtype=dtype)
     tiles = {}
+    put = {}
     for d, v in out.items():
         dev = jax_device_by_id(d)
-        tiles[d] = v if isinstance(v, jax.Array) and v.devices() == {dev} else jax.device_put(np.asarray(v), dev)
+        if isinstance(v, jax.Array) and v.devices() == {dev}:
+            tiles[d] = v
+        else:
+            put[d] = (np.asarray(v), dev)
+    if put:
+        keys = list(put)
+        tiles.update(zip(keys, jax.device_put([put[d][0] for d in keys], [put[d][1] for d in keys])))
     if dst_sharding is None:
         return tiles
     arrays = []

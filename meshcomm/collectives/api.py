@@ -76,7 +76,7 @@ def _local(req: Request, x):
         import jax
         if bare:
             return None if res is None else jax.device_put(res, arrays.jax_device(owned[0]))
-        return {d: jax.device_put(v, arrays.jax_device(d)) for d, v in res.items()}
+        return arrays.to_jax_devices(res)
     return res
 
 

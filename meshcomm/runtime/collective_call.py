@@ -300,7 +300,7 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
             import jax
             if bare:
                 return None if res is None else jax.device_put(res, arrays.jax_device(owned[0]))
-            res = {d: jax.device_put(v, arrays.jax_device(d)) for d, v in res.items()}
+            res = arrays.to_jax_devices(res)
         return res
     if async_op:
         return Handle(finish)

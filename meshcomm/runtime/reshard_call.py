@@ -109,8 +109,7 @@ def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=
             done.wait_on(streams.current_stream(streams.device_of(v)))
             break
         if out_kind == "jax":
-            import jax
-            out = {d: jax.device_put(v, arrays.jax_device(d)) for d, v in out.items()}
+            out = arrays.to_jax_devices(out)
         if bare:
             return next(iter(out.values())) if out else None
         return out
