@@ -23,9 +23,9 @@ __all__ = ["run_jax_part", "run_subprocess"]
 def run_jax_part(args, cases) -> dict:
     """{case name: {method: {"time_s", "exact", "note"}, "jax_copies": bool}} for the cases
     JAX can express. The two methods alternate, one call each per round (the same load on
-    a shared machine), each on a source array of its own; the median over rounds is kept. `jax_copies` is False where every
-    shard of jax.device_put's result lies in a source shard's memory (JAX moved nothing),
-    True where it copied."""
+    a shared machine), each on a source array of its own; the median over rounds is kept.
+    `jax_copies` (`meshcomm_copies`) is False where every shard of jax.device_put's
+    (meshcomm's) result lies in a source shard's memory (nothing moved), True where it copied."""
     import jax
     from meshcomm.adapters.jax import expressible, reshard_jax, sharding_from_layout
     out = {}
@@ -56,8 +56,8 @@ def run_jax_part(args, cases) -> dict:
                 last[name] = fn(x)
                 jax.block_until_ready(last[name])
                 ts[name].append(time.perf_counter() - t0)
-                if name == "jax.device_put":
-                    res["jax_copies"] = not _aliases(last[name], x)
+                key = "jax_copies" if name == "jax.device_put" else "meshcomm_copies"
+                res[key] = not _aliases(last[name], x)
         for name, y in last.items():
             ok = bool(np.array_equal(np.asarray(y), g))
             res[name] = {"time_s": statistics.median(ts[name]), "exact": ok, "note": ""}
