@@ -182,6 +182,26 @@ def test_jax_local_path_adopts_whole_contiguous_src_runs_and_copies_the_rest():
     np.testing.assert_array_equal(np.asarray(y), g)
 
 
+def test_bench_jax_part_reports_who_copies_and_exact_results():
+    """`meshcomm bench run`'s one-process part: exact results, and the copy columns telling
+    the cases meshcomm adopts (1to1: the whole tile) from those both copy (same-allgather)."""
+    jax = pytest.importorskip("jax")
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 JAX CPU devices (XLA_FLAGS in conftest.py)")
+    import types
+    from meshcomm.tools.bench.jax_part import run_jax_part
+    from meshcomm.tools.bench.run import _format_jax
+    cases = [c for c in run_cases(8, 1) if c.name in ("1to1", "same-allgather")]
+    rows = run_jax_part(types.SimpleNamespace(repeats=2), cases)
+    assert set(rows) == {"1to1", "same-allgather"}
+    for name, res in rows.items():
+        assert res["jax.device_put"]["exact"] and res["meshcomm-local"]["exact"], name
+    assert rows["1to1"]["jax_copies"] and not rows["1to1"]["meshcomm_copies"]
+    assert rows["same-allgather"]["jax_copies"] and rows["same-allgather"]["meshcomm_copies"]
+    text = "\n".join(_format_jax(rows))
+    assert "where both copy" in text and "1 cases" in text
+
+
 def test_local_program_writes_each_box_of_a_shared_tile_once():
     """The plan to a replicated dst copies each piece to one replica and broadcasts it to
     the others: with `share` they are one array, so each piece is copied once."""
