@@ -273,6 +273,11 @@ class MPIBackend(MPICollectives, Backend):
             self._sig[key] = c
         return c
 
+    def ibarrier_on(self, comm):
+        """A barrier over every rank of `comm` (a `sig_comm` of all ranks): the signature check."""
+        return MPIWork(comm.Ibarrier(), None, "the signature check",
+                       tuple(r for r in range(self.world_size) if r != self.rank), self.rank)
+
     @contextlib.contextmanager
     def pinned(self, comm):
         """Route the native collectives issued inside to `comm` (a `sig_comm`)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -81,7 +82,9 @@ class Outcome:
     fields: tuple
     metas: list | None = None
     reduced: list | None = None
-    via: str = "allgather"      # what decided: "allgather" (the Metas), "allreduce" or "hash"
+    via: str = "allgather"      # what decided: "allgather" (the Metas), "allreduce", "hash" or "signature"
+    mixed: bool = False         # the hashes agreed, but some processes had posted a signature
+                                # check the others did not: every process resets MPI's communicators
 
     def value(self, name: str, default=None):
         """The agreed value of a field: from any process that knows it (a process without
@@ -121,31 +124,119 @@ class Pending:
     may still be filled in until `finish` (the Metas are sent only there, when the hashes
     do not decide)."""
 
-    def __init__(self, be, meta: Meta, deadline: float | None, eligible: bool, hashed=None):
+    def __init__(self, be, meta: Meta, deadline: float | None, eligible: bool, hashed=None,
+                 signature: bool = False):
         self.be, self.meta, self.deadline = be, meta, deadline
         self.mode = check_mode(be)
         fields = meta.fields if hashed is None else hashed
         ok = eligible and meta.err is None and all(v is not None for k, v in fields if k not in CODES)
         self.vec = _vector_any(fields, ok)
-        self.round, self.p2p = None, None
+        self.round, self.p2p, self.box, self.sig, self.key = None, None, None, None, None
         if self.mode == "allgather":
             self.p2p = next((b for b in be.members() if b.wire == "numpy"), None)
         if self.p2p is not None and be.world_size > 1:
             from ..backends import hash_round
-            self.round = hash_round.start(self.p2p, self.vec, HASH_TAG)
+            self.box = hash_round.inbox_of(self.p2p, HASH_TAG, len(self.vec))
+            if self.box is None:
+                self.round = hash_round.start(self.p2p, self.vec, HASH_TAG)
+                return
+            self.seq = self.p2p._agree_seq = getattr(self.p2p, "_agree_seq", 0) + 1
+            if signature and ok and settings.get("SIGNATURE_CHECK"):
+                self.key = _signature_key(self.p2p, self.vec, [k for k, _ in fields])
+                self.sig = self.p2p.sig_comm(tuple(range(be.world_size)), ("agree", self.key.tobytes()))
+            if self.sig is None:
+                self.round = hash_round.InboxRound(self.box, self.seq, self.vec)
 
-    def hashes(self) -> Outcome | None:
-        """Wait for the hashes (the allreduce, or the round of vectors); the Outcome when
-        they decide, else None (every process gets None together: `metas` must follow)."""
+    @property
+    def signature_comm(self):
+        """The MPI communicator kept for exactly this call (every process agreed on these
+        arguments twice before), or None: the call is checked by a round of hashes. With it,
+        the caller posts on it what completes only if every process made this call (a
+        barrier, or the call's own native collective over all processes) and passes those
+        works to `hashes`."""
+        return self.sig
+
+    def hashes(self, tokens=()) -> Outcome | None:
+        """Wait for the hashes (the allreduce, or the round of vectors), or with a signature
+        communicator for `tokens` (see `signature_comm`); the Outcome when they decide, else
+        None (every process gets None together: `metas` must follow)."""
         meta = self.meta
         if self.mode == "allreduce":
             out = self.be.allreduce_min(self.vec, self.deadline).tolist()
             return Outcome(meta.fields, None, out, "allreduce") if _decided(out) else None
+        if self.sig is not None:
+            return self._by_signature(list(tokens) or [self.p2p.ibarrier_on(self.sig)])
         if self.round is not None:
             self.round.wait(self.deadline)
-            out = self.round.rows.min(axis=0).tolist()
-            return Outcome(meta.fields, None, out, "hash") if _decided(out) else None
+            rows = self.round.rows
+            out = rows.min(axis=0).tolist()
+            if not _decided(out):
+                return None
+            oc = Outcome(meta.fields, None, out, "hash", mixed=bool(rows[:, 0].max() == 1))
+            if self.box is not None and not (rows[:, 0] != 0).any():
+                self._remember(np.asarray(out, np.int64))
+            return oc
         return None
+
+    def _remember(self, out: np.ndarray) -> None:
+        """Every process could decide and all agreed (`out`: the reduced vector, the same
+        everywhere): the second time, keep a communicator for it (collective over all
+        processes; every process sees the same rows, so all decide alike, and the backend
+        caps how many it keeps). A process without tiles does not know the array kind and
+        device type: it takes them from `out` next time (`_signature_key`)."""
+        key = out.tobytes()
+        seen = self.p2p.__dict__.setdefault("_agree_seen", {})
+        codes = self.p2p.__dict__.setdefault("_agree_codes", {})
+        if len(seen) >= 4096:
+            seen.clear()
+            codes.clear()
+        codes[_masked_codes(out, [k for k, _ in self.meta.fields]).tobytes()] = out
+        if key in seen:
+            self.p2p.sig_comm(tuple(range(self.be.world_size)), ("agree", key), self.deadline, create=True)
+        else:
+            seen[key] = True
+
+    def _by_signature(self, tokens) -> Outcome | None:
+        """Wait until `tokens` complete (every process is in this exact call). A process
+        still waiting after the grace, or that sees a peer's hashes of this check, sends its
+        own (marked: sent from a signature check); once every process's hashes are in, a
+        disagreement returns None on every process, in this call. Nothing else is sent."""
+        from ..backends.base import ABANDONED, backoff, timeout_error
+        box, seq, meta = self.box, self.seq, self.meta
+        vec = self.key.copy()
+        vec[0] = 1
+        grace = time.monotonic() + settings.get("SIGNATURE_GRACE")
+        sent = agreed = False
+        spins = 0
+        test = _tester(tokens)
+        while True:
+            # the tokens are polled alone most of the time: MPI moves the data only inside
+            # its calls, and with more processes than cores every bit of Python between
+            # them slows the whole group
+            if test(_QUICK):
+                box.settle(seq)
+                return Outcome(meta.fields, None, self.key.tolist(), "signature")
+            box.poll()
+            if not sent and (box.any_at(seq) or time.monotonic() > grace):
+                box.send(seq, vec)
+                sent = True
+            if sent and not agreed and box.complete(seq):
+                rows = box.rows(seq, vec)
+                box.settle(seq)
+                out = rows.min(axis=0).tolist()
+                if not _decided(out):
+                    ABANDONED.extend(tokens)
+                    return None
+                if not (rows == rows[0]).all():     # some process checks by hashes alone
+                    ABANDONED.extend(tokens)
+                    return Outcome(meta.fields, None, out, "hash", mixed=True)
+                agreed = True                       # a late peer: the tokens will complete
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                ABANDONED.extend(tokens)
+                late = box.missing(seq) if sent and not agreed else tokens
+                raise timeout_error(self.be.rank, late, self.be.timeout)
+            spins += 1
+            backoff(spins)
 
     def metas(self) -> Outcome:
         """Every process's Meta (the allgather), after `hashes` returned None."""
@@ -155,12 +246,14 @@ class Pending:
         return self.hashes() or self.metas()
 
 
-def start(be, meta: Meta, deadline: float | None, eligible: bool = True, hashed=None) -> Pending:
+def start(be, meta: Meta, deadline: float | None, eligible: bool = True, hashed=None,
+          signature: bool = False) -> Pending:
     """Begin `exchange` without waiting: post the hash round where there is one. `hashed`:
     the fields to hash instead of `meta.fields` (a process that guesses values it does
     not know: the hashes decide only if every process agrees with the guess; its Meta,
-    sent when they do not, keeps the fields it really knows)."""
-    return Pending(be, meta, deadline, eligible, hashed)
+    sent when they do not, keeps the fields it really knows). `signature`: the caller can
+    use a signature communicator (`Pending.signature_comm`) where one exists."""
+    return Pending(be, meta, deadline, eligible, hashed, signature)
 
 
 def settle(metas: Sequence[Meta], me: int, own_error: BaseException | None,
@@ -239,9 +332,58 @@ def _vector_any(fields: tuple, eligible: bool) -> np.ndarray:
         return _vector.__wrapped__(fields, eligible)
 
 
+def _masked_codes(vec: np.ndarray, names) -> np.ndarray:
+    """`vec` with the array kind and device type left out (as if unknown)."""
+    m = vec.copy()
+    for i, k in enumerate(names):
+        if k in CODES:
+            m[1 + i] = m[1 + MAX_FIELDS + i] = _NONE
+    return m
+
+
+def _signature_key(p2p, vec: np.ndarray, names) -> np.ndarray:
+    """The vector a signature communicator is kept under: this process's own, with the kind
+    and device type it does not know (no tiles) taken from the call every process agreed on
+    before; where it knows them they must be those (else no communicator is found)."""
+    if not any(k in CODES for k in names):
+        return vec
+    agreed = getattr(p2p, "_agree_codes", {}).get(_masked_codes(vec, names).tobytes())
+    if agreed is None:
+        return vec
+    filled = np.where(vec == _NONE, agreed, vec)
+    return agreed if np.array_equal(filled, agreed) else vec
+
+
+_QUICK = 16     # polls of a signature check's tokens between looks at the inbox and the clock
+
+
+def _tester(works):
+    """test(n): whether every work is done, polling up to n times (yielding the core between
+    polls, as every wait does). MPI requests are tested in one Testall call."""
+    reqs = [getattr(w, "req", None) for w in works]
+    if all(r is not None for r in reqs):
+        from mpi4py import MPI
+        testall, yield_ = MPI.Request.Testall, __import__("os").sched_yield
+
+        def test(n):
+            for _ in range(n):
+                if testall(reqs):
+                    return True
+                yield_()
+            return False
+        return test
+    pending = list(works)
+
+    def test(n):
+        nonlocal pending
+        pending = [w for w in pending if not w.test()]
+        return not pending
+    return test
+
+
 def _decided(out: list) -> bool:
     lo, neg_hi = out[1:1 + MAX_FIELDS], out[1 + MAX_FIELDS:]
-    return out[0] == 0 and all(a == -b or a == _NONE for a, b in zip(lo, neg_hi))
+    return out[0] >= 0 and all(a == -b or a == _NONE for a, b in zip(lo, neg_hi))
 
 
 def raise_together(ctx, op: str, err: BaseException):

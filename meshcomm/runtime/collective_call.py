@@ -225,21 +225,37 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
             req, be, guess.dtype, guess.kind, guess.devtype, _masked(req, guess.tile), guess.shapes_key)
         f = guess if hashed is not None else (Agreed(facts["tile"], None, facts["dtype"], facts["kind"],
                                                       facts["devtype"]) if known else None)
-        pending = agreement.start(ctx.backend, meta, deadline, eligible=f is not None, hashed=hashed)
         # plan_only: compressed calls, and every call under link emulation (which paces the
         # executor's sends only), run as their plans
         plan_only = req.compression is not None or settings.get("EMULATE_GBPS") is not None
+        early = f is not None and err is None and not plan_only and settings.get("OPTIMISTIC") \
+            and (hashed is None or guess.streak > 0)
+        pending = agreement.start(ctx.backend, meta, deadline, eligible=f is not None, hashed=hashed,
+                                  signature=early)
+        sig = pending.signature_comm
         posted = nat = None
-        if f is not None and err is None and not plan_only and settings.get("OPTIMISTIC") \
-                and (hashed is None or guess.streak > 0):
-            # The optimistic start: the native call goes out beside the hashes (they travel
-            # on another communicator); its result is used only once they agree. A guess
-            # the hashes have not confirmed before (shapes that change from call to call)
-            # waits for them: a wrong guess then costs the metadata round, not a reset.
+        tokens = []
+        if early:
+            # The optimistic start: the native call goes out beside the check (on a
+            # communicator of its own call signature); its result is used only once the check
+            # agrees. A guess the hashes have not confirmed before (shapes that change from
+            # call to call) waits for them: a wrong guess then costs the metadata round, not a
+            # reset. A call over every process with a signature communicator goes there: its
+            # completion is then the check (nothing else is sent).
             nat = native_call.choose(ctx, be, req, f.dtype, f.tile, f.shapes, f.devtype)
             if nat is not None:
-                posted = native_call.start(ctx, nat, req, tiles, f.dtype, f.tile, f.shapes, f.kind)
-        out = pending.hashes()
+                world = sig is not None and nat.prim is pending.p2p and \
+                    nat.all_ranks == (tuple(range(ctx.world_size)),)
+                posted = native_call.start(ctx, nat, req, tiles, f.dtype, f.tile, f.shapes, f.kind,
+                                           comm=sig if world else None)
+                if world and posted is not None:
+                    tokens = posted.works
+        out = pending.hashes(tokens)
+        if out is not None and out.mixed:       # some processes posted a signature check: all reset
+            if posted is not None:
+                posted.abandon()
+            ctx.reset_started(["mpi"])
+            posted = None
         if out is not None:                     # every process agrees with f
             base.issued[(f"{out.via}_check", be.name)] += 1
             agreed = dataclasses.replace(f, streak=f.streak + 1) if hashed is not None else Agreed(
@@ -250,7 +266,7 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
                 _remember(ctx, key, agreed)
                 return res, None, agreed.kind, prob
         else:
-            meta.extra["opt"] = posted is not None and bool(posted.works)
+            meta.extra["opt"] = (posted is not None and bool(posted.works)) or sig is not None
             out = pending.metas()
             if posted is not None:
                 posted.abandon()

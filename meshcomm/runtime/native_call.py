@@ -134,13 +134,15 @@ def _record(stamp, ctx, prim, req, g, me, prob, dt, tile, t_run):
                group_size=f["group_size"], algorithm="native")
 
 
-def start(ctx, nat: Native, req, tiles, dt, tile, shapes, kind="numpy") -> "Posted | None":
+def start(ctx, nat: Native, req, tiles, dt, tile, shapes, kind="numpy", comm=None) -> "Posted | None":
     """Post this process's native collective without waiting: the optimistic start, while the
     agreement's hashes are still in flight. Only where that can be undone: an MPI call (a
     disagreement resets MPI's communicators on every process, see collective_call), this
     process in one group at most, every group's communicator created already (creating one
     is collective, so it waits for the agreement). None where it does not apply; a Posted
-    with no works for a process that owns no device of the mesh."""
+    with no works for a process that owns no device of the mesh. `comm`: post there instead (the
+    call's signature communicator, when its one group is every process: the collective is
+    then the agreement check itself, see agreement.Pending.signature_comm)."""
     prim = nat.prim
     if prim.name != "mpi" or not prim.has_groups([r for r in nat.all_ranks if len(r) > 1]):
         return None
@@ -152,7 +154,7 @@ def start(ctx, nat: Native, req, tiles, dt, tile, shapes, kind="numpy") -> "Post
     if not mine:
         return Posted(None, None, [], dict, 0.0)
     g, me = mine[0]
-    sig = _sig_comm(ctx, prim, req, g, dt, tile, shapes, None, create=False)
+    sig = comm if comm is not None else _sig_comm(ctx, prim, req, g, dt, tile, shapes, None, create=False)
     if sig is None:                     # first call of this signature: after the agreement
         return None
     t_run = time.time()

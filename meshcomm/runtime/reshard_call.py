@@ -235,14 +235,20 @@ class PlannedCall:
         # receive is done, so hashes sent beside the data would wait for it (measured: the
         # call took up to 2x as long). Only when they do not decide does the first stage
         # start early, while the metadata travels.
-        pending = agreement.start(ctx.backend, meta, deadline, hashed=hashed)
+        # A call every process agreed on twice before is checked by a barrier on the
+        # communicator kept for its signature instead (agreement.Pending.signature_comm).
+        pending = agreement.start(ctx.backend, meta, deadline, hashed=hashed, signature=True)
+        lazy = pending.signature_comm is not None
         out = pending.hashes()
-        if ex is not None:
+        if out is not None and out.mixed:       # some processes posted a signature check: all reset
+            ctx.reset_started(["mpi"])
+            ex = guess = None
+        if ex is not None and not (lazy and out is None):
             ex.start()
             opt = out is None
         if out is None:
             meta.extra.update({"tiles": {d: tuple(v.shape) for d, v in shards.items()}, "opt": opt,
-                               "guess": guess, "desc": _desc(src, dst)})
+                               "guess": guess, "desc": _desc(src, dst), "lazy": lazy})
             out = pending.metas()
         if out.metas is None and hashed is not None:     # the hashes confirmed the guess
             agreed = ctx.agreed[key]
@@ -256,21 +262,28 @@ class PlannedCall:
                 agreement.settle(out.metas, ctx.rank, loc.err, {"layouts": lambda v, m: m.extra.get("desc", v)})
                 agreed = _infer(out, src, ctx.rank, ctx.devices_per_process)
             except (ValueError, TypeError):
-                started = [m.get("backend") for m in out.metas if m.extra.get("opt")]
+                started = _started(out.metas)
                 if started:                     # every process sees this: all reset together
                     _abort(ex)
-                    ctx.reset_started(b.split(":")[0] for b in started)
+                    ctx.reset_started(started)
                 raise
             fp = (plan(agreed.shape, agreed.dtype, src, dst).fingerprint, agreed.kind, agreed.devtype)
-            if any(m.extra.get("guess") is not None and tuple(m.extra.get("guess")) != fp for m in out.metas):
-                _abort(ex)                      # a wrong guess somewhere: all start over
-                ctx.reset_started(b.split(":")[0] for b in
-                                  [m.get("backend") for m in out.metas if m.extra.get("opt")])
+            if any(m.extra.get("guess") is not None and tuple(m.extra.get("guess")) != fp for m in out.metas) \
+                    or any(m.extra.get("lazy") for m in out.metas):
+                _abort(ex)                      # a wrong guess or a barrier posted somewhere: all start over
+                ctx.reset_started(_started(out.metas))
                 ex = None
         if len(ctx.agreed) > 256:
             ctx.agreed.clear()
         ctx.agreed[key] = agreed
         return ex, agreed
+
+
+def _started(metas) -> list:
+    """The backends to reset after a failed optimistic start: those on which some process
+    started its first stage, and MPI where some process posted a signature check."""
+    names = [m.get("backend").split(":")[0] for m in metas if m.extra.get("opt")]
+    return names + ["mpi"] * any(m.extra.get("lazy") for m in metas)
 
 
 def _fits(g: Agreed, loc: Local, shards, src) -> bool:

@@ -332,7 +332,8 @@ def repeats(ctx, backends, stats):
 
     for b in backends:
         before = issued[("optimistic_native", "mpi")]
-        for it in range(3):
+        sig_before = issued[("signature_check", "mpi")]
+        for it in range(5):
             y = mc.all_reduce(np.full((4, 3), me, np.float32), mesh, "x", backend=b)
             assert np.array_equal(y, np.full((4, 3), total, np.float32)), (b, it, y)
             x = np.full((2, 2), me, np.int32)
@@ -345,6 +346,8 @@ def repeats(ctx, backends, stats):
             stats["repeat_ok"] += 1
         if b == "mpi":
             assert issued[("optimistic_native", "mpi")] > before, "no native call was posted beside the hashes"
+            if signature_checks(ctx):       # from the fourth call on (the hashes agreed twice)
+                assert issued[("signature_check", "mpi")] >= sig_before + 4 * 2, "no signature check"
         stats["optimistic_native"] += issued[("optimistic_native", "mpi")] - before
         # c differs from a on the last rank only: the others' tiles still fit the confirmed
         # guess `a`, so they post early while the last rank does not; all must reset
@@ -373,6 +376,28 @@ def repeats(ctx, backends, stats):
         y = mc.all_gather(x, mesh, "x", backend=b)
         assert np.array_equal(y, np.repeat(np.arange(ws, dtype=np.int32), 2)[:, None].repeat(2, 1)), y
         stats["repeat_fault_next_ok"] += 1
+        # two calls each made before by every process (each with a signature communicator
+        # over MPI): the last rank makes the other one; every rank raises in this call
+        x = np.full(3, me + 1, np.int64)
+        for _ in range(5):
+            assert mc.all_reduce(x, mesh, "x", op="sum", backend=b).tolist() == [total + ws] * 3
+            assert mc.all_reduce(x, mesh, "x", op="max", backend=b).tolist() == [ws] * 3
+        try:
+            mc.all_reduce(x, mesh, "x", op="max" if me == bad else "sum", backend=b)
+        except ValueError as e:
+            assert "disagree" in str(e) and "max" in str(e), str(e)
+            stats["repeat_fault_raised"] += 1
+        else:
+            raise AssertionError(f"all_reduce [{b}]: rank {me}: op max on rank {bad} raised nothing")
+        assert mc.all_reduce(x, mesh, "x", op="sum", backend=b).tolist() == [total + ws] * 3
+        stats["repeat_fault_next_ok"] += 1
+
+
+def signature_checks(ctx) -> bool:
+    """Whether repeated calls are checked by signature communicators (the allgather form)."""
+    from meshcomm import settings
+    from meshcomm.runtime.agreement import check_mode
+    return settings.get("SIGNATURE_CHECK") and check_mode(ctx.backend) == "allgather"
 
 
 def main():

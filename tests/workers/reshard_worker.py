@@ -154,6 +154,65 @@ def run_checks(ctx, backends, stats):
             stats["guess_ok"] += 1
 
 
+def signature_checks(ctx) -> bool:
+    """Whether repeated calls are checked by signature communicators (the allgather form)."""
+    from meshcomm import settings
+    from meshcomm.runtime.agreement import check_mode
+    return settings.get("SIGNATURE_CHECK") and check_mode(ctx.backend) == "allgather"
+
+
+def run_signature_checks(ctx, stats):
+    """A call repeated with agreed arguments is checked by a barrier on its signature
+    communicator (MPI): it must still catch every disagreement on every rank in the call
+    that disagrees, and a process checking by hashes alone beside the others must still
+    get exact results."""
+    r, n = ctx.rank, ctx.world_size * ctx.devices_per_process
+    mesh = mc.Mesh(np.arange(n), ("x",))
+    rev = mc.Mesh(np.arange(n)[::-1].copy(), ("x",))
+    src, dst = mc.Layout(mesh, ("x",)), mc.Layout(rev, (None, "x"))
+    x32 = np.arange(2 * n * 4, dtype=np.float32).reshape(2 * n, 4)
+    x64 = x32.astype(np.float64)
+
+    def call(x, what):      # shape= given: tiles of one process do not pin it down
+        sh = mc.shard(x, src)
+        y = mc.reshard({d: sh[d] for d in ctx.owned_devices(src)}, src, dst, backend="mpi", shape=x.shape)
+        check_result(ctx, y, mc.reshard(sh, src, dst, backend="local"), dst, False, what)
+
+    def establish():
+        for k in range(5):
+            before = base.issued[("signature_check", "mpi")]
+            call(x32, f"signature S {k}")
+            call(x64, f"signature T {k}")
+            if k >= 3:          # a communicator is kept once the hashes agreed twice
+                assert base.issued[("signature_check", "mpi")] == before + 2, \
+                    f"rank {r}: repeated call {k} was not checked by its signature communicator"
+        stats["signature_ok"] += 1
+
+    def both(x_me, what):
+        sh = mc.shard(x_me, src)
+        expect_error(ctx, lambda: mc.reshard({d: sh[d] for d in ctx.owned_devices(src)}, src, dst, backend="mpi",
+                                             shape=x_me.shape), ValueError, "disagree on the dtype", what, stats)
+
+    establish()
+    # rank 0 makes a new call (its hashes go out at once); the others wait on S's barrier
+    both(x32.astype(np.int32) if r == 0 else x32, "signature S vs a new call")
+    establish()
+    # the last rank makes T while the others make S: every process waits on a barrier that
+    # cannot complete, until its grace runs out and the hashes show the disagreement
+    both(x64 if r == ctx.world_size - 1 else x32, "signature S vs signature T")
+    establish()
+    # one process checks by hashes alone (a per-process setting) while the others post the
+    # barrier: the hashes agree, every process resets its communicators and the call goes on
+    resets = base.issued[("reset", "mpi")]
+    if r == 1:
+        os.environ["MESHCOMM_SIGNATURE_CHECK"] = "0"
+    call(x32, "signature check on some processes only")
+    os.environ.pop("MESHCOMM_SIGNATURE_CHECK", None)
+    assert base.issued[("reset", "mpi")] == resets + 1, f"rank {r}: a mixed check did not reset"
+    establish()
+    stats["signature_ok"] += 1
+
+
 def run_timeouts(ctx, backends, stats, timeout):
     """The last rank never calls reshard; the others must raise within the timeout naming it."""
     lag = ctx.world_size - 1
@@ -164,11 +223,17 @@ def run_timeouts(ctx, backends, stats, timeout):
     sh = mc.shard(x, src)
     mine = {d: sh[d] for d in ctx.owned_devices(src)}
     phases = [("metadata", b) for b in backends] + [("data", b) for b in backends if b != "mixed"]
+    if "mpi" in backends and signature_checks(ctx):
+        # a call every process made before: checked by its signature communicator, where
+        # the missing peer must be named just the same
+        phases.append(("signature", "mpi"))
+        for _ in range(5):
+            mc.reshard(mine, src, dst, backend="mpi", shape=x.shape)
     if ctx.rank == lag:
         return
     for phase, b in phases:
         os.environ["MESHCOMM_CHECK"] = "0" if phase == "data" else "1"
-        kw = {"shape": x.shape, "dtype": x.dtype} if phase == "data" else {}
+        kw = {"shape": x.shape, "dtype": x.dtype} if phase == "data" else ({"shape": x.shape} if phase == "signature" else {})
         t0 = time.monotonic()
         try:
             mc.reshard(mine, src, dst, backend=b, **kw)
@@ -217,6 +282,8 @@ def main():
         run_cases(ctx, args, backends, stats)
         if args.checks:
             run_checks(ctx, backends, stats)
+            if "mpi" in backends and signature_checks(ctx):
+                run_signature_checks(ctx, stats)
         if args.timeout_test and k == len(inits) - 1:
             # under mpiexec the last rank "never arrives" (it waits in a barrier until the
             # others are done); under torchrun it "dies" (exits at once)
