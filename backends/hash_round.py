@@ -103,7 +103,7 @@ class Inbox:
     belongs to (`seq`, counted alike on every rank): one receive per peer always posted, so
     a vector is taken whenever it arrives, whichever check this rank is in.
 
-    A full round (`Inbox.round`) sends this rank's vector and waits for every peer's vector
+    A full round (`InboxRound`) sends this rank's vector and waits for every peer's vector
     of the same seq. A lazy check (meshcomm.runtime.agreement) sends nothing unless a peer's
     vector of its seq arrives or its grace runs out. Vectors of an older seq are stale (a
     peer that waited past its grace in a check the others settled without a round) and are
@@ -111,14 +111,12 @@ class Inbox:
     order (MPI), so the receive always takes that peer's next vector."""
 
     def __init__(self, be, tag: int, width: int):
-        from mpi4py import MPI
         self.be, self.comm, self.tag, self.width = be, be.comm, tag, width
         self.peers = [r for r in range(be.world_size) if r != be.rank]
         self.bufs = [np.empty(width + 1, np.int64) for _ in self.peers]
         self.reqs = [self.comm.Irecv(b, source=p, tag=tag) for b, p in zip(self.bufs, self.peers)]
         self.got: list[dict] = [{} for _ in self.peers]     # per peer: seq -> vector
         self.sending: list = []                               # (request, buffer) of our vectors
-        self.null = MPI.REQUEST_NULL
 
     def poll(self) -> None:
         from mpi4py import MPI
@@ -170,10 +168,9 @@ class Inbox:
 class InboxRound:
     """A full round through an Inbox, with Round's interface (`test`, `wait`, `rows`)."""
 
-    def __init__(self, inbox: Inbox, seq: int, vec: np.ndarray, send: bool = True):
+    def __init__(self, inbox: Inbox, seq: int, vec: np.ndarray):
         self.inbox, self.seq, self.vec, self.be = inbox, seq, vec, inbox.be
-        if send:
-            inbox.send(seq, vec)
+        inbox.send(seq, vec)
         self.rows = None
 
     def test(self) -> bool:

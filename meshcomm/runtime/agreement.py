@@ -15,6 +15,13 @@ shapes, counts). `exchange` sends it to every process:
   case); otherwise every process sees so in the same vectors and the Metas follow.
   `start` posts that round without waiting, so a caller may start its data first
   (reshard's first stage) and wait for both together.
+  Over MPI a call whose hashes every process agreed on twice before is checked by its
+  signature communicator instead (`Pending.signature_comm`): a barrier there, or the call's
+  own native collective over every process, completes only if every process made exactly
+  this call; a process still waiting after MESHCOMM_SIGNATURE_GRACE, or seeing a peer's
+  hashes of this check, sends its own, so a disagreement is decided by the same round. The
+  vectors carry the check's number and arrive in an always-posted inbox
+  (backends/hash_round.py `Inbox`).
 * `allreduce` (above 8 processes, or MESHCOMM_CHECK_EXCHANGE=allreduce): first one
   MIN-allreduce of a vector of hashes, O(log N) messages per process. Where every process
   could decide (no local error, nothing to infer) and all agree, that decides. Otherwise
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -363,7 +371,7 @@ def _tester(works):
     reqs = [getattr(w, "req", None) for w in works]
     if all(r is not None for r in reqs):
         from mpi4py import MPI
-        testall, yield_ = MPI.Request.Testall, __import__("os").sched_yield
+        testall, yield_ = MPI.Request.Testall, os.sched_yield
 
         def test(n):
             for _ in range(n):
