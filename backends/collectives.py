@@ -31,6 +31,18 @@ def check_op(op) -> str:
 
 def check_group(rank: int, ranks: Sequence[int], what: str) -> tuple[int, ...]:
     """`ranks` as a tuple after checking it is sorted, distinct and holds `rank`."""
+    if type(ranks) is tuple and (rank, ranks) in _CHECKED:
+        return ranks
+    ranks = _checked_group(rank, ranks, what)
+    if len(_CHECKED) < 4096:
+        _CHECKED.add((rank, ranks))
+    return ranks
+
+
+_CHECKED: set = set()       # (rank, ranks) groups that passed check_group
+
+
+def _checked_group(rank: int, ranks: Sequence[int], what: str) -> tuple[int, ...]:
     ranks = tuple(int(r) for r in ranks)
     if not ranks or list(ranks) != sorted(set(ranks)):
         raise ValueError(f"{what}: ranks must be a sorted tuple of distinct world ranks, got {ranks}")

@@ -16,9 +16,17 @@ from .collectives import check_alltoall, check_counts, check_group, check_len, c
 __all__ = ["MPICollectives", "mpi_op"]
 
 
+_OPS: dict = {}
+
+
 def mpi_op(op: str):
-    from mpi4py import MPI
-    return {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}[check_op(op)]
+    if not _OPS:
+        from mpi4py import MPI
+        _OPS.update(sum=MPI.SUM, prod=MPI.PROD, min=MPI.MIN, max=MPI.MAX)
+    try:
+        return _OPS[op]
+    except (KeyError, TypeError):
+        return _OPS[check_op(op)]
 
 
 class MPICollectives:

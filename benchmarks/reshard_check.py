@@ -76,6 +76,7 @@ def main(argv=None) -> None:
                 "hashes_first": lambda: (poll(hashes()), poll(data())),
                 "hashes_beside": hashes_beside,
                 "ibarrier_first": lambda: (poll([hc.Ibarrier()]), poll(data())),
+                "ibarrier_beside": lambda: poll([hc.Ibarrier()] + data()),
                 "iallreduce_first": lambda: (poll([hc.Iallreduce(vec, red, op=MPI.MIN)]), poll(data())),
             }
             ts = {k: [] for k in forms}

@@ -79,6 +79,8 @@ _ALL = (
             "MPI starts the first stage while the check's metadata exchange (when the hashes do not decide) is in flight, and posts a repeated native collective beside the hashes (on a communicator of its own call signature; the result is used once they agree); `0` waits for the check", "1"),
     Setting("SIGNATURE_CHECK", _bool, True,
             "over MPI, a call repeated with arguments every process agreed on twice before is checked by its signature communicator instead of a round of hashes: a barrier (or the call's own world-wide native collective) on a communicator kept for exactly that call completes only if every process made the same call; a process whose barrier is late past MESHCOMM_SIGNATURE_GRACE, or sees a peer's hashes, sends its hashes, so a disagreement still raises on every process in the same call; `0`: a round of hashes every call", "1"),
+    Setting("FAST_PATH", _bool, True,
+            "a collective repeated with the same arguments and the same kind of tile, once checked by its signature communicator, runs compiled: no validation, hashing or choosing again, the same native call and the same signature check (anything it was built on changed: the full path); `0`: the full path every call", "1"),
     Setting("SIGNATURE_GRACE", _positive_float, 0.01,
             "seconds a signature check waits for its barrier before it also sends its hashes (a disagreement is found this much later; a late peer costs one round of hashes)"),
     Setting("TUNING", _str, None,
@@ -125,6 +127,23 @@ def get(name: str):
         return s.parse(v.strip().lower() if s.parse is _bool else v.strip())
     except ValueError as e:
         raise ValueError(f"{s.var}={v!r} is not valid: {e}") from None
+
+
+def raw(names: tuple) -> tuple:
+    """The environment's MESHCOMM_<name> values for `names` (None where unset): a cheap
+    snapshot, for what must notice when a setting changes (read from the mapping behind
+    os.environ where it has one: a few dict lookups per call)."""
+    keys = _RAW_KEYS.get(names)
+    if keys is None:
+        enc = getattr(os.environ, "encodekey", None)
+        keys = _RAW_KEYS[names] = tuple(enc(SETTINGS[n].var) if enc else SETTINGS[n].var for n in names)
+    data = getattr(os.environ, "_data", None)
+    if data is None:
+        return tuple(os.environ.get(SETTINGS[n].var) for n in names)
+    return tuple(data.get(k) for k in keys)
+
+
+_RAW_KEYS: dict = {}
 
 
 def markdown_table() -> str:

@@ -106,6 +106,7 @@ def test_mpiexec_4_every_backend_async_mix_and_faults(tmp_path):
     assert sum(r["async"] for r in res) > 0
     assert all(r["native"] > 0 for r in res)          # MESHCOMM_COLLECTIVES=auto: native calls ran
     assert all(r["optimistic_native"] > 0 for r in res)   # posted beside the hashes, then agreed
+    assert all(r["compiled"] >= 3 for r in res)           # repeated calls ran compiled (collective_call.Fast)
 
 
 @pytest.mark.mpi

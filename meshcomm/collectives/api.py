@@ -8,7 +8,8 @@ import numpy as np
 from .. import arrays, runtime
 from ..handle import Handle
 from ..planning import plan
-from ..runtime.collective_call import Request, build, coded_dims, finish_tiles, local_facts, run, tiles_of
+from ..runtime.collective_call import Request, build, coded_dims, finish_tiles, run
+from ..runtime.collective_input import local_facts, tiles_of
 from .layouts import REDUCE_OPS, group_axes
 from .p2p import recv, send
 
@@ -30,6 +31,8 @@ def _check_int(op: str, name: str, v) -> int:
 
 def _check_compression(op: str, compression):
     """The compression= argument as a codec, "auto" or None (ValueError/TypeError naming a bad one)."""
+    if compression is None:
+        return None
     from .. import compression as codecs
     try:
         return codecs.coerce(compression)

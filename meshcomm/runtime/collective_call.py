@@ -28,15 +28,14 @@ from .. import log as _log
 from ..backends import base, codec_cost
 from ..collectives.layouts import groups, problem
 from ..handle import Handle
-from ..validate import native_byte_order
 from . import agreement, native_call
+from .collective_input import GATHERS, masked, local_facts, tiles_of
+from .compiled import Fast, fast_key
 from .agreement import Meta
 from .reshard_call import Local, PlannedCall
 
 __all__ = ["Request", "run", "tiles_of", "coded_dims"]
 
-_ROOTED = ("broadcast", "scatter")          # only the root's tile carries data
-_GATHERS = ("all_gather", "gather")         # tiles may differ along `dim`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,93 +57,10 @@ class Request:
         return (self.dim, self.root, self.reduce_op, self.split_dim, self.concat_dim)
 
 
-def tiles_of(req: Request, x, owned: tuple[int, ...], where: str) -> tuple[dict, bool]:
-    """{device: tile or None} for the devices of the mesh this process owns, and whether x
-    was a bare array. Rooted ops accept None for devices that are not roots."""
-    if isinstance(x, Mapping):
-        for d in x:
-            if not isinstance(d, (int, np.integer)) or isinstance(d, bool):
-                raise TypeError(f"{req.op}: keys of x must be device ids (int), got {d!r}")
-            if d not in req.mesh:
-                raise ValueError(f"{req.op}: device {d} is not in the mesh {req.mesh}")
-            if d not in owned:
-                raise ValueError(f"{req.op}: x holds a tile for device {d}, which {where} does not own "
-                                 f"(it owns {list(owned)})")
-        tiles, bare = dict(x), False
-    else:
-        if len(owned) != 1:
-            raise TypeError(f"{req.op}: a bare array is accepted only when {where} owns exactly one "
-                            f"device of the mesh (it owns {len(owned)}); pass a dict {{device: tile}}")
-        tiles, bare = {owned[0]: x}, True
-    roots = _roots(req) if req.op in _ROOTED else ()
-    missing = [d for d in owned if tiles.get(d) is None and (req.op not in _ROOTED or d in roots)]
-    if missing:
-        raise ValueError(f"{req.op}: x needs a tile for device(s) {missing[:8]} ({where} owns "
-                         f"{list(owned)})")
-    kinds = {}
-    for d, v in tiles.items():
-        if v is not None:
-            kinds.setdefault(arrays.kind_of(v), d)
-    if len(kinds) > 1:
-        raise TypeError(f"{req.op}: tiles mix array kinds: " +
-                        ", ".join(f"device {d}: {k}" for k, d in kinds.items()))
-    tiles = {d: native_byte_order(v) for d, v in tiles.items() if v is not None}
-    return tiles, bare
-
-
-def _roots(req: Request) -> tuple[int, ...]:
-    return tuple(g[req.root] for g in groups(req.mesh, req.axes)
-                 if 0 <= req.root < len(g))
-
-
-def local_facts(req: Request, tiles: Mapping[int, Any]) -> dict:
-    """dtype, kind, device type and tile shape of this process's tiles (checked alike)."""
-    facts: dict = {"dtype": None, "kind": None, "devtype": None, "tile": None}
-    first = None
-    for d, v in tiles.items():
-        dt = arrays.dtype_of(v)
-        shape = tuple(v.shape)
-        if first is None:
-            first = d
-            facts["dtype"], facts["tile"] = dt, shape
-            facts["kind"] = arrays.kind_of(v)
-            from meshcomm.backends import streams
-            dev = streams.device_of(v)
-            facts["devtype"] = dev.type if dev is not None else "cpu"
-            continue
-        if dt != facts["dtype"]:
-            raise TypeError(f"{req.op}: tiles have different dtypes: device {first}: {facts['dtype'][0]}, "
-                            f"device {d}: {dt[0]}")
-        if _masked(req, shape) != _masked(req, facts["tile"]):
-            raise ValueError(f"{req.op}: tiles have different shapes: device {first}: {facts['tile']}, "
-                             f"device {d}: {shape}")
-    if req.op in _GATHERS and facts["tile"] is not None:
-        n = len(facts["tile"])
-        if not -n <= req.dim < n:
-            raise ValueError(f"{req.op}: dim={req.dim} is out of range for tiles with {n} dimension(s)")
-    if facts["dtype"] is not None and req.reduce_op == "avg" and req.op in ("all_reduce", "reduce", "reduce_scatter"):
-        kind = arrays.numpy_dtype(facts["dtype"][0]).kind
-        if kind not in "fc" and facts["dtype"][0] != "bfloat16":
-            raise TypeError(f"{req.op}: op='avg' needs a floating dtype, got {facts['dtype'][0]} "
-                            "(use op='sum' and divide)")
-    if facts["dtype"] is not None and facts["dtype"][0] == "bool" and req.op in ("all_reduce", "reduce", "reduce_scatter") \
-            and req.reduce_op in ("sum", "prod", "avg"):
-        raise TypeError(f"{req.op}: op={req.reduce_op!r} is not defined for bool tiles (use min or max)")
-    return facts
-
-
-def _masked(req: Request, shape):
-    """The tile shape that must agree: a gather's dimension may differ between devices."""
-    if shape is None or req.op not in _GATHERS or not shape:
-        return shape
-    d = req.dim % len(shape)
-    return shape[:d] + (-1,) + shape[d + 1:]
-
-
 def build(req: Request, tile: tuple, tile_shapes: Mapping[int, tuple] | None):
     """The Problem, from the agreed tile shape (and every device's, for a gather)."""
     sizes = None
-    if req.op in _GATHERS:
+    if req.op in GATHERS:
         d = req.dim % len(tile)
         per_group = []
         for g in groups(req.mesh, req.axes):
@@ -181,33 +97,85 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
     """A collective under a launcher: every process calls this with its own tiles (SPMD)."""
     from meshcomm.backends import streams
     stamp = _log.stamp(async_op) if _log.ON else None
-    be, err = ctx.resolve_backend(backend)
-    own = ctx.ownership
-    owned = own.owned(req.mesh)
-    tiles, bare, facts = {}, not isinstance(x, Mapping), {"dtype": None, "kind": None, "devtype": None, "tile": None}
-    try:
-        if err is not None:
-            raise err
-        own.check_mesh(req.mesh)
-        if owned:
-            tiles, bare = tiles_of(req, x, owned, f"rank {ctx.rank}")
-            facts = local_facts(req, tiles)
-            codec_cost.check(req.compression, (facts["dtype"] or (None,))[0], facts["devtype"], req.op)
-        elif x is not None and not (isinstance(x, Mapping) and not x):
-            raise ValueError(f"{req.op}: rank {ctx.rank} owns no device of the mesh {req.mesh} but passed "
-                             "a tile; pass None (or an empty dict)")
-    except (ValueError, TypeError) as e:
-        err = e
-    if facts["kind"] == "jax":
-        tiles = {d: np.asarray(v) for d, v in tiles.items()}
-    fence = streams.fence_from_current(None)
-    for v in tiles.values():
-        dev = streams.device_of(v)
-        if streams.is_cuda(dev):
-            fence = streams.fence_from_current(dev)
-            break
+    fk = fast_key(req, backend, x) if stamp is None else None
+    fast = ctx.fast.get(fk) if fk is not None else None
+    if fast is not None:
+        # a repeated call: its compiled form (`Fast`), which falls back to the full path
+        # below whenever it no longer applies (checked on the queue, just before it runs)
+        def go():
+            return fast.run(ctx, x) or _State.of(ctx, req, x, backend, None, fk).go()
+        result = ctx.run(go, async_op)
+    else:
+        result = ctx.run(_State.of(ctx, req, x, backend, stamp, fk).go, async_op)
 
-    def go():
+    def finish():
+        res, done, kind, prob, bare, owned = result()
+        for v in res.values():
+            if done is not None:
+                done.wait_on(streams.current_stream(streams.device_of(v)))
+            break
+        res = finish_tiles(req, prob, res, bare, owned)
+        if kind == "jax":
+            import jax
+            if bare:
+                return None if res is None else jax.device_put(res, arrays.jax_device(owned[0]))
+            res = arrays.to_jax_devices(res)
+        return res
+    if async_op:
+        return Handle(finish)
+    return finish()
+
+
+@dataclasses.dataclass
+class _State:
+    """One call on the full path: this process's validated tiles and facts (an error kept, to
+    be shared through the agreement), and what it will hash."""
+
+    ctx: Any
+    req: Request
+    be: Any
+    err: BaseException | None
+    tiles: dict
+    bare: bool
+    owned: tuple
+    facts: dict
+    fence: Any
+    stamp: Any
+    fk: Any                 # the key of the call's compiled form (`Fast`), None if it cannot have one
+
+    @classmethod
+    def of(cls, ctx, req: Request, x, backend, stamp, fk) -> "_State":
+        from meshcomm.backends import streams
+        be, err = ctx.resolve_backend(backend)
+        own = ctx.ownership
+        owned = own.owned(req.mesh)
+        tiles, bare, facts = {}, not isinstance(x, Mapping), {"dtype": None, "kind": None, "devtype": None, "tile": None}
+        try:
+            if err is not None:
+                raise err
+            own.check_mesh(req.mesh)
+            if owned:
+                tiles, bare = tiles_of(req, x, owned, f"rank {ctx.rank}")
+                facts = local_facts(req, tiles)
+                codec_cost.check(req.compression, (facts["dtype"] or (None,))[0], facts["devtype"], req.op)
+            elif x is not None and not (isinstance(x, Mapping) and not x):
+                raise ValueError(f"{req.op}: rank {ctx.rank} owns no device of the mesh {req.mesh} but passed "
+                                 "a tile; pass None (or an empty dict)")
+        except (ValueError, TypeError) as e:
+            err = e
+        if facts["kind"] == "jax":
+            tiles = {d: np.asarray(v) for d, v in tiles.items()}
+        fence = streams.fence_from_current(None)
+        for v in tiles.values():
+            dev = streams.device_of(v)
+            if streams.is_cuda(dev):
+                fence = streams.fence_from_current(dev)
+                break
+        return cls(ctx, req, be, err, tiles, bare, owned, facts, fence, stamp, fk)
+
+    def go(self):
+        ctx, req, be, err, tiles, facts, stamp = (self.ctx, self.req, self.be, self.err, self.tiles,
+                                                  self.facts, self.stamp)
         deadline = time.monotonic() + ctx.timeout
         own_shapes = {d: tuple(v.shape) for d, v in tiles.items()}
         key = _key(req, be)
@@ -215,14 +183,14 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
         # Always agreed (MESHCOMM_CHECK does not apply): a process without a tile of the mesh
         # still takes part in creating the plan's groups, so it must learn shape and dtype.
         meta = Meta(req.op, _fields(req, be, facts["dtype"], facts["kind"], facts["devtype"],
-                                    _masked(req, facts["tile"]), None),
+                                    masked(req, facts["tile"]), None),
                     agreement.error_of(err), {"tiles": own_shapes})
-        known = req.op not in _GATHERS and facts["tile"] is not None
+        known = req.op not in GATHERS and facts["tile"] is not None
         # What this process hashes: its own facts, or (a gather, or no tile here) what the last
         # call with these arguments agreed on; all hashes equal means every process's own
         # tiles fit that, so it is this call's truth too.
         hashed = None if known or guess is None else _fields(
-            req, be, guess.dtype, guess.kind, guess.devtype, _masked(req, guess.tile), guess.shapes_key)
+            req, be, guess.dtype, guess.kind, guess.devtype, masked(req, guess.tile), guess.shapes_key)
         f = guess if hashed is not None else (Agreed(facts["tile"], None, facts["dtype"], facts["kind"],
                                                       facts["devtype"]) if known else None)
         # plan_only: compressed calls, and every call under link emulation (which paces the
@@ -251,6 +219,21 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
                 if world and posted is not None:
                     tokens = posted.works
         out = pending.hashes(tokens)
+        res = self.conclude(pending, meta, out, f, hashed, posted, nat, key, plan_only, deadline)
+        if out is not None and out.via == "signature" and posted is not None and self.fk is not None \
+                and stamp is None and len(tiles) == 1 and self.bare:
+            if len(ctx.fast) > 256:
+                ctx.fast.clear()
+            g = ctx.agreed.get(key)
+            ctx.fast[self.fk] = Fast(self, key, g, f if hashed is None else g, hashed, meta.fields, pending,
+                                     posted, nat, bool(tokens), res[3])
+        return res
+
+    def conclude(self, pending, meta, out, f, hashed, posted, nat, key, plan_only, deadline):
+        """The call after its check: the posted native call's result where every process
+        agreed, else the full exchange (raising together, or resetting and running again)."""
+        ctx, req, be, err, tiles, facts, stamp = (self.ctx, self.req, self.be, self.err, self.tiles,
+                                                  self.facts, self.stamp)
         if out is not None and out.mixed:       # some processes posted a signature check: all reset
             if posted is not None:
                 posted.abandon()
@@ -264,9 +247,9 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
                 prob = build(req, agreed.tile, agreed.shapes)
                 res = posted.finish(ctx, nat, req, prob, agreed.dtype, agreed.tile, deadline, stamp)
                 _remember(ctx, key, agreed)
-                return res, None, agreed.kind, prob
+                return res, None, agreed.kind, prob, self.bare, self.owned
         else:
-            meta.extra["opt"] = (posted is not None and bool(posted.works)) or sig is not None
+            meta.extra["opt"] = (posted is not None and bool(posted.works)) or pending.signature_comm is not None
             out = pending.metas()
             if posted is not None:
                 posted.abandon()
@@ -277,7 +260,7 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
                 if any(m.extra.get("opt") for m in out.metas):
                     ctx.reset_started(["mpi"])
             shapes = None
-            if req.op in _GATHERS:
+            if req.op in GATHERS:
                 shapes = {}
                 for m in out.metas:
                     shapes.update(m.extra.get("tiles", {}))
@@ -292,35 +275,16 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
         nat = None if plan_only else native_call.choose(ctx, be, req, dt, tile, shapes, devtype)
         if nat is not None:         # one native collective of the backend the table names
             res = native_call.run(ctx, nat, req, prob, tiles, dt, tile, shapes, deadline, kind, stamp)
-            return res, None, kind, prob
+            return res, None, kind, prob, self.bare, self.owned
         src_devs = set(prob.src.mesh.device_ids)
         shards = {d: prob.in_tile(v) for d, v in tiles.items() if d in src_devs}
         loc = Local(kind=kind, devtype=devtype)
         log_as = None if stamp is None else _log.collective_fields(
             req.op, len(groups(req.mesh, req.axes)[0]), tile, [s for _, s in prob.out_shapes], dt[1])
-        call = PlannedCall(ctx, be, prob.src, prob.dst, shards, prob.shape, dt[0], loc, False, (fence,),
+        call = PlannedCall(ctx, be, prob.src, prob.dst, shards, prob.shape, dt[0], loc, False, (self.fence,),
                            stamp, log_as, compression=req.compression, strip=coded_dims(req, prob))
         res, done, _ = call.run()
-        return res, done, kind, prob
-
-    result = ctx.run(go, async_op)
-
-    def finish():
-        res, done, kind, prob = result()
-        for v in res.values():
-            if done is not None:
-                done.wait_on(streams.current_stream(streams.device_of(v)))
-            break
-        res = finish_tiles(req, prob, res, bare, owned)
-        if kind == "jax":
-            import jax
-            if bare:
-                return None if res is None else jax.device_put(res, arrays.jax_device(owned[0]))
-            res = arrays.to_jax_devices(res)
-        return res
-    if async_op:
-        return Handle(finish)
-    return finish()
+        return res, done, kind, prob, self.bare, self.owned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,7 +318,7 @@ def _fields(req: Request, be, dt, kind, devtype, tile, shapes_key) -> tuple:
     return (("op", req.op), ("mesh", repr(req.mesh)), ("axes", req.axes), ("params", req.params),
             ("backend", getattr(be, "signature", be.name)), ("dtype", dt), ("kind", kind),
             ("devtype", devtype), ("tile", tile), ("codec", codec_cost.agreement_key(req.compression))) + \
-        ((("shapes", shapes_key),) if req.op in _GATHERS else ())
+        ((("shapes", shapes_key),) if req.op in GATHERS else ())
 
 
 def _guess(ctx, key, req: Request, err, facts: Mapping, own_shapes: Mapping) -> Agreed | None:

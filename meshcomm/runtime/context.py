@@ -144,6 +144,7 @@ class Context:
         self._lock = threading.Lock()       # one communication at a time, in call order
         self._last: concurrent.futures.Future | None = None
         self.agreed: dict = {}      # (src, dst, backend) -> last agreed call facts (reshard)
+        self.fast: dict = {}        # a repeated collective's compiled form (collective_call.Fast)
 
     def __repr__(self) -> str:
         return (f"Context(backend={self.backend_name!r}, rank={self.rank}/{self.world_size}, "

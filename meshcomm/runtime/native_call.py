@@ -19,7 +19,9 @@ from typing import Any
 import numpy as np
 
 from .. import arrays, settings
+from ..backends.base import empty_wire, from_wire, issued, to_wire
 from ..collectives.layouts import groups
+from .reshard_call import empty_like
 
 __all__ = ["Native", "Posted", "choose", "run", "start"]
 
@@ -109,7 +111,7 @@ def run(ctx, nat: Native, req, prob, tiles, dt, tile, shapes, deadline, kind="nu
         me = [d for d in g if rank_of(d) == ctx.rank]
         if me:
             t_run = time.time()
-            sig = _sig_comm(ctx, prim, req, g, dt, tile, shapes, deadline, create=True)
+            sig = sig_comm_of(ctx, prim, req, g, dt, tile, shapes, deadline, create=True)
             with _pinned(prim, sig):
                 works, fin = _post(ctx, prim, req, g, me[0], tiles, dt, tile, shapes, kind)
             prim.wait_all(works, deadline)
@@ -154,16 +156,25 @@ def start(ctx, nat: Native, req, tiles, dt, tile, shapes, kind="numpy", comm=Non
     if not mine:
         return Posted(None, None, [], dict, 0.0)
     g, me = mine[0]
-    sig = comm if comm is not None else _sig_comm(ctx, prim, req, g, dt, tile, shapes, None, create=False)
+    sig = comm if comm is not None else sig_comm_of(ctx, prim, req, g, dt, tile, shapes, None, create=False)
     if sig is None:                     # first call of this signature: after the agreement
         return None
+    return post_on(ctx, nat, req, g, me, tiles, dt, tile, shapes, kind, sig)
+
+
+def post_on(ctx, nat: Native, req, g, me, tiles, dt, tile, shapes, kind, comm) -> "Posted":
+    """Post device `me`'s native call of group `g` on `comm` (a signature communicator)."""
     t_run = time.time()
-    with _pinned(prim, sig):
+    prim = nat.prim
+    prim._pin = comm                    # prim.pinned(comm), without a context manager's cost
+    try:
         works, fin = _post(ctx, prim, req, g, me, tiles, dt, tile, shapes, kind)
+    finally:
+        prim._pin = None
     return Posted(g, me, works, fin, t_run)
 
 
-def _sig_comm(ctx, prim, req, g, dt, tile, shapes, deadline, create):
+def sig_comm_of(ctx, prim, req, g, dt, tile, shapes, deadline, create):
     """MPI's communicator for exactly this call of group g (backends/mpi.py `sig_comm`)."""
     if prim.name != "mpi":
         return None
@@ -190,7 +201,6 @@ class Posted:
     t_run: float
 
     def finish(self, ctx, nat: Native, req, prob, dt, tile, deadline, stamp=None) -> dict:
-        from meshcomm.backends.base import issued
         issued[("native_" + nat.prim.name, req.op)] += 1
         issued[("optimistic_native", nat.prim.name)] += 1
         nat.prim.wait_all(self.works, deadline)
@@ -210,8 +220,6 @@ class Posted:
 def _post(ctx, prim, req, g, me, tiles, dt, tile, shapes, kind):
     """Post the group's one native call: (its works, a function giving the result tiles once
     they complete)."""
-    from meshcomm.backends.base import empty_wire, from_wire, to_wire
-    from .reshard_call import empty_like
     rank_of = ctx.ownership.rank_of
     ranks = tuple(sorted(rank_of(d) for d in g))
     k = len(g)

@@ -333,6 +333,7 @@ def repeats(ctx, backends, stats):
     for b in backends:
         before = issued[("optimistic_native", "mpi")]
         sig_before = issued[("signature_check", "mpi")]
+        compiled_before = issued[("compiled", "mpi")]
         for it in range(5):
             y = mc.all_reduce(np.full((4, 3), me, np.float32), mesh, "x", backend=b)
             assert np.array_equal(y, np.full((4, 3), total, np.float32)), (b, it, y)
@@ -348,6 +349,10 @@ def repeats(ctx, backends, stats):
             assert issued[("optimistic_native", "mpi")] > before, "no native call was posted beside the hashes"
             if signature_checks(ctx):       # from the fourth call on (the hashes agreed twice)
                 assert issued[("signature_check", "mpi")] >= sig_before + 4 * 2, "no signature check"
+                if settings_on("FAST_PATH"):    # the fifth call of each ran compiled (no broadcast
+                    # on non-roots: they pass None, which has no compiled form)
+                    assert issued[("compiled", "mpi")] >= compiled_before + 3, "no compiled call"
+                    stats["compiled"] += issued[("compiled", "mpi")] - compiled_before
         stats["optimistic_native"] += issued[("optimistic_native", "mpi")] - before
         # c differs from a on the last rank only: the others' tiles still fit the confirmed
         # guess `a`, so they post early while the last rank does not; all must reset
@@ -391,6 +396,11 @@ def repeats(ctx, backends, stats):
             raise AssertionError(f"all_reduce [{b}]: rank {me}: op max on rank {bad} raised nothing")
         assert mc.all_reduce(x, mesh, "x", op="sum", backend=b).tolist() == [total + ws] * 3
         stats["repeat_fault_next_ok"] += 1
+
+
+def settings_on(name: str) -> bool:
+    from meshcomm import settings
+    return bool(settings.get(name))
 
 
 def signature_checks(ctx) -> bool:

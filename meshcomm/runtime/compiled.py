@@ -1,0 +1,89 @@
+"""A repeated collective compiled: the form a call takes once every process made it, with
+the same arguments, often enough to have a signature communicator (meshcomm.runtime.agreement).
+
+`fast_key` names the call (its Request, backend and tile type, shape and dtype); `Fast` keeps
+what the full path (collective_call) worked out for it: the agreed facts, the hashes, the
+native call and group, the Problem. Nothing here decides anything the full path would not:
+the same native call goes on the same communicator under the same signature check, and
+whatever does not fit hands the call back to the full path. MESHCOMM_FAST_PATH=0 turns it off.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from .. import arrays, settings
+from ..backends import base
+from . import agreement, native_call
+from .agreement import Meta
+
+__all__ = ["Fast", "fast_key"]
+
+
+# The settings a compiled call depends on: it applies only while they are what they were.
+_FAST_ENV = ("FAST_PATH", "SIGNATURE_CHECK", "OPTIMISTIC", "EMULATE_GBPS", "COLLECTIVES", "CHECK_EXCHANGE",
+             "TUNING")
+
+
+def fast_key(req: Request, backend, x):
+    """The key of a repeated call's compiled form: the arguments and the tile's type, shape
+    and dtype (a bare NumPy array or CPU torch tensor in native byte order), or None."""
+    t = type(x)
+    if t is np.ndarray:
+        if not x.dtype.isnative:
+            return None
+        return req, backend, t, x.shape, x.dtype
+    if arrays.is_torch(x) and x.device.type == "cpu":
+        return req, backend, t, tuple(x.shape), x.dtype
+    return None
+
+
+class Fast:
+    """A repeated collective compiled (MESHCOMM_FAST_PATH): once a call was checked by its
+    signature communicator, the next call with the same arguments and the same kind of tile
+    skips validation, hashing and choosing: it posts the same native call on the same
+    communicator and waits for the same signature check (agreement.Pending.signed). Where
+    anything it was built on changed (the agreed facts, the settings, the communicator after
+    a reset) it does not apply and the full path runs; where the check does not pass it
+    continues as the full path does from there (same exchange, same errors, same resets)."""
+
+    def __init__(self, st, key, agreed, f, hashed, fields, pending, posted, nat, world_call, prob):
+        self.st, self.key, self.agreed, self.f, self.hashed, self.fields = st, key, agreed, f, hashed, fields
+        self.p2p, self.vec, self.sigvec = pending.p2p, pending.vec, pending.key
+        self.signame = ("agree", pending.key.tobytes())
+        self.world = tuple(range(st.ctx.world_size))
+        self.nat, self.world_call, self.prob = nat, world_call, prob
+        self.group, self.me = posted.group, posted.me
+        self.env = settings.raw(_FAST_ENV)
+        self.on = settings.get("FAST_PATH")
+
+    def run(self, ctx, x):
+        """The call's result (as collective_call `_State.go` returns it), or None where this form does not apply."""
+        if not self.on or ctx.agreed.get(self.key) is not self.agreed or settings.raw(_FAST_ENV) != self.env:
+            return None
+        p2p, st, f, req, nat = self.p2p, self.st, self.f, self.st.req, self.nat
+        sig = p2p.sig_comm(self.world, self.signame)
+        if sig is None or not agreement.inbox_ready(p2p):
+            return None
+        comm = sig if self.world_call else native_call.sig_comm_of(ctx, nat.prim, req, self.group, f.dtype, f.tile,
+                                                                 f.shapes, None, create=False)
+        if comm is None:
+            return None
+        deadline = time.monotonic() + ctx.timeout
+        tiles = {self.me: x}
+        posted = native_call.post_on(ctx, nat, req, self.group, self.me, tiles, f.dtype, f.tile, f.shapes, f.kind,
+                                     comm)
+        meta = Meta(req.op, self.fields, None, {"tiles": {self.me: tuple(x.shape)}})
+        pending = agreement.Pending.signed(ctx.backend, p2p, meta, deadline, self.vec, self.sigvec, sig)
+        out = pending.hashes(posted.works if self.world_call else ())
+        if out is not None and not out.mixed:
+            base.issued[("signature_check", st.be.name)] += 1
+            base.issued[("compiled", nat.prim.name)] += 1
+            res = posted.finish(ctx, self.nat, req, self.prob, f.dtype, f.tile, deadline)
+            return res, None, f.kind, self.prob, True, st.owned
+        # the check did not pass: on, as the full path (this call's own tile and Meta)
+        from ..backends import streams
+        st = dataclasses.replace(st, tiles=tiles, fence=streams.fence_from_current(None), fk=None)
+        return st.conclude(pending, meta, out, f, self.hashed, posted, self.nat, self.key, False, deadline)
