@@ -453,6 +453,14 @@ def execute(plan, shards: Mapping[int, object], like, *, rank: int, devices_per_
     return ex.finish(deadline)
 
 
+def groups_ready(plan, backend: Backend, dpp: int, device_kind: str = "cpu") -> bool:
+    """Whether an Execution of `plan` (uncompressed) on `backend` would create no group: what
+    `Execution.groups_ready` says, before the Execution is built."""
+    coll = collective_reduce_ok(plan.dtype, backend)
+    need = groups_needed(plan, dpp, coll, lambda s: backend.choose(s.table_op, s.nbytes, len(s.ranks), device_kind))
+    return all(b.has_groups(need.get(b.name, [])) for b in backend.members())
+
+
 class Execution:
     """`execute` in steps: `prepare` (create groups, collective), `start` (issue the first
     stage, non-blocking: nothing waits), `finish` (everything else), or `abort` after a
@@ -489,10 +497,13 @@ class Execution:
             return {}                   # compressed plans move point to point only
         return groups_needed(self.plan, self.dpp, self.coll, self._choose)
 
+    def peers(self) -> set:
+        """The other ranks this rank exchanges anything with, in any stage."""
+        return {r for s in self.steps if s.prim != "local" for r in s.ranks} - {self.run.rank}
+
     def groups_ready(self) -> bool:
         """True when `prepare` would create nothing (safe to `start` before agreeing)."""
-        need = self.groups()
-        return all(b.has_groups(need.get(b.name, [])) for b in self.backend.members())
+        return self.compression is not None or groups_ready(self.plan, self.backend, self.dpp, self.device_kind)
 
     def prepare(self, deadline):
         need = self.groups()

@@ -92,6 +92,8 @@ class MPIWork(Work):
 SIG_MAX = 64        # call signatures with a communicator of their own (per group)
 INIT_TAG = 32000     # the tag of the join check on the launcher's communicator
 BCAST_TAG = 7        # point-to-point broadcasts, on the group's own communicator
+BARRIER_TAG = 8      # the flat barrier of a signature check, on its signature communicator
+_EMPTY = np.empty(0, np.uint8)
 
 
 def _collectives_mode() -> str:
@@ -274,9 +276,22 @@ class MPIBackend(MPICollectives, Backend):
         return c
 
     def ibarrier_on(self, comm):
-        """A barrier over every rank of `comm` (a `sig_comm` of all ranks): the signature check."""
-        return MPIWork(comm.Ibarrier(), None, "the signature check",
-                       tuple(r for r in range(self.world_size) if r != self.rank), self.rank)
+        """A barrier over every rank of `comm` (a `sig_comm` of all ranks): the signature check.
+        Flat: an empty message to and from every other rank, so it completes one message
+        after the last rank arrives (MPI_Ibarrier's rounds each wait for a peer to be
+        scheduled: measured slower with more processes than cores, BENCHMARKS.md section 10).
+        The receives come first, one per other rank in rank order: each completes once that
+        rank is in the same call."""
+        works = []
+        for r in range(self.world_size):
+            if r != self.rank:
+                works.append(MPIWork(comm.Irecv(_EMPTY, source=r, tag=BARRIER_TAG), None,
+                                     "the signature check", (r,), self.rank))
+        for r in range(self.world_size):
+            if r != self.rank:
+                works.append(MPIWork(comm.Isend(_EMPTY, dest=r, tag=BARRIER_TAG), None,
+                                     "the signature check", (r,), self.rank))
+        return works
 
     @contextlib.contextmanager
     def pinned(self, comm):

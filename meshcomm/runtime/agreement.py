@@ -175,7 +175,12 @@ class Pending:
         works to `hashes`."""
         return self.sig
 
-    def hashes(self, tokens=()) -> Outcome | None:
+    def signature_tokens(self) -> list:
+        """With a signature communicator: the barrier on it, posted now (pass it to `hashes`),
+        so the check travels while the caller readies its data; else []."""
+        return self.p2p.ibarrier_on(self.sig) if self.sig is not None else []
+
+    def hashes(self, tokens=(), ready=None) -> Outcome | None:
         """Wait for the hashes (the allreduce, or the round of vectors), or with a signature
         communicator for `tokens` (see `signature_comm`); the Outcome when they decide, else
         None (every process gets None together: `metas` must follow)."""
@@ -184,7 +189,7 @@ class Pending:
             out = self.be.allreduce_min(self.vec, self.deadline).tolist()
             return Outcome(meta.fields, None, out, "allreduce") if _decided(out) else None
         if self.sig is not None:
-            return self._by_signature(list(tokens) or [self.p2p.ibarrier_on(self.sig)])
+            return self._by_signature(list(tokens) or self.p2p.ibarrier_on(self.sig), ready)
         if self.round is not None:
             self.round.wait(self.deadline)
             rows = self.round.rows
@@ -215,17 +220,20 @@ class Pending:
         else:
             seen[key] = True
 
-    def _by_signature(self, tokens) -> Outcome | None:
+    def _by_signature(self, tokens, ready=None) -> Outcome | None:
         """Wait until `tokens` complete (every process is in this exact call). A process
         still waiting after the grace, or that sees a peer's hashes of this check, sends its
         own (marked: sent from a signature check); once every process's hashes are in, a
-        disagreement returns None on every process, in this call. Nothing else is sent."""
+        disagreement returns None on every process, in this call. Nothing else is sent.
+        `ready`: (some of the tokens, a function) called once those complete, if they do
+        before all of them (a reshard starts its data with the peers already in the call)."""
         from ..backends.base import ABANDONED, backoff, timeout_error  # noqa: F811 (cheap after the first)
         box, seq, meta = self.box, self.seq, self.meta
         vec = grace = None
         sent = agreed = False
         spins = 0
         test = _tester(tokens)
+        gate = None if ready is None else _tester(ready[0])
         while True:
             # the tokens are polled alone most of the time: MPI moves the data only inside
             # its calls, and with more processes than cores every bit of Python between
@@ -233,6 +241,9 @@ class Pending:
             if test(_QUICK):
                 box.settle(seq)
                 return Outcome(meta.fields, None, self.key.tolist(), "signature")
+            if gate is not None and gate(1):
+                gate = None
+                ready[1]()
             box.poll()
             if grace is None:
                 grace = time.monotonic() + settings.get("SIGNATURE_GRACE")

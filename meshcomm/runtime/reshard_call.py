@@ -186,15 +186,15 @@ class PlannedCall:
         """The agreement check, with the first stage readied before it and started as soon
         as that is safe. Returns (the Execution already started or None, the agreed facts)."""
         ctx, be, src, dst, shards, loc = self.ctx, self.be, self.src, self.dst, self.shards, self.loc
-        plan_fp = guess = ex = None
+        plan_fp = guess = ex = build = None
         opt = False
         key = (src, dst, getattr(be, "signature", be.name))
         if loc.err is None and loc.shape is not None and loc.dtype is not None:
             p = plan(loc.shape, loc.dtype, src, dst)
             plan_fp = p.fingerprint
             if _optimistic(be) and self.compression is None:
-                # Ready the first stage now: it starts once the hashes agree, or, when they
-                # do not decide, while the metadata travels (undone below on disagreement).
+                # Ready the first stage: it starts once the hashes agree, or, when they do
+                # not decide, while the metadata travels (undone below on disagreement).
                 # A process without src tiles readies its receives too, into host arrays
                 # of the kind the last call with these layouts agreed on (else NumPy); the
                 # bytes are the same whatever the kind, so `run` converts them if needed.
@@ -204,7 +204,7 @@ class PlannedCall:
                     g = ctx.agreed.get(key)
                     self.early = (g.kind if g is not None and g.devtype == "cpu" else "numpy", "cpu")
                     like, dev = empty_like(self.early[0], loc.dtype, "cpu"), "cpu"
-                ex = base.Execution(p, shards, like, device_kind=dev, **run_kw)
+                build = (p, like, dev)
         elif loc.err is None and _optimistic(be) and key in ctx.agreed and self.compression is None \
                 and _fits(ctx.agreed[key], loc, shards, src):
             # Shape or dtype unknown here (no src tile, or tiles that do not pin the shape):
@@ -213,9 +213,9 @@ class PlannedCall:
             p = plan(g.shape, g.dtype, src, dst)
             guess = (p.fingerprint, g.kind, g.devtype)
             like = next(iter(shards.values())) if shards else empty_like(g.kind, g.dtype, g.devtype)
-            ex = base.Execution(p, shards, like, device_kind=g.devtype or "cpu", **run_kw)
-        if ex is not None and not ex.groups_ready():
-            ex, guess = None, None
+            build = (p, like, g.devtype or "cpu")
+        if build is not None and not base.groups_ready(build[0], be, ctx.devices_per_process, build[2]):
+            build = guess = None
         meta = Meta("reshard", (
             ("op", "reshard"), ("layouts", _layouts_fp(src, dst)),
             ("backend", getattr(be, "signature", be.name)), ("shape", loc.shape),
@@ -239,15 +239,29 @@ class PlannedCall:
         # communicator kept for its signature instead (agreement.Pending.signature_comm).
         pending = agreement.start(ctx.backend, meta, deadline, hashed=hashed, signature=True)
         lazy = pending.signature_comm is not None
-        out = pending.hashes()
+        tokens = pending.signature_tokens()     # the barrier goes out before the stage is readied
+        if build is not None:
+            ex = base.Execution(build[0], shards, build[1], device_kind=build[2], **run_kw)
+        early = []
+        ready = None
+        if ex is not None and lazy:
+            # the data starts once every rank it moves between is in this exact call (their
+            # messages of the barrier arrived on the signature communicator, where nothing
+            # of another call can be); the result waits for the whole barrier
+            peers = ex.peers()
+            ready = ([w for w in tokens[:ctx.world_size - 1] if w.peers[0] in peers],
+                     lambda: (ex.start(), early.append(True)))
+        out = pending.hashes(tokens, ready)
         if out is not None and out.mixed:       # some processes posted a signature check: all reset
+            if early:
+                _abort(ex)
             ctx.reset_started(["mpi"])
             ex = guess = None
-        if ex is not None and not (lazy and out is None):
+        if ex is not None and not early and not (lazy and out is None):
             ex.start()
             opt = out is None
         if out is None:
-            meta.extra.update({"tiles": {d: tuple(v.shape) for d, v in shards.items()}, "opt": opt,
+            meta.extra.update({"tiles": {d: tuple(v.shape) for d, v in shards.items()}, "opt": opt or bool(early),
                                "guess": guess, "desc": _desc(src, dst), "lazy": lazy})
             out = pending.metas()
         if out.metas is None and hashed is not None:     # the hashes confirmed the guess
