@@ -50,6 +50,7 @@ class Fast:
     continues as the full path does from there (same exchange, same errors, same resets)."""
 
     def __init__(self, st, key, agreed, f, hashed, fields, pending, posted, nat, world_call, prob):
+        st = dataclasses.replace(st, tiles={}, fence=None)     # no reference to the user's tile
         self.st, self.key, self.agreed, self.f, self.hashed, self.fields = st, key, agreed, f, hashed, fields
         self.p2p, self.vec, self.sigvec = pending.p2p, pending.vec, pending.key
         self.signame = ("agree", pending.key.tobytes())

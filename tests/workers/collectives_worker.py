@@ -354,6 +354,18 @@ def repeats(ctx, backends, stats):
                     assert issued[("compiled", "mpi")] >= compiled_before + 3, "no compiled call"
                     stats["compiled"] += issued[("compiled", "mpi")] - compiled_before
         stats["optimistic_native"] += issued[("optimistic_native", "mpi")] - before
+        if b == "mpi" and signature_checks(ctx) and settings_on("FAST_PATH"):
+            # rank 0 turns the compiled form off: it checks on the full path, beside the
+            # others' compiled calls (the same signature check), and the results stay exact
+            if me == 0:
+                os.environ["MESHCOMM_FAST_PATH"] = "0"
+            c0 = issued[("compiled", "mpi")]
+            for it in range(3):
+                y = mc.all_reduce(np.full((4, 3), me, np.float32), mesh, "x", backend=b)
+                assert np.array_equal(y, np.full((4, 3), total, np.float32)), (b, it, y)
+            assert issued[("compiled", "mpi")] - c0 == (0 if me == 0 else 3), (me, issued[("compiled", "mpi")] - c0)
+            os.environ.pop("MESHCOMM_FAST_PATH", None)
+            stats["compiled_mixed_ok"] += 1
         # c differs from a on the last rank only: the others' tiles still fit the confirmed
         # guess `a`, so they post early while the last rank does not; all must reset
         a = [1 + r % 3 for r in range(ws)]
