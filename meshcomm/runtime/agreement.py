@@ -158,7 +158,7 @@ class Pending:
     @classmethod
     def signed(cls, be, p2p, meta: Meta, deadline: float | None, vec: np.ndarray, key: np.ndarray, sig) -> "Pending":
         """The check of a repeated call on its known signature communicator `sig` (a compiled
-        call, meshcomm.runtime.collective_call `Fast`): what `start` would build for it, from
+        call, meshcomm.runtime.compiled `Fast`): what `start` would build for it, from
         the vectors it computed then (`vec`, `key`); the inbox must be current (`inbox_ready`)."""
         self = cls.__new__(cls)
         self.be, self.meta, self.deadline, self.mode = be, meta, deadline, "allgather"
@@ -227,7 +227,7 @@ class Pending:
         disagreement returns None on every process, in this call. Nothing else is sent.
         `ready`: (some of the tokens, a function) called once those complete, if they do
         before all of them (a reshard starts its data with the peers already in the call)."""
-        from ..backends.base import ABANDONED, backoff, timeout_error  # noqa: F811 (cheap after the first)
+        from ..backends.base import ABANDONED, backoff, timeout_error
         box, seq, meta = self.box, self.seq, self.meta
         vec = grace = None
         sent = agreed = False
