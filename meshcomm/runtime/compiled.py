@@ -27,7 +27,7 @@ _FAST_ENV = ("FAST_PATH", "SIGNATURE_CHECK", "OPTIMISTIC", "EMULATE_GBPS", "COLL
              "TUNING")
 
 
-def fast_key(req: Request, backend, x):
+def fast_key(req, backend, x):
     """The key of a repeated call's compiled form: the arguments and the tile's type, shape
     and dtype (a bare NumPy array or CPU torch tensor in native byte order), or None."""
     t = type(x)
