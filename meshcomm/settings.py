@@ -80,7 +80,7 @@ _ALL = (
     Setting("SIGNATURE_CHECK", _bool, True,
             "over MPI, a call repeated with arguments every process agreed on twice before is checked by its signature communicator instead of a round of hashes: a barrier (or the call's own world-wide native collective) on a communicator kept for exactly that call completes only if every process made the same call; a process whose barrier is late past MESHCOMM_SIGNATURE_GRACE, or sees a peer's hashes, sends its hashes, so a disagreement still raises on every process in the same call; `0`: a round of hashes every call", "1"),
     Setting("FAST_PATH", _bool, True,
-            "a collective repeated with the same arguments and the same kind of tile, once checked by its signature communicator, runs compiled: no validation, hashing or choosing again, the same native call and the same signature check (anything it was built on changed: the full path); `0`: the full path every call", "1"),
+            "a collective or reshard repeated with the same arguments and the same kind of tiles, once checked by its signature communicator, runs compiled: no validation, hashing, choosing or planning again, the same native call or plan and the same signature check (anything it was built on changed: the full path); `0`: the full path every call", "1"),
     Setting("SIGNATURE_GRACE", _positive_float, 0.01,
             "seconds a signature check waits for its barrier before it also sends its hashes (a disagreement is found this much later; a late peer costs one round of hashes)"),
     Setting("TUNING", _str, None,
@@ -144,6 +144,11 @@ def raw(names: tuple) -> tuple:
 
 
 _RAW_KEYS: dict = {}
+
+# The settings a compiled call (meshcomm.runtime.compiled, compiled_reshard) depends on: it
+# applies only while they are what they were when it was built (a `raw` snapshot).
+COMPILED_DEPENDS = ("FAST_PATH", "CHECK", "SIGNATURE_CHECK", "OPTIMISTIC", "CHECK_EXCHANGE", "COLLECTIVES",
+                    "TUNING", "REDUCE", "MPI_COLLECTIVES", "EMULATE_GBPS", "EMULATE_NODE_SIZE")
 
 
 def markdown_table() -> str:

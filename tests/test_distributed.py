@@ -85,8 +85,8 @@ def test_mpiexec_4_every_backend_mismatch_and_timeout(tmp_path):
                        "MESHCOMM_TUNING": str(alternating_table(tmp_path / "alt.json"))})
     check_cases(res, 4, cases, ("mpi", "torch", "mixed"))
     for r in res:
-        assert r["mismatch_ok"] == 4 * 3 + 2, r              # 4 mismatched calls x 3 backends, 2 by signature
-        assert r["signature_ok"] == 5, r
+        assert r["mismatch_ok"] == 4 * 3 + 3, r              # 4 mismatched calls x 3 backends, 2 by signature, 1 compiled
+        assert r["signature_ok"] == 5 and r["compiled_reshard_ok"] == 1, r
         # MPI started sending before the exchange confirmed the plan, then reset its comms
         assert r.get("issued_reset_mpi", 0) >= 4, r          # 2 mismatches + 2 wrong guesses
         assert r["guess_ok"] == 4 * 3, r

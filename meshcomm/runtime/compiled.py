@@ -22,11 +22,6 @@ from .agreement import Meta
 __all__ = ["Fast", "fast_key"]
 
 
-# The settings a compiled call depends on: it applies only while they are what they were.
-_FAST_ENV = ("FAST_PATH", "SIGNATURE_CHECK", "OPTIMISTIC", "EMULATE_GBPS", "COLLECTIVES", "CHECK_EXCHANGE",
-             "TUNING")
-
-
 def fast_key(req, backend, x):
     """The key of a repeated call's compiled form: the arguments and the tile's type, shape
     and dtype (a bare NumPy array or CPU torch tensor in native byte order), or None."""
@@ -57,12 +52,12 @@ class Fast:
         self.world = tuple(range(st.ctx.world_size))
         self.nat, self.world_call, self.prob = nat, world_call, prob
         self.group, self.me = posted.group, posted.me
-        self.env = settings.raw(_FAST_ENV)
+        self.env = settings.raw(settings.COMPILED_DEPENDS)
         self.on = settings.get("FAST_PATH")
 
     def run(self, ctx, x):
         """The call's result (as collective_call `_State.go` returns it), or None where this form does not apply."""
-        if not self.on or ctx.agreed.get(self.key) is not self.agreed or settings.raw(_FAST_ENV) != self.env:
+        if not self.on or ctx.agreed.get(self.key) is not self.agreed or settings.raw(settings.COMPILED_DEPENDS) != self.env:
             return None
         p2p, st, f, req, nat = self.p2p, self.st, self.f, self.st.req, self.nat
         sig = p2p.sig_comm(self.world, self.signame)

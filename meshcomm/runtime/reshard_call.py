@@ -25,6 +25,7 @@ from ..validate import (check_keys, check_layouts, check_tile_shapes, infer_shap
                         normalize_input, resolve_shape_dtype)
 from . import agreement
 from .agreement import Meta
+from .compiled_reshard import FastReshard, reshard_key
 
 __all__ = ["reshard"]
 
@@ -53,6 +54,39 @@ class Agreed:
 def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=False, compression=None):
     from meshcomm.backends import streams
     stamp = _log.stamp(async_op) if _log.ON else None
+    fk = reshard_key(x, src, dst, shape, dtype, backend) if stamp is None and compression is None else None
+    fast = ctx.fast.get(fk) if fk is not None else None
+    if fast is not None:
+        # a repeated reshard: its compiled form (compiled.FastReshard), which hands the call
+        # to the full path whenever it no longer applies (checked on the queue, as it runs)
+        bare = fast.bare
+
+        def go():
+            return fast.run(ctx, x) or _front(ctx, x, src, dst, shape, dtype, backend, None, None, fk)[0].run()
+        result = ctx.run(go, async_op)
+    else:
+        call, bare = _front(ctx, x, src, dst, shape, dtype, backend, compression, stamp, fk)
+        result = ctx.run(call.run, async_op)
+
+    def finish():
+        out, done, out_kind = result()
+        for d, v in out.items():
+            done.wait_on(streams.current_stream(streams.device_of(v)))
+            break
+        if out_kind == "jax":
+            out = arrays.to_jax_devices(out)
+        if bare:
+            return next(iter(out.values())) if out else None
+        return out
+    if async_op:
+        return Handle(finish)
+    return finish()
+
+
+def _front(ctx, x, src, dst, shape, dtype, backend, compression, stamp, fk):
+    """The full path's local part: validation (an error kept to share through the agreement
+    check), the producers' fences; (the PlannedCall, whether x was a bare array)."""
+    from meshcomm.backends import streams
     check_layouts(src, dst)
     be, err = ctx.resolve_backend(backend)
     own = ctx.ownership
@@ -100,22 +134,8 @@ def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=
     if not fences:
         fences[None] = streams.fence_from_current(None)
     call = PlannedCall(ctx, be, src, dst, shards, shape, dtype, loc, need_exchange, tuple(fences.values()), stamp,
-                       compression=compression)
-    result = ctx.run(call.run, async_op)
-
-    def finish():
-        out, done, out_kind = result()
-        for d, v in out.items():
-            done.wait_on(streams.current_stream(streams.device_of(v)))
-            break
-        if out_kind == "jax":
-            out = arrays.to_jax_devices(out)
-        if bare:
-            return next(iter(out.values())) if out else None
-        return out
-    if async_op:
-        return Handle(finish)
-    return finish()
+                       compression=compression, fk=fk, bare=bare)
+    return call, bare
 
 
 @dataclasses.dataclass
@@ -135,10 +155,11 @@ class PlannedCall:
     compression: Any = None  # the compression= argument, resolved with the plan (backends/codec_cost.py)
     early: Any = None       # (kind, devtype) a process without src tiles started early with
     strip: int = 0          # leading dims the codec leaves out (a collective's group dims)
+    fk: Any = None          # the key of the call's compiled form (compiled.reshard_key), or None
+    bare: bool = False      # x was a bare array (the compiled form returns one too)
 
     def run(self):
         from meshcomm.backends import base
-        from meshcomm.backends import compressed as coded
         t_run = time.time() if self.stamp is not None else None
         if "torch" in sys.modules:      # if another thread is importing torch, wait for it
             import torch  # noqa: F401
@@ -159,6 +180,14 @@ class PlannedCall:
                 kind = "torch" if type(self.dtype_kw).__module__.startswith("torch") else "numpy"
                 devtype = "cpu"
             agreed = Agreed(shape, name, itemsize, kind, devtype)
+        return self.complete(ex, agreed, run_kw, deadline, t_run)
+
+    def complete(self, ex, agreed, run_kw, deadline, t_run):
+        """After the agreement: the Execution (built now unless `ex` started before it), its
+        result; (tiles, fence, array kind)."""
+        from meshcomm.backends import base
+        from meshcomm.backends import compressed as coded
+        ctx, be, src, dst, shards = self.ctx, self.be, self.src, self.dst, self.shards
         if ex is None:
             self.early = None
             p = plan(agreed.shape, agreed.dtype, src, dst)
@@ -187,7 +216,6 @@ class PlannedCall:
         as that is safe. Returns (the Execution already started or None, the agreed facts)."""
         ctx, be, src, dst, shards, loc = self.ctx, self.be, self.src, self.dst, self.shards, self.loc
         plan_fp = guess = ex = build = None
-        opt = False
         key = (src, dst, getattr(be, "signature", be.name))
         if loc.err is None and loc.shape is not None and loc.dtype is not None:
             p = plan(loc.shape, loc.dtype, src, dst)
@@ -252,6 +280,16 @@ class PlannedCall:
             ready = ([w for w in tokens[:ctx.world_size - 1] if w.peers[0] in peers],
                      lambda: (ex.start(), early.append(True)))
         out = pending.hashes(tokens, ready)
+        return self.conclude(pending, meta, out, ex, early, guess, hashed, key)
+
+    def conclude(self, pending, meta, out, ex, early, guess, hashed, key):
+        """The agreement check from what its hashes or signature barrier gave (`out`): the
+        Metas where they did not decide, the errors, the resets; (the Execution if it may
+        go on, the agreed facts). A compiled call whose check did not pass continues here."""
+        from meshcomm.backends import base
+        ctx, be, src, dst, shards, loc = self.ctx, self.be, self.src, self.dst, self.shards, self.loc
+        lazy = pending.signature_comm is not None
+        decided, opt = out is not None and not out.mixed, False
         if out is not None and out.mixed:       # some processes posted a signature check: all reset
             if early:
                 _abort(ex)
@@ -290,6 +328,11 @@ class PlannedCall:
         if len(ctx.agreed) > 256:
             ctx.agreed.clear()
         ctx.agreed[key] = agreed
+        if decided and lazy and ex is not None and self.fk is not None and loc.err is None \
+                and self.compression is None and self.stamp is None and settings.get("FAST_PATH"):
+            if len(ctx.fast) > 256:
+                ctx.fast.clear()
+            ctx.fast[self.fk] = FastReshard(self, key, agreed, pending, meta.fields, guess, hashed, ex)
         return ex, agreed
 
 

@@ -211,6 +211,38 @@ def run_signature_checks(ctx, stats):
     assert base.issued[("reset", "mpi")] == resets + 1, f"rank {r}: a mixed check did not reset"
     establish()
     stats["signature_ok"] += 1
+    from meshcomm import settings
+    if not settings.get("FAST_PATH"):
+        return
+
+    def repeat(x, what, compiled=4):
+        # the same call again and again: from the second, compiled (compiled_reshard.FastReshard)
+        c0 = base.issued[("compiled_reshard", "mpi")]
+        for k in range(5):
+            call(x, f"{what} {k}")
+        got = base.issued[("compiled_reshard", "mpi")] - c0
+        assert got == compiled, f"rank {r}: {what}: {got} of 5 calls ran compiled, not {compiled}"
+
+    repeat(x32, "compiled S")
+    # compiled calls catch a disagreement as the full path does: on every rank, in this call
+    both(x32.astype(np.int32) if r == 0 else x32, "compiled S vs a new call")
+    # after the error (communicators reset): a round of hashes (whose vector was seen
+    # before, so the communicator comes back at once), a signature check, then compiled
+    repeat(x32, "compiled S after an error", compiled=3)
+    # rank 0 turns the compiled form off: it checks on the full path beside the others'
+    # compiled calls (the same barrier), results exact
+    if r == 0:
+        os.environ["MESHCOMM_FAST_PATH"] = "0"
+    repeat(x32, "compiled beside full", compiled=0 if r == 0 else 5)
+    os.environ.pop("MESHCOMM_FAST_PATH", None)
+    # rank 1 checks by hashes alone beside compiled calls: all reset, the call goes on
+    resets = base.issued[("reset", "mpi")]
+    if r == 1:
+        os.environ["MESHCOMM_SIGNATURE_CHECK"] = "0"
+    call(x32, "compiled beside hashes")
+    os.environ.pop("MESHCOMM_SIGNATURE_CHECK", None)
+    assert base.issued[("reset", "mpi")] == resets + 1, f"rank {r}: a mixed check did not reset"
+    stats["compiled_reshard_ok"] += 1
 
 
 def run_timeouts(ctx, backends, stats, timeout):
@@ -227,8 +259,12 @@ def run_timeouts(ctx, backends, stats, timeout):
         # a call every process made before: checked by its signature communicator, where
         # the missing peer must be named just the same
         phases.append(("signature", "mpi"))
+        c0 = base.issued[("compiled_reshard", "mpi")]
         for _ in range(5):
             mc.reshard(mine, src, dst, backend="mpi", shape=x.shape)
+        from meshcomm import settings
+        # the last of them ran compiled, and so does the timed call below (no other call between)
+        assert base.issued[("compiled_reshard", "mpi")] > c0 or not settings.get("FAST_PATH"), ctx.rank
     if ctx.rank == lag:
         return
     for phase, b in phases:
