@@ -66,7 +66,7 @@ from meshcomm.errors import PeerTimeoutError
 from meshcomm.planners.boxes import box_size, local_slices
 from meshcomm.reduceops import combine_
 
-from . import streams
+from . import buffers, streams
 from .pack import pack, unpack
 
 from meshcomm import settings
@@ -283,8 +283,8 @@ def to_wire(a, wire: str, stream=None, typed: bool = False):
 def empty_wire(nbytes: int, wire: str, like, typed_elems: int | None = None):
     if wire == "numpy":
         if typed_elems is not None:
-            return np.empty(typed_elems, dtype=_np_dtype(like))
-        return np.empty(nbytes, dtype=np.uint8)
+            return buffers.empty(typed_elems, _np_dtype(like))
+        return buffers.empty(nbytes)
     import torch
     dev = like.device if _is_torch(like) else "cpu"
     if typed_elems is not None:

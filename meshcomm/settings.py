@@ -96,6 +96,8 @@ _ALL = (
             "polls of a pending operation that yield the core before the poller starts sleeping briefly"),
     Setting("COLLECTIVES", _choice("auto", "native", "plan"), "auto",
             "how a collective runs: `plan` (its reshard plan on the executor), `native` (one collective call of the backend the tuning table names, where it applies: one device per process in each group, CPU tiles, the leading dimension, a dtype its reductions take); `auto`: native where it applies, else the plan"),
+    Setting("BUFFER_POOL_MB", _int, 512,
+            "MiB of idle host memory kept for result tiles of 1 MiB or more (backends/buffers.py): a tile's memory is reused once every array over it is gone, instead of fresh pages that fault on first touch; `0`: every tile in fresh memory"),
     Setting("UNSAFE_NO_FENCE", _bool, False,
             "`1` drops the CUDA stream fences (only to show that the fence test fails without them)", "0"),
     Setting("LOG", _str, None,

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .. import arrays, settings
+from ..backends import buffers
 from ..backends.base import empty_wire, from_wire, issued, to_wire
 from ..collectives.layouts import groups
 from .reshard_call import empty_like
@@ -239,7 +240,7 @@ def _post(ctx, prim, req, g, me, tiles, dt, tile, shapes, kind):
     op = "sum" if req.reduce_op == "avg" else req.reduce_op
     root = rank_of(g[req.root]) if req.op in ("broadcast", "reduce", "gather", "scatter") else None
     if req.op in ("all_reduce", "reduce"):
-        buf = flat(x.clone() if arrays.is_torch(x) else x.copy(), typed=True)
+        buf = flat(x.clone() if arrays.is_torch(x) else buffers.copy(x), typed=True)
         if req.op == "all_reduce":
             w = prim.allreduce(buf, op, ranks)
         else:
@@ -249,7 +250,7 @@ def _post(ctx, prim, req, g, me, tiles, dt, tile, shapes, kind):
         return [w], lambda: {me: out(buf, tile, typed=True)}
     if req.op == "broadcast":
         n = math.prod(tile) * itemsize
-        buf = flat(x.clone() if arrays.is_torch(x) else x.copy(), False) if ctx.rank == root \
+        buf = flat(x.clone() if arrays.is_torch(x) else buffers.copy(x), False) if ctx.rank == root \
             else empty_wire(n, wire, like)
         return [prim.bcast(buf, root, ranks)], lambda: {me: out(buf, tile)}
     if req.op in ("all_gather", "gather"):

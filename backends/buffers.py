@@ -1,0 +1,116 @@
+"""Reused host memory for result tiles: a caching allocator, as torch's and XLA's are.
+
+A tile of at least `MIN_BYTES` is a NumPy array over a block this pool handed out; when the
+last array viewing the block is gone (NumPy keeps the ctypes object over the block as every
+view's base; a finalizer on it), the block comes back here, and the next tile of the same
+size takes it instead of fresh pages. Fresh pages cost a page fault each on first touch
+(and the kernel zeroes them): on this machine a 16 MiB result written into fresh memory took
+4-6x as long as into memory written before (benchmarks/alloc_reuse.py). The pool keeps at
+most MESHCOMM_BUFFER_POOL_MB of idle blocks, the oldest dropped first.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from collections import OrderedDict
+
+import numpy as np
+
+__all__ = ["take", "empty", "copy", "on", "stats", "idle_bytes", "clear"]
+
+ALIGN = 64              # bytes: what XLA's CPU client needs to adopt a NumPy buffer without a copy
+MIN_BYTES = 1 << 20     # smaller tiles come from malloc, whose own free lists serve them well
+
+_lock = threading.Lock()
+_idle: "OrderedDict[int, tuple[int, np.ndarray]]" = OrderedDict()  # id -> (bytes, block), oldest first
+_by_size: dict[int, list[int]] = {}
+_held = 0
+_seq = 0
+stats = {"taken": 0, "reused": 0, "returned": 0, "dropped": 0}
+
+
+def _budget() -> int:
+    from meshcomm import settings
+    return int(settings.get("BUFFER_POOL_MB") * (1 << 20))
+
+
+def on() -> bool:
+    """Whether the pool is in use (MESHCOMM_BUFFER_POOL_MB > 0)."""
+    from meshcomm import settings
+    return settings.get("BUFFER_POOL_MB") > 0
+
+
+def empty(n: int, dtype=np.uint8) -> np.ndarray:
+    """np.empty(n, dtype), from the pool from MIN_BYTES (a message or result buffer)."""
+    dt = np.dtype(dtype)
+    if n * dt.itemsize >= MIN_BYTES and on():
+        return take(n * dt.itemsize, False).view(dt)
+    return np.empty(n, dtype=dt)
+
+
+def copy(a: np.ndarray) -> np.ndarray:
+    """a.copy() (C order), into pool memory from MIN_BYTES."""
+    if a.nbytes < MIN_BYTES or not on():
+        return a.copy()
+    out = take(a.nbytes, False).view(a.dtype).reshape(a.shape)
+    np.copyto(out, a)
+    return out
+
+
+def take(nbytes: int, zero: bool) -> np.ndarray:
+    """A 1-d uint8 array of `nbytes`, ALIGN-aligned, zeroed if `zero`: a reused block when one
+    of that size is idle, else a new one. Its memory returns to the pool when every array
+    over it is gone."""
+    global _held
+    raw = None
+    with _lock:
+        ids = _by_size.get(nbytes)
+        if ids:
+            raw = _idle.pop(ids.pop())[1]
+            _held -= nbytes
+        stats["taken"] += 1
+    if raw is None:
+        raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    else:
+        stats["reused"] += 1
+    off = -raw.ctypes.data % ALIGN
+    view = (ctypes.c_char * nbytes).from_address(raw.ctypes.data + off)
+    weakref.finalize(view, _give, raw, nbytes).atexit = False
+    out = np.frombuffer(view, dtype=np.uint8)
+    if zero:
+        out[...] = 0
+    return out
+
+
+def _give(raw: np.ndarray, nbytes: int) -> None:
+    """The last array over a block is gone: keep the block for the next tile of its size."""
+    global _held, _seq
+    budget = _budget()
+    with _lock:
+        stats["returned"] += 1
+        if nbytes > budget:
+            stats["dropped"] += 1
+            return
+        _seq += 1
+        _idle[_seq] = (nbytes, raw)
+        _by_size.setdefault(nbytes, []).append(_seq)
+        _held += nbytes
+        while _held > budget:
+            k, (n, _) = _idle.popitem(last=False)
+            _by_size[n].remove(k)
+            _held -= n
+            stats["dropped"] += 1
+
+
+def idle_bytes() -> int:
+    return _held
+
+
+def clear() -> None:
+    """Drop every idle block (their memory goes back to malloc)."""
+    global _held
+    with _lock:
+        _idle.clear()
+        _by_size.clear()
+        _held = 0
