@@ -392,6 +392,32 @@ def compile_steps(plan, rank: int, devices_per_process: int, collective_reduce: 
 
 
 @memo(maxsize=256)
+def issue_steps(plan, rank: int, devices_per_process: int, collective_reduce: bool) -> tuple[Step, ...]:
+    """`compile_steps` in the order this rank issues them on a single backend: within each
+    run of one stage, the receives first (posted before the messages arrive), then the
+    collectives in plan order (the same order on every member), then the sends, then the
+    local copies (done while the messages travel). Steps of one stage are independent and
+    non-blocking, so any order is correct; with several backends (`mixed`) a switch drains
+    the stage, so the plan's order is kept there (Execution)."""
+    steps = compile_steps(plan, rank, devices_per_process, collective_reduce)
+
+    def role(s: Step) -> int:
+        if s.prim == "local":
+            return 3
+        if s.prim in ("bcast", "reduce"):
+            return 1
+        receiving = (s.root != rank) if s.prim == "p2p" else (s.root == rank)    # gather: the root receives
+        return 0 if receiving else 2
+    out, run = [], []
+    for st in steps:
+        if run and st.stage != run[-1].stage:
+            out += sorted(run, key=role)
+            run = []
+        run.append(st)
+    return tuple(out + sorted(run, key=role))
+
+
+@memo(maxsize=256)
 def wire_bytes(plan, rank: int, devices_per_process: int, collective_reduce: bool) -> tuple[int, int]:
     """(sent, received): bytes `rank` puts on / takes off the wire in its steps of `plan`, by
     meshcomm.log's convention (summed over ranks, sent == received): p2p and bcast, the
@@ -481,7 +507,8 @@ class Execution:
                                      op=plan.fill_op)
         self.coll = collective_reduce_ok(plan.dtype, backend)
         self.dpp = dpp
-        self.steps = compile_steps(plan, rank, dpp, self.coll)
+        one = len(backend.members()) == 1
+        self.steps = (issue_steps if one else compile_steps)(plan, rank, dpp, self.coll)
         self.device = streams.device_of(like)
         self.run = _Run(plan, shards, self.out, like, rank, rank_of, st, dt, self.device)
         self.producer_fences = producer_fences
@@ -555,7 +582,8 @@ class Execution:
             pending.clear()
 
         for s in self.steps:
-            if s.stage != stage or (s.prim != "local" and self._choose(s) is not cur):
+            b = None if s.prim == "local" else self._choose(s)
+            if s.stage != stage or (b is not None and b is not cur):
                 if pending:
                     if not started:
                         started = True
@@ -566,7 +594,6 @@ class Execution:
                 with streams.use(cur_stream):
                     run.local(plan.transfers[s.index])
                 continue
-            b = self._choose(s)
             if b is not cur:
                 if cur is not None:
                     issued[("switch", f"{cur.name}>{b.name}")] += 1
