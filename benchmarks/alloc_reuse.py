@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/alloc_reuse.py [--reps 15] [--cases alpa1,alpa3,alpa7,same-allgather]
 
-First 16 MiB written into fresh memory (np.empty, page faults on first touch) beside the
-same bytes written into a block of the pool; then one-process `meshcomm.reshard` of NumPy
+First four 4 MiB tiles written into fresh memory (np.empty each, as a result tile is
+allocated; page faults on first touch unless malloc still holds pages freed before) beside
+the same tiles in blocks of the pool; then one-process `meshcomm.reshard` of NumPy
 tiles (cases of `meshcomm bench run`, ~16 MiB, 8 devices) with MESHCOMM_BUFFER_POOL_MB=0
 beside the default, the forms taking turns in every round; medians in ms and their ratio.
 """
@@ -34,18 +35,19 @@ def main():
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--cases", default="alpa1,alpa3,alpa7,same-transpose,same-allgather")
     args = ap.parse_args()
-    n = 16 << 20
+    n = 4 << 20
     src = np.random.default_rng(0).integers(0, 255, n, dtype=np.uint8)
     t = {"fresh": [], "pool": []}
     for _ in range(args.reps):
         for form in t:
             t0 = time.perf_counter()
-            out = np.empty(n, np.uint8) if form == "fresh" else buffers.take(n, False)
-            np.copyto(out, src)
+            outs = [np.empty(n, np.uint8) if form == "fresh" else buffers.take(n, False) for _ in range(4)]
+            for out in outs:
+                np.copyto(out, src)
             t[form].append(time.perf_counter() - t0)
-            del out
+            del outs, out
             gc.collect()
-    print(f"16 MiB written: fresh memory {_median_ms(t['fresh']):.2f} ms, reused {_median_ms(t['pool']):.2f} ms "
+    print(f"4 x 4 MiB written: fresh memory {_median_ms(t['fresh']):.2f} ms, reused {_median_ms(t['pool']):.2f} ms "
           f"({statistics.median(t['fresh']) / statistics.median(t['pool']):.2f}x)")
     names = args.cases.split(",")
     for i, case in enumerate(c for c in run_cases(8, 16.0) if c.name in names):
