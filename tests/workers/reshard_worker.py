@@ -201,14 +201,17 @@ def run_signature_checks(ctx, stats):
     # cannot complete, until its grace runs out and the hashes show the disagreement
     both(x64 if r == ctx.world_size - 1 else x32, "signature S vs signature T")
     establish()
-    # one process checks by hashes alone (a per-process setting) while the others post the
-    # barrier: the hashes agree, every process resets its communicators and the call goes on
-    resets = base.issued[("reset", "mpi")]
-    if r == 1:
-        os.environ["MESHCOMM_SIGNATURE_CHECK"] = "0"
-    call(x32, "signature check on some processes only")
-    os.environ.pop("MESHCOMM_SIGNATURE_CHECK", None)
-    assert base.issued[("reset", "mpi")] == resets + 1, f"rank {r}: a mixed check did not reset"
+    def beside_hashes(what):
+        # rank 1 checks by hashes alone (a per-process setting) while the others post the
+        # barrier: the hashes agree, every process resets its communicators and the call goes on
+        resets = base.issued[("reset", "mpi")]
+        if r == 1:
+            os.environ["MESHCOMM_SIGNATURE_CHECK"] = "0"
+        call(x32, what)
+        os.environ.pop("MESHCOMM_SIGNATURE_CHECK", None)
+        assert base.issued[("reset", "mpi")] == resets + 1, f"rank {r}: {what}: a mixed check did not reset"
+
+    beside_hashes("signature check on some processes only")
     establish()
     stats["signature_ok"] += 1
     from meshcomm import settings
@@ -235,13 +238,7 @@ def run_signature_checks(ctx, stats):
         os.environ["MESHCOMM_FAST_PATH"] = "0"
     repeat(x32, "compiled beside full", compiled=0 if r == 0 else 5)
     os.environ.pop("MESHCOMM_FAST_PATH", None)
-    # rank 1 checks by hashes alone beside compiled calls: all reset, the call goes on
-    resets = base.issued[("reset", "mpi")]
-    if r == 1:
-        os.environ["MESHCOMM_SIGNATURE_CHECK"] = "0"
-    call(x32, "compiled beside hashes")
-    os.environ.pop("MESHCOMM_SIGNATURE_CHECK", None)
-    assert base.issued[("reset", "mpi")] == resets + 1, f"rank {r}: a mixed check did not reset"
+    beside_hashes("compiled beside hashes")
     stats["compiled_reshard_ok"] += 1
 
 
