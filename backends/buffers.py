@@ -4,9 +4,10 @@ A tile of at least `MIN_BYTES` is a NumPy array over a block this pool handed ou
 last array viewing the block is gone (NumPy keeps the ctypes object over the block as every
 view's base; a finalizer on it), the block comes back here, and the next tile of the same
 size takes it instead of fresh pages. Fresh pages cost a page fault each on first touch
-(and the kernel zeroes them): on this machine a 16 MiB result written into fresh memory took
-4-6x as long as into memory written before (benchmarks/alloc_reuse.py). The pool keeps at
-most MESHCOMM_BUFFER_POOL_MB of idle blocks, the oldest dropped first.
+(and the kernel zeroes them): on this machine four 4 MiB tiles written into fresh memory took
+3.6x as long as into blocks written before (benchmarks/alloc_reuse.py; where malloc still
+holds pages freed just before, the pool gains nothing). The pool keeps at most
+MESHCOMM_BUFFER_POOL_MB of idle blocks, the oldest dropped first.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-__all__ = ["take", "empty", "copy", "on", "stats", "idle_bytes", "clear"]
+__all__ = ["take", "empty", "copy", "pooled", "stats", "idle_bytes", "clear"]
 
 ALIGN = 64              # bytes: what XLA's CPU client needs to adopt a NumPy buffer without a copy
 MIN_BYTES = 1 << 20     # smaller tiles come from malloc, whose own free lists serve them well
@@ -35,23 +36,22 @@ def _budget() -> int:
     return int(settings.get("BUFFER_POOL_MB") * (1 << 20))
 
 
-def on() -> bool:
-    """Whether the pool is in use (MESHCOMM_BUFFER_POOL_MB > 0)."""
-    from meshcomm import settings
-    return settings.get("BUFFER_POOL_MB") > 0
+def pooled(nbytes: int) -> bool:
+    """Whether a buffer of `nbytes` comes from the pool (at least MIN_BYTES, pool on)."""
+    return nbytes >= MIN_BYTES and _budget() > 0
 
 
 def empty(n: int, dtype=np.uint8) -> np.ndarray:
     """np.empty(n, dtype), from the pool from MIN_BYTES (a message or result buffer)."""
     dt = np.dtype(dtype)
-    if n * dt.itemsize >= MIN_BYTES and on():
+    if pooled(n * dt.itemsize):
         return take(n * dt.itemsize, False).view(dt)
     return np.empty(n, dtype=dt)
 
 
 def copy(a: np.ndarray) -> np.ndarray:
     """a.copy() (C order), into pool memory from MIN_BYTES."""
-    if a.nbytes < MIN_BYTES or not on():
+    if not pooled(a.nbytes):
         return a.copy()
     out = take(a.nbytes, False).view(a.dtype).reshape(a.shape)
     np.copyto(out, a)

@@ -38,7 +38,7 @@ def aligned_numpy(shape, dtype, zero: bool = False):
     import numpy as np
     dt = np.dtype(dtype)
     n = math.prod(shape) * dt.itemsize
-    if n >= buffers.MIN_BYTES and buffers.on():    # memory written before: no page faults
+    if buffers.pooled(n):    # memory written before: no page faults
         return buffers.take(n, zero).view(dt).reshape(shape)
     raw = (np.zeros if zero else np.empty)(n + ALIGN, dtype=np.uint8)
     off = -raw.ctypes.data % ALIGN
