@@ -66,7 +66,7 @@ from meshcomm.errors import PeerTimeoutError
 from meshcomm.planners.boxes import box_size, local_slices
 from meshcomm.reduceops import combine_
 
-from . import buffers, streams
+from . import buffers, program, streams
 from .pack import pack, unpack
 
 from meshcomm import settings
@@ -418,6 +418,12 @@ def issue_steps(plan, rank: int, devices_per_process: int, collective_reduce: bo
 
 
 @memo(maxsize=256)
+def _rank_program(plan, rank: int, devices_per_process: int, collective_reduce: bool):
+    return program.rank_program(plan, issue_steps(plan, rank, devices_per_process, collective_reduce),
+                                rank, devices_per_process)
+
+
+@memo(maxsize=256)
 def wire_bytes(plan, rank: int, devices_per_process: int, collective_reduce: bool) -> tuple[int, int]:
     """(sent, received): bytes `rank` puts on / takes off the wire in its steps of `plan`, by
     meshcomm.log's convention (summed over ranks, sent == received): p2p and bcast, the
@@ -509,6 +515,14 @@ class Execution:
         self.dpp = dpp
         one = len(backend.members()) == 1
         self.steps = (issue_steps if one else compile_steps)(plan, rank, dpp, self.coll)
+        # host tiles on one host-buffer backend, messages and copies only: the rank's
+        # program worked out once (backends/program.py)
+        self.fast = None
+        if one and compression is None and backend.wire == "numpy" and type(like) is np.ndarray \
+                and settings.get("RANK_PROGRAM"):
+            prog = _rank_program(plan, rank, dpp, self.coll)
+            if prog is not None and program.fits(prog, shards):
+                self.fast = prog
         self.device = streams.device_of(like)
         self.run = _Run(plan, shards, self.out, like, rank, rank_of, st, dt, self.device)
         self.producer_fences = producer_fences
@@ -542,6 +556,12 @@ class Execution:
             from .compressed import run_compressed
             self._gen = run_compressed(self, self.compression, lambda: self._deadline)
             self._done = streams.record(streams.comm_stream("local", self.device))
+        elif self.fast is not None:
+            b = self.backend.members()[0]
+            self._gen = program.run(self.fast, self.run.shards, self.out, b, TAG_MOD, self.pending,
+                                    lambda works: b.wait_all(works, self._deadline), issued)
+            self._done = streams.record(None)
+            issued[("rank_program", b.name)] += 1
         else:
             self._gen = self._program()
         next(self._gen)                 # runs up to the first wait

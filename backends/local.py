@@ -7,7 +7,7 @@ from typing import Mapping
 
 from meshcomm.backends import buffers
 from meshcomm.caches import BoundedDict
-from meshcomm.planners.boxes import box_size, local_slices
+from meshcomm.planners.boxes import box_size, contiguous_in, local_slices
 from meshcomm.reduceops import combine_, fill_identity_
 
 __all__ = ["LocalBackend", "alloc_like", "aligned_numpy"]
@@ -161,17 +161,8 @@ def _whole_tile_views(plan, st, dt, zero) -> dict:
         if d in zero or box_size(box) == 0:
             continue
         for s, sb in st.boxes.items():
-            if all(o <= a and b <= e for (a, b), (o, e) in zip(box, sb)) and _contiguous(box, sb):
+            if all(o <= a and b <= e for (a, b), (o, e) in zip(box, sb)) and contiguous_in(box, sb):
                 views[d] = (s, local_slices(box, sb))
                 break
     return views
 
-
-def _contiguous(box, origin) -> bool:
-    """Whether `box` is one contiguous run of a C-ordered tile whose box is `origin`: single
-    indices up to some dimension, any range there, and whole dimensions after it."""
-    dims = list(zip(box, origin))
-    for i, ((a, b), _) in enumerate(dims):
-        if b - a != 1:
-            return all(x == y for x, y in dims[i + 1:])
-    return True

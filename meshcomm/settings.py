@@ -81,6 +81,8 @@ _ALL = (
             "over MPI, a call repeated with arguments every process agreed on twice before is checked by its signature communicator instead of a round of hashes: a barrier (or the call's own world-wide native collective) on a communicator kept for exactly that call completes only if every process made the same call; a process whose barrier is late past MESHCOMM_SIGNATURE_GRACE, or sees a peer's hashes, sends its hashes, so a disagreement still raises on every process in the same call; `0`: a round of hashes every call", "1"),
     Setting("FAST_PATH", _bool, True,
             "a collective or reshard repeated with the same arguments and the same kind of tiles, once checked by its signature communicator, runs compiled: no validation, hashing, choosing or planning again, the same native call or plan and the same signature check (anything it was built on changed: the full path); `0`: the full path every call", "1"),
+    Setting("RANK_PROGRAM", _bool, True,
+            "a plan of point-to-point messages and local copies on host (NumPy) tiles over one backend runs from its rank's program, worked out once per plan (backends/program.py: slices, contiguity and buffers decided ahead, each local box copied once); `0`: the executor works each step out per call", "1"),
     Setting("SIGNATURE_GRACE", _positive_float, 0.01,
             "seconds a signature check waits for its barrier before it also sends its hashes (a disagreement is found this much later; a late peer costs one round of hashes)"),
     Setting("TUNING", _str, None,

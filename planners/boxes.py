@@ -6,7 +6,7 @@ from typing import Iterator, Sequence
 Box = tuple[tuple[int, int], ...]
 
 __all__ = ["Box", "box_size", "box_empty", "intersect", "box_str", "row_major_range",
-           "local_slices", "interval_pairs"]
+           "local_slices", "contiguous_in", "interval_pairs"]
 
 
 def box_size(box: Box) -> int:
@@ -37,6 +37,17 @@ def box_str(box: Box) -> str:
 def local_slices(box: Box, origin: Box) -> tuple[slice, ...]:
     """Slices of `box` (global coordinates) inside a tile whose global box is `origin`."""
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))
+
+
+def contiguous_in(box: Box, origin: Box) -> bool:
+    """Whether `box` is one contiguous run of a C-ordered tile whose box is `origin`: single
+    indices up to some dimension, any range there, and whole dimensions after it (what
+    NumPy's c_contiguous flag says of that view of the tile)."""
+    dims = list(zip(box, origin))
+    for i, ((a, b), _) in enumerate(dims):
+        if b - a != 1:
+            return all(x == y for x, y in dims[i + 1:])
+    return True
 
 
 def row_major_range(box: Box, start: int, stop: int) -> list[Box]:

@@ -121,10 +121,16 @@ def test_mpiexec_4_collective_check_mismatch_and_timeout(tmp_path):
 
 
 def test_mpiexec_8_every_backend(tmp_path):
+    # odd ranks run their plans step by step beside even ranks running rank programs
+    # (backends/program.py): the same messages in the same order either way
     cases = 24
     res = mpiexec(8, "--init", "mixed", "--backends", "mpi,torch,mixed", "--cases", str(cases),
-                  "--seed", "8", out=tmp_path / "out", env={"MESHCOMM_TUNING": str(alternating_table(tmp_path / "alt.json"))})
+                  "--seed", "8", "--odd-ranks-steps", out=tmp_path / "out",
+                  env={"MESHCOMM_TUNING": str(alternating_table(tmp_path / "alt.json"))})
     check_cases(res, 8, cases, ("mpi", "torch", "mixed"))
+    for r in res:
+        programs = r.get("issued_rank_program_mpi", 0)
+        assert (programs == 0) if r["rank"] % 2 else (programs > 0), r
 
 
 def test_mpiexec_two_devices_per_process_and_reinit(tmp_path):

@@ -305,7 +305,12 @@ def main():
     ap.add_argument("--checks", action="store_true")
     ap.add_argument("--timeout-test", action="store_true")
     ap.add_argument("--out", default="", help="a folder for one rank<r>.json result per process")
+    ap.add_argument("--odd-ranks-steps", action="store_true",
+                    help="odd ranks run every plan step by step (MESHCOMM_RANK_PROGRAM=0) beside even "
+                    "ranks running their rank programs")
     args = ap.parse_args()
+    if args.odd_ranks_steps and int(os.environ.get("PMI_RANK", os.environ.get("RANK", "0"))) % 2:
+        os.environ["MESHCOMM_RANK_PROGRAM"] = "0"
     stats: Counter = Counter()
     t0 = time.time()
     inits = args.init.split(",")
