@@ -67,6 +67,7 @@ from meshcomm.planners.boxes import box_size, local_slices
 from meshcomm.reduceops import combine_
 
 from . import buffers, program, streams
+from .local import alloc_like
 from .pack import pack, unpack
 
 from meshcomm import settings
@@ -468,7 +469,6 @@ def groups_needed(plan, devices_per_process: int, collective_reduce: bool,
 # -- the executor ---------------------------------------------------------------------------
 
 def _alloc(like, shape, zero: bool, op: str = "sum"):
-    from .local import alloc_like
     return alloc_like(like, shape, zero, op)
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping
+
+import numpy as np
 
 from meshcomm.backends import buffers
 from meshcomm.caches import BoundedDict
@@ -33,9 +36,6 @@ def aligned_numpy(shape, dtype, zero: bool = False):
     committed to a JAX CPU device (`jax.device_put`) is adopted rather than copied: the
     local path then copies each piece exactly once, source tile -> destination tile. From
     1 MiB the memory comes from backends/buffers.py (reused once every array over it is gone)."""
-    import math
-
-    import numpy as np
     dt = np.dtype(dtype)
     n = math.prod(shape) * dt.itemsize
     if buffers.pooled(n):    # memory written before: no page faults

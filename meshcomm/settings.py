@@ -122,15 +122,31 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}
 
 
 def get(name: str):
-    """The value of MESHCOMM_<name>: parsed from the environment, or its default."""
+    """The value of MESHCOMM_<name>: parsed from the environment, or its default. Read on
+    every call (a test or a user may change the environment between calls); the parse of
+    each value seen is kept, so a hot path pays a dict lookup or two."""
+    v = raw((name,))[0]
+    if v is None:
+        return SETTINGS[name].default
+    hit = _PARSED.get((name, v))
+    if hit is not None:
+        return hit[0]
     s = SETTINGS[name]
-    v = os.environ.get(s.var)
-    if v is None or v == "":
-        return s.default
-    try:
-        return s.parse(v.strip().lower() if s.parse is _bool else v.strip())
-    except ValueError as e:
-        raise ValueError(f"{s.var}={v!r} is not valid: {e}") from None
+    text = os.environ.get(s.var, "")
+    if text == "":
+        value = s.default
+    else:
+        try:
+            value = s.parse(text.strip().lower() if s.parse is _bool else text.strip())
+        except ValueError as e:
+            raise ValueError(f"{s.var}={text!r} is not valid: {e}") from None
+    if len(_PARSED) > 4096:
+        _PARSED.clear()
+    _PARSED[(name, v)] = (value,)
+    return value
+
+
+_PARSED: dict = {}      # (name, raw value) -> (parsed value,): pure, so never stale
 
 
 def raw(names: tuple) -> tuple:

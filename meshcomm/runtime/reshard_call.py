@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .. import arrays, settings
-from ..backends import codec_cost
+from ..backends import base, codec_cost, streams
 from .. import log as _log
 from ..caches import memo
 from ..handle import Handle
@@ -52,7 +52,6 @@ class Agreed:
 
 
 def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=False, compression=None):
-    from meshcomm.backends import streams
     stamp = _log.stamp(async_op) if _log.ON else None
     fk = reshard_key(x, src, dst, shape, dtype, backend) if stamp is None and compression is None else None
     fast = ctx.fast.get(fk) if fk is not None else None
@@ -86,7 +85,6 @@ def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=
 def _front(ctx, x, src, dst, shape, dtype, backend, compression, stamp, fk):
     """The full path's local part: validation (an error kept to share through the agreement
     check), the producers' fences; (the PlannedCall, whether x was a bare array)."""
-    from meshcomm.backends import streams
     check_layouts(src, dst)
     be, err = ctx.resolve_backend(backend)
     own = ctx.ownership
@@ -159,7 +157,6 @@ class PlannedCall:
     bare: bool = False      # x was a bare array (the compiled form returns one too)
 
     def run(self):
-        from meshcomm.backends import base
         t_run = time.time() if self.stamp is not None else None
         if "torch" in sys.modules:      # if another thread is importing torch, wait for it
             import torch  # noqa: F401
@@ -185,7 +182,6 @@ class PlannedCall:
     def complete(self, ex, agreed, run_kw, deadline, t_run):
         """After the agreement: the Execution (built now unless `ex` started before it), its
         result; (tiles, fence, array kind)."""
-        from meshcomm.backends import base
         from meshcomm.backends import compressed as coded
         ctx, be, src, dst, shards = self.ctx, self.be, self.src, self.dst, self.shards
         if ex is None:
@@ -286,7 +282,6 @@ class PlannedCall:
         """The agreement check from what its hashes or signature barrier gave (`out`): the
         Metas where they did not decide, the errors, the resets; (the Execution if it may
         go on, the agreed facts). A compiled call whose check did not pass continues here."""
-        from meshcomm.backends import base
         ctx, be, src, dst, shards, loc = self.ctx, self.be, self.src, self.dst, self.shards, self.loc
         lazy = pending.signature_comm is not None
         decided, opt = out is not None and not out.mixed, False
