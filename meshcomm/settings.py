@@ -125,7 +125,10 @@ def get(name: str):
     """The value of MESHCOMM_<name>: parsed from the environment, or its default. Read on
     every call (a test or a user may change the environment between calls); the parse of
     each value seen is kept, so a hot path pays a dict lookup or two."""
-    v = raw((name,))[0]
+    key = _KEY.get(name)
+    if key is None:
+        key = _KEY[name] = _encode(SETTINGS[name].var)
+    v = _DATA.get(key) if _DATA is not None else os.environ.get(key)
     if v is None:
         return SETTINGS[name].default
     hit = _PARSED.get((name, v))
@@ -146,6 +149,12 @@ def get(name: str):
     return value
 
 
+# os.environ's own mapping (bytes keys on POSIX), read directly on hot paths; changes
+# through os.environ / monkeypatch land in it
+_DATA = getattr(os.environ, "_data", None)
+_encode = getattr(os.environ, "encodekey", None) if _DATA is not None else None
+_encode = _encode or (lambda k: k)
+_KEY: dict = {}
 _PARSED: dict = {}      # (name, raw value) -> (parsed value,): pure, so never stale
 
 
@@ -153,14 +162,12 @@ def raw(names: tuple) -> tuple:
     """The environment's MESHCOMM_<name> values for `names` (None where unset): a cheap
     snapshot, for what must notice when a setting changes (read from the mapping behind
     os.environ where it has one: a few dict lookups per call)."""
+    if _DATA is None:
+        return tuple(os.environ.get(SETTINGS[n].var) for n in names)
     keys = _RAW_KEYS.get(names)
     if keys is None:
-        enc = getattr(os.environ, "encodekey", None)
-        keys = _RAW_KEYS[names] = tuple(enc(SETTINGS[n].var) if enc else SETTINGS[n].var for n in names)
-    data = getattr(os.environ, "_data", None)
-    if data is None:
-        return tuple(os.environ.get(SETTINGS[n].var) for n in names)
-    return tuple(data.get(k) for k in keys)
+        keys = _RAW_KEYS[names] = tuple(_encode(SETTINGS[n].var) for n in names)
+    return tuple(map(_DATA.get, keys))
 
 
 _RAW_KEYS: dict = {}
