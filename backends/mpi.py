@@ -89,7 +89,11 @@ class MPIWork(Work):
                                    f"failed: {e}", self.peers, self.op) from e
 
 
-SIG_MAX = 64        # call signatures with a communicator of their own (per group)
+# call signatures with a communicator of their own, per group: every process can hold about
+# 2040 communicators (MPICH's context ids), so sub-groups keep fewer; past the cap a new
+# signature is checked by a round of hashes every call (measured ~3x slower at 1-256 KiB)
+SIG_MAX = 64
+SIG_MAX_WORLD = 256
 INIT_TAG = 32000     # the tag of the join check on the launcher's communicator
 BCAST_TAG = 7        # point-to-point broadcasts, on the group's own communicator
 BARRIER_TAG = 8      # the flat barrier of a signature check, on its signature communicator
@@ -265,11 +269,13 @@ class MPIBackend(MPICollectives, Backend):
         different communicators (or not at all), so mismatched calls never meet (two typed
         calls of different dtypes on one communicator abort inside MPICH). `create`: make
         it now (collective over the group's members, once the call is agreed; at most
-        SIG_MAX per group: every member takes part in each of its group's creations, so all
-        of them decide alike, whatever other groups each also belongs to)."""
+        SIG_MAX per group, SIG_MAX_WORLD for all ranks: every member takes part in each of
+        its group's creations, so all of them decide alike, whatever other groups each also
+        belongs to)."""
         key = (ranks, sig)
         c = self._sig.get(key)
-        if c is None and create and sum(1 for r, _ in self._sig if r == ranks) < SIG_MAX:
+        cap = SIG_MAX_WORLD if len(ranks) == self.world_size else SIG_MAX
+        if c is None and create and sum(1 for r, _ in self._sig if r == ranks) < cap:
             c = timed_dup(self.comm if len(ranks) == self.world_size else self._groups[ranks], deadline)
             c.Set_errhandler(_mpi().ERRORS_RETURN)
             self._sig[key] = c

@@ -366,6 +366,16 @@ def repeats(ctx, backends, stats):
             assert issued[("compiled", "mpi")] - c0 == (0 if me == 0 else 3), (me, issued[("compiled", "mpi")] - c0)
             os.environ.pop("MESHCOMM_FAST_PATH", None)
             stats["compiled_mixed_ok"] += 1
+        if b == "mpi" and signature_checks(ctx) and settings_on("FAST_PATH"):
+            # 80 call signatures over every process (more than a sub-group may keep): each
+            # gets its own communicator and runs compiled from its fourth call
+            c0 = issued[("compiled", "mpi")]
+            for k in range(80):
+                for it in range(5):
+                    y = mc.all_reduce(np.full(k + 1, me + it, np.int32), mesh, "x", backend=b)
+                    assert np.array_equal(y, np.full(k + 1, total + ws * it, np.int32)), (k, it, y)
+            assert issued[("compiled", "mpi")] - c0 == 2 * 80, issued[("compiled", "mpi")] - c0
+            stats["many_signatures_ok"] += 1
         # c differs from a on the last rank only: the others' tiles still fit the confirmed
         # guess `a`, so they post early while the last rank does not; all must reset
         a = [1 + r % 3 for r in range(ws)]
