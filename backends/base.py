@@ -259,6 +259,8 @@ def _is_torch(x) -> bool:
 def _as_bytes(a):
     if _is_torch(a):
         import torch
+        if a.numel() == 0:              # an empty tensor may have stride 0: no view of it
+            return torch.empty(0, dtype=torch.uint8, device=a.device)
         return a.reshape(-1).view(torch.uint8)
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
@@ -309,7 +311,11 @@ def from_wire(b, like, typed: bool = False):
             b = torch.from_numpy(b)
         if b.device != like.device:
             b = b.to(like.device)
-        return b if typed else b.view(like.dtype)
+        if typed:
+            return b
+        if b.numel() == 0:              # torch gives an empty NumPy array stride 0: no view of it
+            return torch.empty(0, dtype=like.dtype, device=like.device)
+        return b.view(like.dtype)
     if _is_torch(b):
         b = b.numpy()
     return b if typed else b.view(like.dtype)

@@ -3,7 +3,13 @@ one `async_op=True` call on the group's cached process group, returned as a poll
 
 What gloo (torch 2.13, CPU) takes, found by running each call, and what is built here:
 
-* all_reduce: sum, prod, min, max on every dtype (bfloat16 and float16 too).
+* all_reduce and reduce: sum, prod, min, max on float16, bfloat16, float32, float64,
+  int8, uint8, int32, int64 and bool. gloo refuses int16, uint16, uint32 and uint64 ("Invalid
+  scalar type", and an async failure can break the process group for the calls after it),
+  so those are reduced in a wider integer (`widened`): int16 and uint16 in int32, uint32 in
+  int64, each narrowed back when the work completes (integer sums and products wrap modulo
+  2^bits either way, min and max fit); uint64 as int64's bits, with the sign bit flipped
+  for min and max so the order is the unsigned one.
 * allgatherv: equal counts are `all_gather_single` (`all_gather_into_tensor` before torch
   2.13). gloo's `all_gather` refuses
   uneven tensors ("invalid tensor size"), so uneven counts pad every block to the largest
@@ -31,7 +37,7 @@ from meshcomm.errors import PeerTimeoutError
 from .base import Work
 from .collectives import check_alltoall, check_counts, check_group, check_len, check_op, displs, member, others
 
-__all__ = ["TorchCollectives", "CollWork"]
+__all__ = ["TorchCollectives", "CollWork", "widened"]
 
 
 class CollWork(Work):
@@ -61,6 +67,32 @@ class CollWork(Work):
             post()
 
 
+_WIDER = {"int16": "int32", "uint16": "int32", "uint32": "int64"}
+
+
+def widened(buf, op: str):
+    """(the buffer gloo reduces, a function writing its result back into `buf`, or None):
+    `buf` itself where gloo takes its dtype, else a wider integer copy (module docstring)."""
+    name = str(buf.dtype).rpartition(".")[2]
+    if name == "uint64":
+        import torch
+        flip = op in ("min", "max")
+        w = buf.view(torch.int64)
+        if not flip:
+            return w, None
+        w = w ^ (-2 ** 63)
+
+        def back():
+            buf.view(torch.int64).copy_(w ^ (-2 ** 63))
+        return w, back
+    wide = _WIDER.get(name)
+    if wide is None:
+        return buf, None
+    import torch
+    w = buf.to(getattr(torch, wide))
+    return w, lambda: buf.copy_(w.to(buf.dtype))
+
+
 def _views(buf, counts):
     """buf cut into 1-d views of `counts` elements."""
     return [buf[a:a + c] for a, c in zip(displs(counts), counts)]
@@ -85,8 +117,9 @@ class TorchCollectives:
     def allreduce(self, buf, op, ranks):
         ranks = check_group(self.rank, ranks, "allreduce")
         rop = self._rop(op)
-        return self._issue("allreduce", ranks, buf, lambda g: self.dist.all_reduce(
-            buf, op=rop, group=g, async_op=True))
+        w, back = widened(buf, op)
+        return self._issue("allreduce", ranks, (buf, w), lambda g: self.dist.all_reduce(
+            w, op=rop, group=g, async_op=True), back)
 
     def allgatherv(self, sendbuf, recvbuf, counts, ranks):
         import torch
@@ -116,11 +149,14 @@ class TorchCollectives:
         check_len(recvbuf, counts[ranks.index(self.rank)], "reduce_scatterv", "recvbuf")
         rop, acc = self._rop(op), sendbuf.clone()
         a, c = displs(counts)[ranks.index(self.rank)], counts[ranks.index(self.rank)]
+        w, back = widened(acc, op)
 
         def post():
+            if back is not None:
+                back()
             recvbuf.copy_(acc[a:a + c])
-        return self._issue("reduce_scatterv", ranks, (acc, recvbuf), lambda g: self.dist.all_reduce(
-            acc, op=rop, group=g, async_op=True), post)
+        return self._issue("reduce_scatterv", ranks, (acc, w, recvbuf), lambda g: self.dist.all_reduce(
+            w, op=rop, group=g, async_op=True), post)
 
     def alltoall(self, sendbuf, recvbuf, ranks):
         ranks = check_alltoall(self.rank, sendbuf, recvbuf, ranks)

@@ -29,7 +29,7 @@ from meshcomm.errors import PeerTimeoutError
 
 from . import pacing
 from .base import Backend, Work
-from .torch_collectives import TorchCollectives
+from .torch_collectives import CollWork, TorchCollectives, widened
 
 __all__ = ["TorchBackend", "under_mpi_launcher", "under_torchrun"]
 
@@ -190,9 +190,10 @@ class TorchBackend(TorchCollectives, Backend):
         self.flush()
         R = self.dist.ReduceOp
         rop = {"sum": R.SUM, "prod": R.PRODUCT, "min": R.MIN, "max": R.MAX}[op]
-        work = self.dist.reduce(buf, dst=root, op=rop,
-                                group=self._group(ranks), async_op=True)
-        return _TorchWork(f"reduce in group {list(ranks)}", tuple(r for r in ranks if r != self.rank), buf, work)
+        w, back = widened(buf, op)
+        work = self.dist.reduce(w, dst=root, op=rop, group=self._group(ranks), async_op=True)
+        return CollWork(f"reduce in group {list(ranks)}", tuple(r for r in ranks if r != self.rank), (buf, w),
+                        work, self.rank, back if self.rank == root else None)
 
     def has_groups(self, groups):
         return all(g in self._groups or len(g) == self.world_size for g in groups)
@@ -232,6 +233,9 @@ class TorchBackend(TorchCollectives, Backend):
     def _timeout(self, w, e):
         t = f"{self.timeout:g}s" if self.timeout is not None else "the timeout"
         why = f": {str(e).splitlines()[0] if str(e) else type(e).__name__}" if e is not None else ""
+        if e is not None and "time" not in why.lower():     # failed, not timed out: say what failed
+            return PeerTimeoutError(f"rank {self.rank}: {w.op} with peer rank(s) {list(w.peers)} failed{why}",
+                                    w.peers, w.op)
         return PeerTimeoutError(
             f"rank {self.rank}: {w.op} with peer rank(s) {list(w.peers)} did not complete within "
             f"{t} (MESHCOMM_TIMEOUT); peer rank(s) {list(w.peers)} did not arrive or died{why}",

@@ -76,8 +76,24 @@ def identity(op: str, dtype):
     return dt.type(info.max if hi else info.min)
 
 
+_BAREBONES = frozenset({"torch.uint16", "torch.uint32", "torch.uint64"})
+
+
+def _via_numpy(a) -> bool:
+    """A CPU torch tensor of a type torch stores but does not add or compare (uint16/32/64):
+    combined through NumPy views of the same memory."""
+    return str(a.dtype) in _BAREBONES and a.device.type == "cpu"
+
+
+def _np(v):
+    return v.numpy() if _is_torch(v) else v
+
+
 def combine(a, b, op: str):
     """op(a, b) elementwise, as a new array."""
+    if _is_torch(a) and _via_numpy(a):
+        import torch
+        return torch.from_numpy(_UFUNC[op](a.numpy(), _np(b)))
     if _is_torch(a):
         import torch
         return {"sum": torch.add, "prod": torch.mul, "min": torch.minimum,
@@ -88,6 +104,9 @@ def combine(a, b, op: str):
 def combine_(acc, v, op: str):
     """acc = op(acc, v) in place where acc is an array (a NumPy scalar gets a new one);
     returns acc. acc may be a view into a tile."""
+    if _is_torch(acc) and _via_numpy(acc):
+        _UFUNC[op](acc.numpy(), _np(v), out=acc.numpy())
+        return acc
     if _is_torch(acc):
         if op == "sum":
             return acc.add_(v)

@@ -97,7 +97,7 @@ def test_send_recv_in_one_process():
 @pytest.mark.mpi
 def test_mpiexec_4_every_backend_async_mix_and_faults(tmp_path):
     res = _launch(tmp_path, 4, "--init", "mixed", "--backends", "mpi,torch,mixed", "--cases", "90",
-                  "--seed", "11", "--faults")
+                  "--seed", "11", "--faults", "--wide")
     for r in res:
         assert r["ok"] == 90 and r["fault_raised"] == 13 * 3 and r["fault_next_ok"] == 13 * 3, r
         assert r["fault_max_s"] < 15 and r["endian_ok"] == 3, r
@@ -120,6 +120,16 @@ def test_mpiexec_8_and_two_devices_per_process(tmp_path):
     res = _launch(tmp_path / "b", 3, "--init", "mixed", "--backends", "mpi,torch", "--dpp", "2",
                   "--cases", "40", "--seed", "13")
     assert all(r["ok"] == 40 for r in res)
+
+
+@pytest.mark.mpi
+def test_mpiexec_8_every_element_type_and_torch_tiles(tmp_path):
+    # MESHCOMM_COLLECTIVES=auto on 8 processes: int8 to uint64, float16, bool and complex64
+    # beside the usual four, some calls with torch tiles (gloo cannot reduce int16 or the
+    # unsigned types, and torch cannot add uint16/32/64: both are built around)
+    res = _launch(tmp_path, 8, "--init", "mixed", "--backends", "mpi,torch,mixed", "--cases", "150",
+                  "--seed", "22", "--wide")
+    assert all(r["ok"] == 150 and r["native"] > 0 for r in res), res
 
 
 def _launch(tmp_path, n, *args, env=None):

@@ -25,6 +25,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import meshcomm as mc                        # noqa: E402
+import wide_dtypes                            # noqa: E402
 from cases import random_mesh                 # noqa: E402
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather", "scatter")
@@ -32,7 +33,7 @@ DTYPES = ("float32", "float64", "int32", "int64")
 RED = {"sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max, "avg": np.mean}
 
 
-def draw(rng, ndev):
+def draw(rng, ndev, wide=False):
     mesh = random_mesh(rng, list(range(ndev)))
     names = list(mesh.axis_names)
     k = int(rng.integers(1, len(names) + 1))
@@ -42,6 +43,9 @@ def draw(rng, ndev):
     red = ["sum", "prod", "min", "max", "avg"][int(rng.integers(5))]
     if red == "avg" and dtype.startswith("int"):
         red = "sum"
+    if wide and rng.random() < 0.5:
+        dtype = wide_dtypes.WIDE[int(rng.integers(len(wide_dtypes.WIDE)))]
+        red = wide_dtypes.reduction_for(dtype, red, rng)
     return mesh, axes, op, dtype, red
 
 
@@ -72,7 +76,9 @@ def tiles_for(rng, mesh, axes, op, dtype, red):
             sh = list(shape)
             if op in ("all_gather", "gather"):
                 sh[dim] = sizes[i]
-            if dtype.startswith("int"):
+            if dtype in wide_dtypes.WIDE:
+                v = wide_dtypes.values(rng, sh, dtype, red)
+            elif dtype.startswith("int"):
                 hi = 3 if red == "prod" else 50
                 v = rng.integers(-hi, hi + 1, size=sh).astype(dtype)
             else:
@@ -87,11 +93,10 @@ def reference(op, mesh, axes, tiles, kw):
         xs = [tiles[d] for d in g]
         k = len(g)
         if op in ("all_reduce", "reduce", "reduce_scatter"):
-            r = RED[kw["op"]](np.stack(xs), axis=0)
-            if kw["op"] == "avg":
-                r = r.astype(xs[0].dtype)
+            if xs[0].dtype.name in wide_dtypes.WIDE:
+                r = wide_dtypes.reduce(RED[kw["op"]], xs, kw["op"], xs[0].dtype.name)
             else:
-                r = r.astype(xs[0].dtype)
+                r = RED[kw["op"]](np.stack(xs), axis=0).astype(xs[0].dtype)
             if op == "all_reduce":
                 out.update({d: r for d in g})
             elif op == "reduce":
@@ -130,6 +135,8 @@ def close(a, b, dtype):
     a = np.asarray(a)
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
+    if dtype in wide_dtypes.WIDE:
+        return wide_dtypes.close(a, b, dtype)
     if dtype.startswith("int"):
         return np.array_equal(a, b)
     tol = 1e-5 if dtype == "float32" else 1e-12
@@ -141,7 +148,7 @@ def run_cases(ctx, args, backends, stats):
     pending = []
     for i in range(args.cases):
         rng = np.random.default_rng((args.seed, i))
-        mesh, axes, op, dtype, red = draw(rng, ndev)
+        mesh, axes, op, dtype, red = draw(rng, ndev, args.wide)
         tiles, kw = tiles_for(rng, mesh, axes, op, dtype, red)
         ref = reference(op, mesh, axes, tiles, kw)
         b = backends[i % len(backends)]
@@ -155,11 +162,14 @@ def run_cases(ctx, args, backends, stats):
                 x = None
             elif not bare and owned:
                 x = {d: v for d, v in mine.items() if d in roots}
+        torch_in = args.wide and rng.random() < 0.3         # torch tiles in, torch tiles out
+        if torch_in:
+            x = wide_dtypes.as_torch(x)
         fn = getattr(mc, op)
         what = f"case {i} [{b}] {op} {dtype} axes={axes} kw={kw} mesh={mesh}"
         asy = rng.random() < 0.4
         h = fn(x, mesh, axes, backend=b, async_op=asy, **kw)
-        pending.append((h, asy, ref, owned, bare, what, dtype))
+        pending.append((h, asy, ref, owned, bare, what, dtype, torch_in))
         stats[f"{op}_{b}"] += 1
         if len(pending) >= 6 or not asy:        # several async calls in flight at once
             for item in pending:
@@ -172,8 +182,10 @@ def run_cases(ctx, args, backends, stats):
     stats["ok"] += len(pending)
 
 
-def check(ctx, h, asy, ref, owned, bare, what, dtype):
+def check(ctx, h, asy, ref, owned, bare, what, dtype, torch_in=False):
     got = h.wait() if asy else h
+    if torch_in:
+        got = wide_dtypes.as_numpy(got, what)
     if bare:
         want = ref.get(owned[0])
         if want is None:
@@ -440,6 +452,7 @@ def main():
     ap.add_argument("--cases", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--faults", action="store_true")
+    ap.add_argument("--wide", action="store_true", help="element types beyond float32/64, int32/64 too")
     ap.add_argument("--fault-limit", type=float, default=15.0)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
