@@ -30,6 +30,9 @@ def shard(array, layout: Layout, seed: int | None = None) -> dict[int, Any]:
     """
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a meshcomm.Layout, got {type(layout).__name__}")
+    if arrays.is_barebones_torch(array):
+        import torch
+        return {d: torch.from_numpy(v) for d, v in shard(array.numpy(), layout, seed).items()}
     kind = arrays.kind_of(array)
     shape = layout.check_shape(tuple(array.shape))
     t = layout.tiles(shape)
@@ -117,6 +120,9 @@ def unshard(shards: Mapping[int, Any], layout: Layout):
     if missing:
         raise ValueError(f"unshard needs every device's tile; missing device(s) {missing[:8]}")
     first = shards[layout.mesh.device_ids[0]]
+    if arrays.is_barebones_torch(first):
+        import torch
+        return torch.from_numpy(unshard({d: v.numpy() for d, v in shards.items()}, layout))
     kind = arrays.kind_of(first)
     shape = infer_shape(layout, {d: tuple(v.shape) for d, v in shards.items()})
     t = layout.tiles(shape)

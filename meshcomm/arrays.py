@@ -24,6 +24,13 @@ def copy(x, kind: str | None = None):
     return x
 
 
+def is_barebones_torch(x) -> bool:
+    """A CPU torch tensor of uint16, uint32 or uint64: torch stores and copies them but
+    cannot add or compare them, so array arithmetic on them goes through NumPy views."""
+    return is_torch(x) and str(x.dtype) in ("torch.uint16", "torch.uint32", "torch.uint64") \
+        and x.device.type == "cpu"
+
+
 def is_jax(x) -> bool:
     jax = sys.modules.get("jax")
     return jax is not None and isinstance(x, getattr(jax, "Array", ()))

@@ -28,9 +28,11 @@ from meshcomm.reduceops import PARTIAL_OPS, combine, identity
 from strategies import layouts_pair
 
 OPS = ("prod", "min", "max")
-NP_DTYPES = ("int32", "int64", "uint8", "int8", "float32", "float64", "float16", "bfloat16", "bool")
+NP_DTYPES = ("int32", "int64", "uint8", "int8", "float32", "float64", "float16", "bfloat16", "bool", "int16",
+             "uint16", "uint32", "uint64")
 TORCH_DTYPES = {"float32": torch.float32, "int32": torch.int32, "int64": torch.int64,
-                "uint8": torch.uint8, "bfloat16": torch.bfloat16, "bool": torch.bool}
+                "uint8": torch.uint8, "bfloat16": torch.bfloat16, "bool": torch.bool, "int16": torch.int16,
+                "uint16": torch.uint16, "uint32": torch.uint32, "uint64": torch.uint64}
 UFUNC = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
 
 

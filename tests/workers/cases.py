@@ -12,8 +12,9 @@ import numpy as np
 import meshcomm as mc
 from meshcomm.arrays import is_torch, numpy_dtype
 
-NP_DTYPES = ["float32", "float64", "int32", "int64", "float16", "bfloat16", "uint8", "int8", "bool"]
-TORCH_DTYPES = ["float32", "bfloat16", "int64", "float16", "int32"]
+NP_DTYPES = ["float32", "float64", "int32", "int64", "float16", "bfloat16", "uint8", "int8", "bool", "int16", "uint16",
+             "uint32", "uint64"]
+TORCH_DTYPES = ["float32", "bfloat16", "int64", "float16", "int32", "int16"]
 AXES = ("x", "y", "z")
 
 
