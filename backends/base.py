@@ -73,7 +73,7 @@ from .pack import pack, unpack
 from meshcomm import settings
 from meshcomm.caches import memo
 __all__ = ["Work", "DoneWork", "Backend", "Step", "compile_steps", "wire_bytes", "groups_needed", "execute",
-           "wait_polling", "backoff", "issued", "to_wire", "empty_wire", "from_wire", "TAG_MOD"]
+           "wait_polling", "backoff", "issued", "to_wire", "torch_of", "empty_wire", "from_wire", "TAG_MOD"]
 
 TAG_MOD = 32768   # the MPI standard guarantees tags up to 32767
 
@@ -265,6 +265,19 @@ def _as_bytes(a):
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
+def torch_of(b):
+    """A NumPy buffer as a torch tensor over the same memory. A read-only buffer (a
+    jax.Array's host view, say) is only ever sent from, so torch's warning about tensors
+    over read-only memory is not shown to the user."""
+    import torch
+    if b.flags.writeable:
+        return torch.from_numpy(b)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        return torch.from_numpy(b)
+
+
 def to_wire(a, wire: str, stream=None, typed: bool = False):
     """A packed 1-d array as the buffer a backend sends: raw bytes (any dtype, bfloat16
     included) unless `typed` (reductions). A CUDA tensor bound for a host backend is
@@ -278,8 +291,7 @@ def to_wire(a, wire: str, stream=None, typed: bool = False):
             return b.numpy()
         return b
     if not _is_torch(b):
-        import torch
-        return torch.from_numpy(b)
+        return torch_of(b)
     return b
 
 
@@ -677,8 +689,7 @@ class _Run:
         if wire == "numpy" and _is_torch(b):
             return b.numpy()
         if wire == "torch" and not _is_torch(b):
-            import torch
-            return torch.from_numpy(b)
+            return torch_of(b)
         return b
 
     def _unpack_to(self, t, d, value):

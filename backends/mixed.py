@@ -27,7 +27,7 @@ import hashlib
 import json
 
 from . import tuning
-from .base import Backend, wait_polling
+from .base import Backend, torch_of, wait_polling
 
 __all__ = ["MixedBackend"]
 
@@ -149,8 +149,7 @@ def _as_wire(x, b):
     if x is None or _is_torch(x) == (b.wire == "torch"):
         return x
     if b.wire == "torch":
-        import torch
-        return torch.from_numpy(x)
+        return torch_of(x)
     if x.device.type != "cpu":
         raise TypeError(f"mixed chose {b.name} for a {x.device.type} tensor, which it cannot "
                         "take without a copy; the tuning table should route device tensors to torch")

@@ -94,6 +94,24 @@ def test_send_recv_in_one_process():
         mc.recv(1, np.zeros(2), to_device=3)
 
 
+def test_wire_buffers_of_empty_and_read_only_arrays():
+    # an empty tensor made from NumPy has stride 0 (no byte view of it); a read-only NumPy
+    # buffer (a jax.Array's host view) becomes a torch tensor without torch's warning
+    import warnings
+
+    import torch
+
+    from meshcomm.backends.base import from_wire, to_wire
+    assert to_wire(torch.from_numpy(np.empty((0, 3), np.int64)), "numpy").shape == (0,)
+    assert from_wire(np.empty(0, np.uint8), torch.zeros(1, dtype=torch.float16)).dtype == torch.float16
+    a = np.arange(4.0)
+    a.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t = to_wire(a, "torch")
+    assert t.dtype == torch.uint8 and t.numel() == 32
+
+
 @pytest.mark.mpi
 def test_mpiexec_4_every_backend_async_mix_and_faults(tmp_path):
     res = _launch(tmp_path, 4, "--init", "mixed", "--backends", "mpi,torch,mixed", "--cases", "90",
