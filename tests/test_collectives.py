@@ -136,7 +136,7 @@ def test_mpiexec_8_and_two_devices_per_process(tmp_path):
                   "--seed", "12", env={"MESHCOMM_COLLECTIVES": "plan"})
     assert all(r["ok"] == 45 and r["native"] == 0 for r in res)
     res = _launch(tmp_path / "b", 3, "--init", "mixed", "--backends", "mpi,torch", "--dpp", "2",
-                  "--cases", "40", "--seed", "13")
+                  "--cases", "40", "--seed", "13", "--wide")
     assert all(r["ok"] == 40 for r in res)
 
 

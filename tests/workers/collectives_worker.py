@@ -152,6 +152,7 @@ def run_cases(ctx, args, backends, stats):
         tiles, kw = tiles_for(rng, mesh, axes, op, dtype, red)
         ref = reference(op, mesh, axes, tiles, kw)
         b = backends[i % len(backends)]
+        torch_in = args.wide and rng.random() < 0.3     # torch tiles in, torch tiles out (same on every rank)
         owned = ctx.owned_devices(mesh)
         mine = {d: tiles[d] for d in owned}
         bare = len(owned) == 1 and rng.random() < 0.6
@@ -162,7 +163,6 @@ def run_cases(ctx, args, backends, stats):
                 x = None
             elif not bare and owned:
                 x = {d: v for d, v in mine.items() if d in roots}
-        torch_in = args.wide and rng.random() < 0.3         # torch tiles in, torch tiles out
         if torch_in:
             x = wide_dtypes.as_torch(x)
         fn = getattr(mc, op)
