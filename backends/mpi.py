@@ -155,6 +155,7 @@ def timed_dup(comm, deadline):
 class MPIBackend(MPICollectives, Backend):
     name = "mpi"
     wire = "numpy"
+    work_cls = MPIWork
 
     def __init__(self, comm=None, timeout: float | None = None):
         MPI = _mpi()

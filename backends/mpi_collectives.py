@@ -17,12 +17,13 @@ __all__ = ["MPICollectives", "mpi_op"]
 
 
 _OPS: dict = {}
+_DESC: dict = {}        # (what, group, rank) -> (the work's description, the other members)
 
 
 def mpi_op(op: str):
     if not _OPS:
         from mpi4py import MPI
-        _OPS.update(sum=MPI.SUM, prod=MPI.PROD, min=MPI.MIN, max=MPI.MAX)
+        _OPS.update(sum=MPI.SUM, prod=MPI.PROD, min=MPI.MIN, max=MPI.MAX, in_place=MPI.IN_PLACE)
     try:
         return _OPS[op]
     except (KeyError, TypeError):
@@ -30,16 +31,22 @@ def mpi_op(op: str):
 
 
 class MPICollectives:
-    """Mixed into MPIBackend: needs `rank`, `_group(ranks)` (the cached communicator)."""
+    """Mixed into MPIBackend: needs `rank`, `_group(ranks)` (the cached communicator) and
+    `work_cls` (MPIWork)."""
 
     def _work(self, req, bufs, what, ranks):
-        from .mpi import MPIWork
-        return MPIWork(req, bufs, f"{what} in group {list(ranks)}", others(ranks, self.rank), self.rank)
+        key = (what, ranks, self.rank)
+        desc = _DESC.get(key)
+        if desc is None:
+            if len(_DESC) > 4096:
+                _DESC.clear()
+            desc = _DESC[key] = (f"{what} in group {list(ranks)}", others(ranks, self.rank))
+        return self.work_cls(req, bufs, desc[0], desc[1], self.rank)
 
     def allreduce(self, buf, op, ranks):
-        from mpi4py import MPI
         ranks = check_group(self.rank, ranks, "allreduce")
-        req = self._group(ranks).Iallreduce(MPI.IN_PLACE, buf, op=mpi_op(op))
+        mop = mpi_op(op)
+        req = self._group(ranks).Iallreduce(_OPS["in_place"], buf, op=mop)
         return self._work(req, buf, "allreduce", ranks)
 
     def allgatherv(self, sendbuf, recvbuf, counts, ranks):
