@@ -86,7 +86,8 @@ def finish_tiles(req: Request, prob, out: Mapping[int, Any], bare: bool, owned: 
     for d, v in out.items():
         v = v.reshape(prob.out_shape(d))
         if prob.scale != 1:
-            v = v / prob.scale if arrays.is_torch(v) else (v / prob.scale).astype(v.dtype, copy=False)
+            # (a 0-d NumPy tile divided gives a NumPy scalar: keep it an array)
+            v = v / prob.scale if arrays.is_torch(v) else np.asarray(v / prob.scale).astype(v.dtype, copy=False)
         res[d] = v
     if bare:
         return res.get(owned[0]) if owned else None

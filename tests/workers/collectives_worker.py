@@ -49,12 +49,14 @@ def draw(rng, ndev, wide=False):
     return mesh, axes, op, dtype, red
 
 
-def tiles_for(rng, mesh, axes, op, dtype, red):
+def tiles_for(rng, mesh, axes, op, dtype, red, scalars=False):
     groups = mc.collectives.groups(mesh, axes)
     k = len(groups[0])
     nd = int(rng.integers(1, 3))
+    if scalars and op in ("all_reduce", "broadcast", "reduce") and rng.random() < 0.3:
+        nd = 0                                      # a 0-d tile (a loss, a count)
     shape = [int(rng.integers(1, 5)) for _ in range(nd)]
-    dim = int(rng.integers(0, nd))
+    dim = int(rng.integers(0, nd)) if nd else 0
     kw = {}
     if op == "all_to_all":
         s, c = int(rng.integers(0, nd)), int(rng.integers(0, nd))
@@ -149,7 +151,7 @@ def run_cases(ctx, args, backends, stats):
     for i in range(args.cases):
         rng = np.random.default_rng((args.seed, i))
         mesh, axes, op, dtype, red = draw(rng, ndev, args.wide)
-        tiles, kw = tiles_for(rng, mesh, axes, op, dtype, red)
+        tiles, kw = tiles_for(rng, mesh, axes, op, dtype, red, scalars=args.wide)
         ref = reference(op, mesh, axes, tiles, kw)
         b = backends[i % len(backends)]
         torch_in = args.wide and rng.random() < 0.3     # torch tiles in, torch tiles out (same on every rank)
@@ -186,6 +188,8 @@ def check(ctx, h, asy, ref, owned, bare, what, dtype, torch_in=False):
     got = h.wait() if asy else h
     if torch_in:
         got = wide_dtypes.as_numpy(got, what)
+    for v in (got.values() if isinstance(got, dict) else [got]):
+        assert not isinstance(v, np.generic), f"{what}: rank {ctx.rank}: a NumPy scalar {v!r}, not an array"
     if bare:
         want = ref.get(owned[0])
         if want is None:

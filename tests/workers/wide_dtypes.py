@@ -64,10 +64,10 @@ def close(a, b, dtype: str) -> bool:
 
 def as_torch(x):
     """The call's input as CPU torch tensors (a bare tile, a dict of them, or None)."""
-    import torch
+    import torch                  # (np.ascontiguousarray would make a 0-d tile 1-d)
     if isinstance(x, dict):
-        return {d: torch.from_numpy(np.ascontiguousarray(v)) for d, v in x.items()}
-    return None if x is None else torch.from_numpy(np.ascontiguousarray(x))
+        return {d: torch.from_numpy(np.array(v, copy=True)) for d, v in x.items()}
+    return None if x is None else torch.from_numpy(np.array(x, copy=True))
 
 
 def as_numpy(got, what):
