@@ -7,6 +7,7 @@ serializes its calls the same way (call meshcomm from one thread per process).
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import os
 import threading
@@ -109,6 +110,9 @@ def init(backend: str = "mpi", devices_per_process: int = 1, timeout: float | No
         backends["mixed"] = MixedBackend(backends["mpi"], backends["torch"])
     ctx = Context(backend, backends, int(devices_per_process), timeout)
     _set(ctx)
+    if not _EXIT_HOOK:
+        atexit.register(_finalize_at_exit)
+        _EXIT_HOOK.append(True)
     from .. import log      # MESHCOMM_LOG, and the log's clock offset to rank 0 (every rank)
     log.on_init(ctx)
     return ctx
@@ -123,6 +127,25 @@ def finalize() -> None:
         ctx.close()
     finally:
         _set(None)
+
+
+_EXIT_HOOK: list = []
+
+
+def _finalize_at_exit() -> None:
+    """A context still open at interpreter exit is finalized (its process groups freed while
+    the interpreter still runs: gloo's, torn down later with its work done, sometimes
+    aborted the process with 'terminate called without an active exception' and a
+    non-zero exit status). Not while asynchronous work is still running: that could wait
+    for a peer until the timeout; the process then exits as it would have before."""
+    ctx = _CTX
+    if ctx is None or (ctx._last is not None and not ctx._last.done()):
+        return
+    try:
+        finalize()
+    except Exception as e:      # noqa: BLE001 - exiting anyway: say so, do not raise
+        import sys
+        print(f"meshcomm: finalize at exit failed: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 class Context:
