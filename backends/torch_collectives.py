@@ -67,30 +67,30 @@ class CollWork(Work):
             post()
 
 
-_WIDER = {"int16": "int32", "uint16": "int32", "uint32": "int64"}
+_WIDER: dict = {}       # torch dtype gloo cannot reduce -> the wider one it is reduced in
 
 
 def widened(buf, op: str):
     """(the buffer gloo reduces, a function writing its result back into `buf`, or None):
     `buf` itself where gloo takes its dtype, else a wider integer copy (module docstring)."""
-    name = str(buf.dtype).rpartition(".")[2]
-    if name == "uint64":
-        import torch
-        flip = op in ("min", "max")
-        w = buf.view(torch.int64)
-        if not flip:
-            return w, None
-        w = w ^ (-2 ** 63)
-
-        def back():
-            buf.view(torch.int64).copy_(w ^ (-2 ** 63))
-        return w, back
-    wide = _WIDER.get(name)
+    import torch
+    if not _WIDER:
+        _WIDER.update({torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64,
+                       torch.uint64: torch.int64})
+    wide = _WIDER.get(buf.dtype)
     if wide is None:
         return buf, None
-    import torch
-    w = buf.to(getattr(torch, wide))
-    return w, lambda: buf.copy_(w.to(buf.dtype))
+    if buf.dtype != torch.uint64:
+        w = buf.to(wide)
+        return w, lambda: buf.copy_(w.to(buf.dtype))
+    w = buf.view(torch.int64)           # uint64: the same bits; min/max on sign-flipped bits
+    if op not in ("min", "max"):
+        return w, None
+    w = w ^ (-2 ** 63)
+
+    def back():
+        buf.view(torch.int64).copy_(w ^ (-2 ** 63))
+    return w, back
 
 
 def _views(buf, counts):
