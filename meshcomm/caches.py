@@ -17,10 +17,10 @@ __all__ = ["memo", "registry", "BoundedDict", "clear_caches"]
 _CACHES: list = []
 
 
-def memo(maxsize: int | None = 1024) -> Callable:
-    """`functools.lru_cache(maxsize)`, registered with `clear_caches`."""
+def memo(maxsize: int | None = 1024, typed: bool = False) -> Callable:
+    """`functools.lru_cache(maxsize, typed)`, registered with `clear_caches`."""
     def deco(fn):
-        cached = functools.lru_cache(maxsize=maxsize)(fn)
+        cached = functools.lru_cache(maxsize=maxsize, typed=typed)(fn)
         _CACHES.append(cached)
         return cached
     return deco

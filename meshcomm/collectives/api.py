@@ -6,6 +6,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .. import arrays, runtime
+from ..caches import memo
 from ..handle import Handle
 from ..planning import plan
 from ..runtime.collective_call import Request, build, coded_dims, finish_tiles, run
@@ -38,6 +39,44 @@ def _check_compression(op: str, compression):
         return codecs.coerce(compression)
     except (ValueError, TypeError) as e:
         raise type(e)(f"{op}: {e}") from None
+
+
+_CHECKED = {"all_reduce": ("reduce_op", "compression"), "all_gather": ("dim", "compression"),
+            "reduce_scatter": ("dim", "reduce_op", "compression"), "broadcast": ("root",),
+            "reduce": ("root", "reduce_op"), "all_to_all": ("split_dim", "concat_dim"),
+            "gather": ("root", "dim"), "scatter": ("root", "dim")}
+
+
+def _request(op: str, mesh, axes, dim=0, root=0, reduce_op="sum", split_dim=0, concat_dim=0,
+             compression=None) -> Request:
+    """The validated Request of a call (ValueError/TypeError naming a bad argument); the same
+    object for the same arguments, so a repeated call finds its compiled form at once."""
+    args = (op, mesh, axes, dim, root, reduce_op, split_dim, concat_dim)
+    if compression is None:
+        try:
+            hash(args)
+        except TypeError:
+            pass
+        else:
+            return _request_of(*args)
+    return _build_request(*args, compression)
+
+
+@memo(256, typed=True)
+def _request_of(*args) -> Request:
+    return _build_request(*args)
+
+
+def _build_request(op, mesh, axes, dim, root, reduce_op, split_dim, concat_dim, compression=None) -> Request:
+    ax = group_axes(mesh, axes)
+    checked = _CHECKED[op]
+    kw = {"compression": _check_compression(op, compression)} if "compression" in checked else {}
+    for name, v in (("dim", dim), ("root", root), ("split_dim", split_dim), ("concat_dim", concat_dim)):
+        if name in checked:
+            kw[name] = _check_int(op, name, v)
+    if "reduce_op" in checked:
+        kw["reduce_op"] = _check_op(op, reduce_op)
+    return Request(op, mesh, ax, **kw)
 
 
 def _call(req: Request, x, backend, async_op):
@@ -86,8 +125,7 @@ def _local(req: Request, x):
 def all_reduce(x, mesh, axes, op: str = "sum", *, backend=None, async_op: bool = False, compression=None):
     """Every device gets the elementwise `op` (sum, prod, min, max, avg) of its group's tiles.
     `compression`: a codec, "bf16", "fp16", "zfp(...)" or "auto" (README, Compression)."""
-    req = Request("all_reduce", mesh, group_axes(mesh, axes), reduce_op=_check_op("all_reduce", op),
-                  compression=_check_compression("all_reduce", compression))
+    req = _request("all_reduce", mesh, axes, reduce_op=op, compression=compression)
     return _call(req, x, backend, async_op)
 
 
@@ -96,8 +134,7 @@ def all_gather(x, mesh, axes, dim: int = 0, *, backend=None, async_op: bool = Fa
     sizes along `dim` may differ; every group must have the same sizes). With `compression`
     each tile is coded once by its owner: every device gets the codec's round trip of every
     tile, its own included."""
-    req = Request("all_gather", mesh, group_axes(mesh, axes), dim=_check_int("all_gather", "dim", dim),
-                  compression=_check_compression("all_gather", compression))
+    req = _request("all_gather", mesh, axes, dim=dim, compression=compression)
     return _call(req, x, backend, async_op)
 
 
@@ -106,23 +143,20 @@ def reduce_scatter(x, mesh, axes, dim: int = 0, op: str = "sum", *, backend=None
     """Device i of a group gets chunk i (torch.chunk of `dim`) of the `op` of the group's tiles.
     With `compression` the addends are coded once (one-shot) or the partial sums at every hop
     (ring), as the cost model picks (planners/compressed.py gives both error bounds)."""
-    req = Request("reduce_scatter", mesh, group_axes(mesh, axes), dim=_check_int("reduce_scatter", "dim", dim),
-                  reduce_op=_check_op("reduce_scatter", op),
-                  compression=_check_compression("reduce_scatter", compression))
+    req = _request("reduce_scatter", mesh, axes, dim=dim, reduce_op=op, compression=compression)
     return _call(req, x, backend, async_op)
 
 
 def broadcast(x, mesh, axes, root: int = 0, *, backend=None, async_op: bool = False):
     """Every device gets the tile of its group's device `root`. Other devices' tiles (or None)
     are checked for shape and dtype; their values are not used."""
-    req = Request("broadcast", mesh, group_axes(mesh, axes), root=_check_int("broadcast", "root", root))
+    req = _request("broadcast", mesh, axes, root=root)
     return _call(req, x, backend, async_op)
 
 
 def reduce(x, mesh, axes, root: int = 0, op: str = "sum", *, backend=None, async_op: bool = False):
     """The group's device `root` gets the `op` of the group's tiles; the others get None."""
-    req = Request("reduce", mesh, group_axes(mesh, axes), root=_check_int("reduce", "root", root),
-                  reduce_op=_check_op("reduce", op))
+    req = _request("reduce", mesh, axes, root=root, reduce_op=op)
     return _call(req, x, backend, async_op)
 
 
@@ -131,23 +165,19 @@ def all_to_all(x, mesh, axes, split_dim: int = 0, concat_dim: int = 0, *, backen
     """Device i's tile is split into equal chunks along `split_dim`; chunk j goes to device j of
     the group, which concatenates what it gets along `concat_dim` in group order (uneven rows:
     `all_to_all_v`)."""
-    req = Request("all_to_all", mesh, group_axes(mesh, axes),
-                  split_dim=_check_int("all_to_all", "split_dim", split_dim),
-                  concat_dim=_check_int("all_to_all", "concat_dim", concat_dim))
+    req = _request("all_to_all", mesh, axes, split_dim=split_dim, concat_dim=concat_dim)
     return _call(req, x, backend, async_op)
 
 
 def gather(x, mesh, axes, root: int = 0, dim: int = 0, *, backend=None, async_op: bool = False):
     """The group's device `root` gets the group's tiles concatenated along `dim`; others None."""
-    req = Request("gather", mesh, group_axes(mesh, axes), root=_check_int("gather", "root", root),
-                  dim=_check_int("gather", "dim", dim))
+    req = _request("gather", mesh, axes, root=root, dim=dim)
     return _call(req, x, backend, async_op)
 
 
 def scatter(x, mesh, axes, root: int = 0, dim: int = 0, *, backend=None, async_op: bool = False):
     """Device i of the group gets chunk i (torch.chunk of `dim`) of device `root`'s tile."""
-    req = Request("scatter", mesh, group_axes(mesh, axes), root=_check_int("scatter", "root", root),
-                  dim=_check_int("scatter", "dim", dim))
+    req = _request("scatter", mesh, axes, root=root, dim=dim)
     return _call(req, x, backend, async_op)
 
 

@@ -31,7 +31,6 @@ shapes, counts). `exchange` sends it to every process:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -40,8 +39,10 @@ import numpy as np
 
 from .. import settings
 from ..caches import memo
+from .check_vector import CODES, NONE, decided, masked_codes, signature_key, vector_any
 
-__all__ = ["Meta", "Outcome", "Pending", "start", "exchange", "settle", "check_mode", "error_of", "raise_together", "LABELS"]
+__all__ = ["Meta", "Outcome", "Pending", "start", "exchange", "settle", "check_mode", "error_of", "raise_together", "LABELS",
+           "quick_signed", "inbox_ready"]
 
 LABELS = {
     "op": "the operation", "layouts": "the src/dst layouts", "mesh": "the mesh", "axes": "the mesh axes",
@@ -50,9 +51,6 @@ LABELS = {
     "reduce_op": "the reduction op", "root": "the root", "dim": "the dimension", "codec": "the compression",
     "tile": "the tile shape", "algorithm": "the algorithm", "counts": "the counts",
 }
-CODES = {"kind": ("numpy", "torch", "jax"), "devtype": ("cpu", "cuda")}
-MAX_FIELDS = 12
-_NONE = int(np.iinfo(np.int64).max)         # "no value" in the check vector (loses every min)
 
 
 @dataclasses.dataclass
@@ -109,7 +107,7 @@ class Outcome:
         if name in CODES:
             i = [k for k, _ in self.fields].index(name)
             c = self.reduced[1 + i]
-            return default if c == _NONE else CODES[name][c - 1]
+            return default if c == NONE else CODES[name][c - 1]
         return default
 
 
@@ -138,8 +136,8 @@ class Pending:
         self.mode = check_mode(be)
         fields = meta.fields if hashed is None else hashed
         ok = eligible and meta.err is None and all(v is not None for k, v in fields if k not in CODES)
-        self.vec = _vector_any(fields, ok)
-        self.round, self.p2p, self.box, self.sig, self.key = None, None, None, None, None
+        self.vec = vector_any(fields, ok)
+        self.round, self.p2p, self.box, self.sig, self.key, self.grace = None, None, None, None, None, None
         if self.mode == "allgather":
             self.p2p = next((b for b in be.members() if b.wire == "numpy"), None)
         if self.p2p is not None and be.world_size > 1:
@@ -150,20 +148,23 @@ class Pending:
                 return
             self.seq = self.p2p._agree_seq = getattr(self.p2p, "_agree_seq", 0) + 1
             if signature and ok and settings.get("SIGNATURE_CHECK"):
-                self.key = _signature_key(self.p2p, self.vec, [k for k, _ in fields])
+                self.key = signature_key(self.p2p, self.vec, [k for k, _ in fields])
                 self.sig = self.p2p.sig_comm(tuple(range(be.world_size)), ("agree", self.key.tobytes()))
             if self.sig is None:
                 self.round = hash_round.InboxRound(self.box, self.seq, self.vec)
 
     @classmethod
-    def signed(cls, be, p2p, meta: Meta, deadline: float | None, vec: np.ndarray, key: np.ndarray, sig) -> "Pending":
+    def signed(cls, be, p2p, meta: Meta, deadline: float | None, vec: np.ndarray, key: np.ndarray, sig,
+               counted: bool = False, grace: float | None = None) -> "Pending":
         """The check of a repeated call on its known signature communicator `sig` (a compiled
         call, meshcomm.runtime.compiled `Fast`): what `start` would build for it, from
-        the vectors it computed then (`vec`, `key`); the inbox must be current (`inbox_ready`)."""
+        the vectors it computed then (`vec`, `key`); the inbox must be current (`inbox_ready`).
+        `counted`, `grace`: `quick_signed` numbered this check and waited until `grace`."""
         self = cls.__new__(cls)
         self.be, self.meta, self.deadline, self.mode = be, meta, deadline, "allgather"
         self.vec, self.p2p, self.box, self.sig, self.key, self.round = vec, p2p, p2p._inbox, sig, key, None
-        self.seq = p2p._agree_seq = p2p._agree_seq + 1
+        self.seq = p2p._agree_seq if counted else _count(p2p)
+        self.grace = grace
         return self
 
     @property
@@ -187,14 +188,14 @@ class Pending:
         meta = self.meta
         if self.mode == "allreduce":
             out = self.be.allreduce_min(self.vec, self.deadline).tolist()
-            return Outcome(meta.fields, None, out, "allreduce") if _decided(out) else None
+            return Outcome(meta.fields, None, out, "allreduce") if decided(out) else None
         if self.sig is not None:
             return self._by_signature(list(tokens) or self.p2p.ibarrier_on(self.sig), ready)
         if self.round is not None:
             self.round.wait(self.deadline)
             rows = self.round.rows
             out = rows.min(axis=0).tolist()
-            if not _decided(out):
+            if not decided(out):
                 return None
             oc = Outcome(meta.fields, None, out, "hash", mixed=bool(rows[:, 0].max() == 1))
             if self.box is not None and not (rows[:, 0] != 0).any():
@@ -207,14 +208,14 @@ class Pending:
         everywhere): the second time, keep a communicator for it (collective over all
         processes; every process sees the same rows, so all decide alike, and the backend
         caps how many it keeps). A process without tiles does not know the array kind and
-        device type: it takes them from `out` next time (`_signature_key`)."""
+        device type: it takes them from `out` next time (`signature_key`)."""
         key = out.tobytes()
         seen = self.p2p.__dict__.setdefault("_agree_seen", {})
         codes = self.p2p.__dict__.setdefault("_agree_codes", {})
         if len(seen) >= 4096:
             seen.clear()
             codes.clear()
-        codes[_masked_codes(out, [k for k, _ in self.meta.fields]).tobytes()] = out
+        codes[masked_codes(out, [k for k, _ in self.meta.fields]).tobytes()] = out
         if key in seen:
             self.p2p.sig_comm(tuple(range(self.be.world_size)), ("agree", key), self.deadline, create=True)
         else:
@@ -229,7 +230,7 @@ class Pending:
         before all of them (a reshard starts its data with the peers already in the call)."""
         from ..backends.base import ABANDONED, backoff, timeout_error
         box, seq, meta = self.box, self.seq, self.meta
-        vec = grace = None
+        vec, grace = None, self.grace
         sent = agreed = False
         spins = 0
         test = _tester(tokens)
@@ -256,7 +257,7 @@ class Pending:
                 rows = box.rows(seq, vec)
                 box.settle(seq)
                 out = rows.min(axis=0).tolist()
-                if not _decided(out):
+                if not decided(out):
                     ABANDONED.extend(tokens)
                     return None
                 if not (rows == rows[0]).all():     # some process checks by hashes alone
@@ -276,6 +277,57 @@ class Pending:
 
     def finish(self) -> Outcome:
         return self.hashes() or self.metas()
+
+
+def _count(p2p) -> int:
+    p2p._agree_seq += 1
+    return p2p._agree_seq
+
+
+def _requests(works) -> list | None:
+    """The MPI requests behind `works` (MPIWork, MPIMultiWork), or None if some work has none."""
+    reqs = []
+    for w in works:
+        r = getattr(w, "req", None)
+        if r is not None:
+            reqs.append(r)
+        elif getattr(w, "reqs", None) is not None:
+            reqs.extend(w.reqs)         # MPIMultiWork: a broadcast as point-to-point messages
+        else:
+            return None
+    return reqs
+
+
+@memo(1)
+def _testall():
+    from mpi4py import MPI
+    return MPI.Request.Testall
+
+
+def quick_signed(p2p, works):
+    """A signature check's happy path, with nothing built: number the check (as
+    `Pending.signed` does) and poll `works` (MPI works on the signature communicator) as
+    `Pending.hashes` would, while no peer's hashes of this check arrive and its grace lasts.
+    True, with the check settled, when they completed; else the grace's end (a time; None
+    for works without MPI requests), and the check goes on as `Pending.signed(..., counted=True, grace=that)`, from the same number."""
+    seq = _count(p2p)
+    reqs = _requests(works)
+    if reqs is None:
+        return None
+    testall, yield_ = _testall(), os.sched_yield
+    box = p2p._inbox
+    grace = None
+    while True:
+        for _ in range(_QUICK):
+            if testall(reqs):
+                box.settle(seq)
+                return True
+            yield_()
+        box.poll()
+        if grace is None:
+            grace = time.monotonic() + settings.get("SIGNATURE_GRACE")
+        if box.any_at(seq) or time.monotonic() > grace:
+            return grace
 
 
 def inbox_ready(p2p) -> bool:
@@ -335,73 +387,15 @@ def _hashable(v):
     return tuple(v) if isinstance(v, list) else v
 
 
-def _h62(v) -> int:
-    """A hash of repr(v), the same in every process (unlike hash()), in [0, 2**62)."""
-    return int.from_bytes(hashlib.blake2b(repr(v).encode(), digest_size=8).digest(), "little") >> 2
-
-
-@memo(maxsize=1024)
-def _vector(fields: tuple, eligible: bool) -> np.ndarray:
-    """[ineligible, min part of each field, min part of each negated field]: after a
-    MIN-allreduce a field agrees on every process that has it when min == max."""
-    if len(fields) > MAX_FIELDS:
-        raise ValueError(f"an agreement check compares at most {MAX_FIELDS} fields")
-    vals = []
-    for k, v in fields:
-        if v is None:
-            vals.append(None)
-        elif k in CODES:
-            vals.append(CODES[k].index(v) + 1)
-        else:
-            vals.append(_h62((k, v)))
-    vals += [None] * (MAX_FIELDS - len(vals))
-    lo = [_NONE if v is None else v for v in vals]
-    neg_hi = [_NONE if v is None else -v for v in vals]
-    row = np.array([0 if eligible else -1] + lo + neg_hi, dtype=np.int64)
-    row.setflags(write=False)           # cached: shared by every call with these fields
-    return row
-
-
-def _vector_any(fields: tuple, eligible: bool) -> np.ndarray:
-    """`_vector`, cached when the fields are hashable."""
-    try:
-        return _vector(fields, eligible)
-    except TypeError:
-        return _vector.__wrapped__(fields, eligible)
-
-
-def _masked_codes(vec: np.ndarray, names) -> np.ndarray:
-    """`vec` with the array kind and device type left out (as if unknown)."""
-    m = vec.copy()
-    for i, k in enumerate(names):
-        if k in CODES:
-            m[1 + i] = m[1 + MAX_FIELDS + i] = _NONE
-    return m
-
-
-def _signature_key(p2p, vec: np.ndarray, names) -> np.ndarray:
-    """The vector a signature communicator is kept under: this process's own, with the kind
-    and device type it does not know (no tiles) taken from the call every process agreed on
-    before; where it knows them they must be those (else no communicator is found)."""
-    if not any(k in CODES for k in names):
-        return vec
-    agreed = getattr(p2p, "_agree_codes", {}).get(_masked_codes(vec, names).tobytes())
-    if agreed is None:
-        return vec
-    filled = np.where(vec == _NONE, agreed, vec)
-    return agreed if np.array_equal(filled, agreed) else vec
-
-
 _QUICK = 16     # polls of a signature check's tokens between looks at the inbox and the clock
 
 
 def _tester(works):
     """test(n): whether every work is done, polling up to n times (yielding the core between
     polls, as every wait does). MPI requests are tested in one Testall call."""
-    reqs = [getattr(w, "req", None) for w in works]
-    if all(r is not None for r in reqs):
-        from mpi4py import MPI
-        testall, yield_ = MPI.Request.Testall, os.sched_yield
+    reqs = _requests(works)
+    if reqs is not None:
+        testall, yield_ = _testall(), os.sched_yield
 
         def test(n):
             for _ in range(n):
@@ -417,11 +411,6 @@ def _tester(works):
         pending = [w for w in pending if not w.test()]
         return not pending
     return test
-
-
-def _decided(out: list) -> bool:
-    lo, neg_hi = out[1:1 + MAX_FIELDS], out[1 + MAX_FIELDS:]
-    return out[0] >= 0 and all(a == -b or a == _NONE for a, b in zip(lo, neg_hi))
 
 
 def raise_together(ctx, op: str, err: BaseException):

@@ -232,7 +232,7 @@ class Context:
     def call(self, fn, *args, **kwargs):
         """Run `fn` now on the calling thread, after the asynchronous work issued before."""
         last = self._last
-        if last is not None:
+        if last is not None and not last.done():
             concurrent.futures.wait([last])
         with self._lock:
             return fn(*args, **kwargs)

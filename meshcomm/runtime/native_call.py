@@ -24,7 +24,7 @@ from ..backends.base import empty_wire, from_wire, issued, to_wire
 from ..collectives.layouts import groups
 from .reshard_call import empty_like
 
-__all__ = ["Native", "Posted", "choose", "run", "start"]
+__all__ = ["Native", "Posted", "choose", "run", "start", "post_on", "poster", "sig_comm_of"]
 
 TABLE_OP = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatter": "reduce_scatter",
             "broadcast": "bcast", "reduce": "reduce", "all_to_all": "alltoall", "gather": "gather",
@@ -163,13 +163,15 @@ def start(ctx, nat: Native, req, tiles, dt, tile, shapes, kind="numpy", comm=Non
     return post_on(ctx, nat, req, g, me, tiles, dt, tile, shapes, kind, sig)
 
 
-def post_on(ctx, nat: Native, req, g, me, tiles, dt, tile, shapes, kind, comm) -> "Posted":
-    """Post device `me`'s native call of group `g` on `comm` (a signature communicator)."""
+def post_on(ctx, nat: Native, req, g, me, tiles, dt, tile, shapes, kind, comm, post=None) -> "Posted":
+    """Post device `me`'s native call of group `g` on `comm` (a signature communicator).
+    `post`: the call's `poster`, where the caller keeps one."""
     t_run = time.time()
     prim = nat.prim
+    post = post or poster(ctx, prim, req, g, me, dt, tile, shapes, kind)
     prim._pin = comm                    # prim.pinned(comm), without a context manager's cost
     try:
-        works, fin = _post(ctx, prim, req, g, me, tiles, dt, tile, shapes, kind)
+        works, fin = post(tiles.get(me))
     finally:
         prim._pin = None
     return Posted(g, me, works, fin, t_run)
@@ -221,63 +223,97 @@ class Posted:
 def _post(ctx, prim, req, g, me, tiles, dt, tile, shapes, kind):
     """Post the group's one native call: (its works, a function giving the result tiles once
     they complete)."""
+    return poster(ctx, prim, req, g, me, dt, tile, shapes, kind)(tiles.get(me))
+
+
+def _flat(v, wire, typed):
+    return to_wire(v.reshape(-1).contiguous() if arrays.is_torch(v) else np.ascontiguousarray(v).reshape(-1),
+                   wire, typed=typed)
+
+
+def _like(x, kind, dt):
+    return x if x is not None else empty_like(kind, dt[0], "cpu")
+
+
+def poster(ctx, prim, req, g, me, dt, tile, shapes, kind):
+    """`_post` with everything that does not depend on the tile worked out once: a function of
+    device `me`'s tile (None where this process has none) giving (works, fin). A compiled
+    call (meshcomm.runtime.compiled) keeps it."""
     rank_of = ctx.ownership.rank_of
     ranks = tuple(sorted(rank_of(d) for d in g))
     k = len(g)
     itemsize = dt[1]
     row = math.prod(tile[1:]) if tile else 1
-    x = tiles.get(me)
-    like = x if x is not None else empty_like(kind, dt[0], "cpu")
     wire = prim.wire
 
-    def flat(v, typed):
-        return to_wire(v.reshape(-1).contiguous() if arrays.is_torch(v) else np.ascontiguousarray(v).reshape(-1),
-                       wire, typed=typed)
-
-    def out(buf, shape, typed=False):
+    def out(buf, like, shape, typed=False):
         return from_wire(buf, like, typed=typed).reshape(shape)
 
     op = "sum" if req.reduce_op == "avg" else req.reduce_op
     root = rank_of(g[req.root]) if req.op in ("broadcast", "reduce", "gather", "scatter") else None
+    rooted = ctx.rank == root
     if req.op in ("all_reduce", "reduce"):
-        buf = flat(x.clone() if arrays.is_torch(x) else buffers.copy(x), typed=True)
-        if req.op == "all_reduce":
-            w = prim.allreduce(buf, op, ranks)
-        else:
-            w = prim.reduce(buf, root, ranks, op)
-        if req.op == "reduce" and ctx.rank != root:
-            return [w], dict
-        return [w], lambda: {me: out(buf, tile, typed=True)}
+        def post(x):
+            buf = _flat(x.clone() if arrays.is_torch(x) else buffers.copy(x), wire, True)
+            if req.op == "all_reduce":
+                w = prim.allreduce(buf, op, ranks)
+            else:
+                w = prim.reduce(buf, root, ranks, op)
+            if req.op == "reduce" and not rooted:
+                return [w], dict
+            return [w], lambda: {me: out(buf, x, tile, typed=True)}
+        return post
     if req.op == "broadcast":
         n = math.prod(tile) * itemsize
-        buf = flat(x.clone() if arrays.is_torch(x) else buffers.copy(x), False) if ctx.rank == root \
-            else empty_wire(n, wire, like)
-        return [prim.bcast(buf, root, ranks)], lambda: {me: out(buf, tile)}
+
+        def post(x):
+            like = _like(x, kind, dt)
+            buf = _flat(x.clone() if arrays.is_torch(x) else buffers.copy(x), wire, False) if rooted \
+                else empty_wire(n, wire, like)
+            return [prim.bcast(buf, root, ranks)], lambda: {me: out(buf, like, tile)}
+        return post
     if req.op in ("all_gather", "gather"):
         sizes = [shapes[d][0] for d in g]
         counts = [s * row * itemsize for s in sizes]
-        recv = empty_wire(sum(counts), wire, like) if (req.op == "all_gather" or ctx.rank == root) else None
-        send = flat(x, False)
-        if req.op == "all_gather":
-            w = prim.allgatherv(send, recv, counts, ranks)
-        else:
-            w = prim.gatherv(send, recv, counts, root, ranks)
-        if recv is None:
-            return [w], dict
-        return [w], lambda: {me: out(recv, (sum(sizes),) + tuple(tile[1:]))}
+        gets = req.op == "all_gather" or rooted
+        shape = (sum(sizes),) + tuple(tile[1:])
+
+        def post(x):
+            like = _like(x, kind, dt)
+            recv = empty_wire(sum(counts), wire, like) if gets else None
+            send = _flat(x, wire, False)
+            if req.op == "all_gather":
+                w = prim.allgatherv(send, recv, counts, ranks)
+            else:
+                w = prim.gatherv(send, recv, counts, root, ranks)
+            if recv is None:
+                return [w], dict
+            return [w], lambda: {me: out(recv, like, shape)}
+        return post
     if req.op in ("reduce_scatter", "scatter"):
         sizes = _chunks(tile[0], k)
         i = g.index(me)
         shape = (sizes[i],) + tuple(tile[1:])
         if req.op == "reduce_scatter":
             counts = [s * row for s in sizes]
-            recv = empty_wire(counts[i] * itemsize, wire, like, typed_elems=counts[i])
-            w = prim.reduce_scatterv(flat(x, True), recv, counts, op, ranks)
-            return [w], lambda: {me: out(recv, shape, typed=True)}
+
+            def post(x):
+                recv = empty_wire(counts[i] * itemsize, wire, x, typed_elems=counts[i])
+                w = prim.reduce_scatterv(_flat(x, wire, True), recv, counts, op, ranks)
+                return [w], lambda: {me: out(recv, x, shape, typed=True)}
+            return post
         counts = [s * row * itemsize for s in sizes]
-        recv = empty_wire(counts[i], wire, like)
-        send = flat(x, False) if ctx.rank == root else None
-        return [prim.scatterv(send, recv, counts, root, ranks)], lambda: {me: out(recv, shape)}
+
+        def post(x):
+            like = _like(x, kind, dt)
+            recv = empty_wire(counts[i], wire, like)
+            send = _flat(x, wire, False) if rooted else None
+            return [prim.scatterv(send, recv, counts, root, ranks)], lambda: {me: out(recv, like, shape)}
+        return post
     # all_to_all along the leading dimension
-    recv = empty_wire(math.prod(tile) * itemsize, wire, like)
-    return [prim.alltoall(flat(x, False), recv, ranks)], lambda: {me: out(recv, tile)}
+    n = math.prod(tile) * itemsize
+
+    def post(x):
+        recv = empty_wire(n, wire, x)
+        return [prim.alltoall(_flat(x, wire, False), recv, ranks)], lambda: {me: out(recv, x, tile)}
+    return post
