@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["kind_of", "normalize_dtype", "dtype_of", "to_numpy", "is_torch", "is_jax", "copy"]
+__all__ = ["kind_of", "normalize_dtype", "dtype_of", "to_numpy", "is_torch", "is_jax", "copy", "divided"]
 
 
 def is_torch(x) -> bool:
@@ -22,6 +22,14 @@ def copy(x, kind: str | None = None):
     if kind == "numpy":
         return x.copy()
     return x
+
+
+def divided(v, k):
+    """`v / k` (an average's last step): torch's own division for a tensor; for NumPy an
+    array of `v`'s dtype (a 0-d array divided gives a NumPy scalar: keep it an array)."""
+    if is_torch(v):
+        return v / k
+    return np.asarray(v / k).astype(v.dtype, copy=False)
 
 
 def is_barebones_torch(x) -> bool:

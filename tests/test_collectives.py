@@ -127,6 +127,7 @@ def test_mpiexec_4_every_backend_async_mix_and_faults(tmp_path):
     assert all(r["compiled"] >= 3 for r in res)           # repeated calls ran compiled (collective_call.Fast)
     assert all(r["compiled_mixed_ok"] == 1 for r in res)  # one rank on the full path beside compiled ones
     assert all(r["many_signatures_ok"] == 1 for r in res)  # 80 signatures over all ranks, all compiled
+    assert all(r["repeated_ops_ok"] == 3 for r in res)    # every op repeated, NumPy and torch, exact
 
 
 @pytest.mark.mpi

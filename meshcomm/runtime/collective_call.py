@@ -95,8 +95,7 @@ def finish_tiles(req: Request, prob, out: Mapping[int, Any], bare: bool, owned: 
     for d, v in out.items():
         v = v.reshape(prob.out_shape(d))
         if prob.scale != 1:
-            # (a 0-d NumPy tile divided gives a NumPy scalar: keep it an array)
-            v = v / prob.scale if arrays.is_torch(v) else np.asarray(v / prob.scale).astype(v.dtype, copy=False)
+            v = arrays.divided(v, prob.scale)
         res[d] = v
     if bare:
         return res.get(owned[0]) if owned else None
@@ -109,7 +108,7 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
     fk = fast_key(req, backend, x) if stamp is None else None
     fast = ctx.fast.get(fk) if fk is not None else None
     if fast is not None and fast.lean and not async_op:
-        # a blocking repeated call of a NumPy tile: its compiled form with the least Python
+        # a blocking repeated call of a host tile: its compiled form with the least Python
         # between the user and MPI (the full path below wherever it does not apply)
         r = ctx.call(fast.run, ctx, x, True)
         if r is not None:

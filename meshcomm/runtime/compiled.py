@@ -54,16 +54,16 @@ class Fast:
         self.group, self.me = posted.group, posted.me
         self.env = settings.raw(settings.COMPILED_DEPENDS)
         self.on = settings.get("FAST_PATH")
-        self.out_shape = prob.out_shape(self.me) if self.me is not None else None
+        self.out_shape = dict(prob.out_shapes).get(self.me)      # None: no result here (reduce, gather)
         self.scale = prob.scale
         self.post = None if self.me is None else native_call.poster(
             st.ctx, nat.prim, st.req, self.group, self.me, self.f.dtype, self.f.tile, self.f.shapes, self.f.kind)
         self.native_count = ("native_" + nat.prim.name, st.req.op)
-        self.lean = world_call and st.fk is not None and st.fk[2] is np.ndarray
+        self.lean = world_call and st.fk is not None
 
     def run(self, ctx, x, lean: bool = False):
         """The call's result (as collective_call `_State.go` returns it), or None where this
-        form does not apply. `lean` (a blocking call of a NumPy tile, nothing queued before
+        form does not apply. `lean` (a blocking call of a host tile, nothing queued before
         it): (the result tile,) as the user gets it (`finish_tiles`' work done here), or None;
         when the native call completes within the first polls nothing else runs."""
         if not self.on or ctx.agreed.get(self.key) is not self.agreed or settings.raw(settings.COMPILED_DEPENDS) != self.env:
@@ -96,7 +96,7 @@ class Fast:
                 if v is None:
                     return (None,)
                 v = v.reshape(self.out_shape)
-                return (v if self.scale == 1 else np.asarray(v / self.scale).astype(v.dtype, copy=False),)
+                return (v if self.scale == 1 else arrays.divided(v, self.scale),)
             posted = native_call.Posted(self.group, self.me, works, fin, time.time())
         deadline = time.monotonic() + ctx.timeout
         tiles = {self.me: x}

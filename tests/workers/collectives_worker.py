@@ -436,6 +436,56 @@ def repeats(ctx, backends, stats):
         stats["repeat_fault_next_ok"] += 1
 
 
+def repeated_ops(ctx, backends, stats):
+    """Every op repeated with fresh values each call, NumPy and torch tiles (0-d tiles
+    averaged too), over every process: from the fourth call on they run compiled (over MPI
+    the lean form: collective_call.run), and every result stays exact and of the input's kind."""
+    import torch
+    from meshcomm.backends.base import issued
+    ws, me = ctx.world_size, ctx.rank
+    mesh = mc.Mesh(np.arange(ws), ("x",))
+    total = sum(range(ws))
+    for b in backends:
+        c0 = issued[("compiled", "mpi")]
+        for kind in ("numpy", "torch"):
+            def arr(a):
+                return torch.from_numpy(np.array(a)) if kind == "torch" else np.array(a)
+
+            def same(y, want, what):
+                want = np.asarray(want)
+                assert (torch.is_tensor(y) if kind == "torch" else type(y) is np.ndarray), (b, kind, what, type(y))
+                got = y.numpy() if kind == "torch" else y
+                assert got.shape == want.shape and np.array_equal(got, want), (b, kind, what, got, want)
+            for it in range(6):
+                v = me * 10 + it
+                same(mc.all_reduce(arr(np.float64(v)), mesh, "x", op="avg", backend=b),
+                     np.float64(total * 10 / ws + it), "avg 0-d")
+                same(mc.all_reduce(arr(np.full(3, v, np.int64)), mesh, "x", op="max", backend=b),
+                     np.full(3, (ws - 1) * 10 + it), "max")
+                y = mc.reduce(arr(np.full(2, v, np.int32)), mesh, "x", root=1 % ws, backend=b)
+                if me == 1 % ws:
+                    same(y, np.full(2, total * 10 + ws * it, np.int32), "reduce")
+                else:
+                    assert y is None, (b, kind, "reduce non-root", y)
+                y = mc.gather(arr(np.full((1, 2), v, np.float32)), mesh, "x", root=0, backend=b)
+                if me == 0:
+                    same(y, np.array([[r * 10 + it] * 2 for r in range(ws)], np.float32), "gather")
+                else:
+                    assert y is None, (b, kind, "gather non-root", y)
+                same(mc.broadcast(arr(np.full(4, v, np.float32)), mesh, "x", root=ws - 1, backend=b),
+                     np.full(4, (ws - 1) * 10 + it, np.float32), "broadcast")
+                same(mc.scatter(arr(np.arange(2 * ws, dtype=np.int64) + v), mesh, "x", root=0, backend=b),
+                     np.arange(2 * me, 2 * me + 2) + it, "scatter")
+                same(mc.all_to_all(arr(np.full((ws, 2), v, np.int64)), mesh, "x", backend=b),
+                     np.array([[r * 10 + it] * 2 for r in range(ws)]), "all_to_all")
+                same(mc.reduce_scatter(arr(np.full(ws, v, np.float64)), mesh, "x", op="avg", backend=b),
+                     np.full(1, total * 10 / ws + it), "reduce_scatter avg")
+        if b == "mpi" and signature_checks(ctx) and settings_on("FAST_PATH"):
+            # calls 4-6 of each op and kind compiled (the 4th may still check on the full path)
+            assert issued[("compiled", "mpi")] - c0 >= 2 * 8 * 2, (b, issued[("compiled", "mpi")] - c0)
+        stats["repeated_ops_ok"] += 1
+
+
 def settings_on(name: str) -> bool:
     from meshcomm import settings
     return bool(settings.get(name))
@@ -469,6 +519,7 @@ def main():
         faults(ctx, backends, stats, args.fault_limit)
         p2p(ctx, backends, stats)
         repeats(ctx, backends, stats)
+        repeated_ops(ctx, backends, stats)
     stats["seconds"] = round(time.time() - t0, 1)
     from meshcomm.backends.base import issued
     stats["native"] = sum(v for (b, _), v in issued.items() if b.startswith("native_"))
