@@ -148,6 +148,8 @@ class Inbox:
 
     def settle(self, seq: int) -> None:
         """Check `seq` is over here: drop its vectors and every older one."""
+        if not any(self.got):
+            return
         for g in self.got:
             for s in [s for s in g if s <= seq]:
                 del g[s]

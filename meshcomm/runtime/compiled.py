@@ -58,7 +58,9 @@ class Fast:
         self.scale = prob.scale
         self.post = None if self.me is None else native_call.poster(
             st.ctx, nat.prim, st.req, self.group, self.me, self.f.dtype, self.f.tile, self.f.shapes, self.f.kind)
-        self.native_count = ("native_" + nat.prim.name, st.req.op)
+        # a lean call counts as the full check and Posted.finish count theirs
+        self.counts = (("signature_check", st.be.name), ("compiled", nat.prim.name),
+                       ("native_" + nat.prim.name, st.req.op), ("optimistic_native", nat.prim.name))
         self.lean = world_call and st.fk is not None
 
     def run(self, ctx, x, lean: bool = False):
@@ -88,10 +90,8 @@ class Fast:
             grace = agreement.quick_signed(p2p, works)
             if grace is True:
                 issued = base.issued
-                issued[("signature_check", st.be.name)] += 1
-                issued[("compiled", prim.name)] += 1
-                issued[self.native_count] += 1          # as Posted.finish counts
-                issued[("optimistic_native", prim.name)] += 1
+                for k in self.counts:
+                    issued[k] += 1
                 v = fin().get(self.me)
                 if v is None:
                     return (None,)
