@@ -61,7 +61,7 @@ class Fast:
         # a lean call counts as the full check and Posted.finish count theirs
         self.counts = (("signature_check", st.be.name), ("compiled", nat.prim.name),
                        ("native_" + nat.prim.name, st.req.op), ("optimistic_native", nat.prim.name))
-        self.lean = world_call and st.fk is not None
+        self.lean = st.fk is not None
 
     def run(self, ctx, x, lean: bool = False):
         """The call's result (as collective_call `_State.go` returns it), or None where this
@@ -79,15 +79,20 @@ class Fast:
         if comm is None:
             return None
         if lean:
-            # the common case, with the least Python: the call posted on the signature
-            # communicator (its completion is the check) and done within the first polls
+            # the common case, with the least Python: the call posted on its signature
+            # communicator and the check passed within the grace, nothing else built
             prim = nat.prim
             prim._pin = comm
             try:
                 works, fin = self.post(x)
             finally:
                 prim._pin = None
-            grace = agreement.quick_signed(p2p, works)
+            # over every process the call's completion is the check; else a barrier over
+            # every process on the signature communicator is
+            tokens = works if self.world_call else p2p.ibarrier_on(sig)
+            grace = agreement.quick_signed(p2p, tokens)
+            if grace is True and not self.world_call:
+                prim.wait_all(works, time.monotonic() + ctx.timeout)
             if grace is True:
                 issued = base.issued
                 for k in self.counts:
@@ -106,7 +111,7 @@ class Fast:
         meta = Meta(req.op, self.fields, None, {"tiles": {self.me: tuple(x.shape)}})
         pending = agreement.Pending.signed(ctx.backend, p2p, meta, deadline, self.vec, self.sigvec, sig,
                                            counted=lean, grace=grace if lean else None)
-        out = pending.hashes(posted.works if self.world_call else ())
+        out = pending.hashes(tokens if lean else posted.works if self.world_call else ())
         if out is not None and not out.mixed:
             base.issued[("signature_check", st.be.name)] += 1
             base.issued[("compiled", nat.prim.name)] += 1

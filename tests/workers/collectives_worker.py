@@ -438,7 +438,7 @@ def repeats(ctx, backends, stats):
 
 def repeated_ops(ctx, backends, stats):
     """Every op repeated with fresh values each call, NumPy and torch tiles (0-d tiles
-    averaged too), over every process: from the fourth call on they run compiled (over MPI
+    averaged too), over every process and over sub-groups: from the fourth call on they run compiled (over MPI
     the lean form: collective_call.run), and every result stays exact and of the input's kind."""
     import torch
     from meshcomm.backends.base import issued
@@ -480,6 +480,14 @@ def repeated_ops(ctx, backends, stats):
                      np.array([[r * 10 + it] * 2 for r in range(ws)]), "all_to_all")
                 same(mc.reduce_scatter(arr(np.full(ws, v, np.float64)), mesh, "x", op="avg", backend=b),
                      np.full(1, total * 10 / ws + it), "reduce_scatter avg")
+            if ws % 2 == 0:             # sub-groups: rows and columns of a 2 x ws/2 mesh
+                grid = mc.Mesh(np.arange(ws).reshape(2, ws // 2), ("a", "b"))
+                row, col = divmod(me, ws // 2)
+                for it in range(6):
+                    same(mc.all_reduce(arr(np.full(3, me + it, np.int64)), grid, "b", backend=b),
+                         np.full(3, sum(range(row * ws // 2, (row + 1) * ws // 2)) + ws // 2 * it), "rows")
+                    same(mc.all_gather(arr(np.full((1, 2), me + it, np.float32)), grid, "a", backend=b),
+                         np.array([[col + it] * 2, [col + ws // 2 + it] * 2], np.float32), "columns")
         if b == "mpi" and signature_checks(ctx) and settings_on("FAST_PATH"):
             # calls 4-6 of each op and kind compiled (the 4th may still check on the full path)
             assert issued[("compiled", "mpi")] - c0 >= 2 * 8 * 2, (b, issued[("compiled", "mpi")] - c0)
