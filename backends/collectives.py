@@ -61,11 +61,19 @@ def member(ranks: tuple[int, ...], root: int, what: str) -> int:
 
 def check_counts(counts: Sequence[int], ranks: tuple[int, ...], what: str) -> tuple[int, ...]:
     """`counts` as a tuple of non-negative ints, one per member of `ranks`."""
+    if type(counts) is tuple and (counts, len(ranks)) in _COUNTED:
+        return counts                   # (a repeated call passes the same tuple)
     out = tuple(int(c) for c in counts)
     if len(out) != len(ranks) or any(c < 0 for c in out):
         raise ValueError(f"{what}: counts must be {len(ranks)} non-negative ints (one per rank of "
                          f"group {list(ranks)}), got {list(counts)}")
+    if len(_COUNTED) < 4096:
+        _COUNTED.add((out, len(ranks)))
     return out
+
+
+_COUNTED: set = set()       # (counts, group size) that passed check_counts
+_DISPLS: dict = {}
 
 
 def check_len(buf, n: int, what: str, name: str) -> None:
@@ -77,11 +85,17 @@ def check_len(buf, n: int, what: str, name: str) -> None:
 
 def displs(counts: Sequence[int]) -> tuple[int, ...]:
     """Offsets of the blocks of `counts` laid end to end."""
-    out, at = [], 0
-    for c in counts:
-        out.append(at)
-        at += c
-    return tuple(out)
+    key = tuple(counts)
+    out = _DISPLS.get(key)
+    if out is None:
+        at, offs = 0, []
+        for c in key:
+            offs.append(at)
+            at += c
+        out = tuple(offs)
+        if len(_DISPLS) < 4096:
+            _DISPLS[key] = out
+    return out
 
 
 def others(ranks: Sequence[int], rank: int) -> tuple[int, ...]:

@@ -279,7 +279,7 @@ def poster(ctx, prim, req, g, me, dt, tile, shapes, kind):
         return post
     if req.op in ("all_gather", "gather"):
         sizes = [shapes[d][0] for d in g]
-        counts = [s * row * itemsize for s in sizes]
+        counts = tuple(s * row * itemsize for s in sizes)
         gets = req.op == "all_gather" or rooted
         shape = (sum(sizes),) + tuple(tile[1:])
 
@@ -300,14 +300,14 @@ def poster(ctx, prim, req, g, me, dt, tile, shapes, kind):
         i = g.index(me)
         shape = (sizes[i],) + tuple(tile[1:])
         if req.op == "reduce_scatter":
-            counts = [s * row for s in sizes]
+            counts = tuple(s * row for s in sizes)
 
             def post(x):
                 recv = empty_wire(counts[i] * itemsize, wire, x, typed_elems=counts[i])
                 w = prim.reduce_scatterv(_flat(x, wire, True), recv, counts, op, ranks)
                 return [w], lambda: {me: out(recv, x, shape, typed=True)}
             return post
-        counts = [s * row * itemsize for s in sizes]
+        counts = tuple(s * row * itemsize for s in sizes)
 
         def post(x):
             like = _like(x, kind, dt)
