@@ -107,7 +107,7 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
     stamp = _log.stamp(async_op) if _log.ON else None
     fk = fast_key(req, backend, x) if stamp is None else None
     fast = ctx.fast.get(fk) if fk is not None else None
-    if fast is not None and fast.lean and not async_op:
+    if fast is not None and not async_op:
         # a blocking repeated call of a host tile: its compiled form with the least Python
         # between the user and MPI (the full path below wherever it does not apply)
         r = ctx.call(fast.run, ctx, x, True)

@@ -61,7 +61,6 @@ class Fast:
         # a lean call counts as the full check and Posted.finish count theirs
         self.counts = (("signature_check", st.be.name), ("compiled", nat.prim.name),
                        ("native_" + nat.prim.name, st.req.op), ("optimistic_native", nat.prim.name))
-        self.lean = st.fk is not None
 
     def run(self, ctx, x, lean: bool = False):
         """The call's result (as collective_call `_State.go` returns it), or None where this
