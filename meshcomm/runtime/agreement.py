@@ -304,30 +304,26 @@ def _testall():
     return MPI.Request.Testall
 
 
-def quick_signed(p2p, works):
+def quick_signed(p2p, works, timeout: float | None):
     """A signature check's happy path, with nothing built: number the check (as
-    `Pending.signed` does) and poll `works` (MPI works on the signature communicator) as
-    `Pending.hashes` would, while no peer's hashes of this check arrive and its grace lasts.
-    True, with the check settled, when they completed; else the grace's end (a time; None
-    for works without MPI requests), and the check goes on as `Pending.signed(..., counted=True, grace=that)`, from the same number."""
+    `Pending.signed` does) and poll `works` (on the signature communicator) as
+    `Pending.hashes` does, while no peer's hashes of this check arrive and its grace (at
+    most `timeout`) lasts. True, with the check settled, when they completed; else the
+    grace's end (a time): the check goes on as `Pending.signed(..., counted=True,
+    grace=that)`, from the same number."""
     seq = _count(p2p)
-    reqs = _requests(works)
-    if reqs is None:
-        return None
-    testall, yield_ = _testall(), os.sched_yield
+    test = _tester(works)
     box = p2p._inbox
     grace = None
-    while True:
-        for _ in range(_QUICK):
-            if testall(reqs):
-                box.settle(seq)
-                return True
-            yield_()
+    while not test(_QUICK):
         box.poll()
         if grace is None:
-            grace = time.monotonic() + settings.get("SIGNATURE_GRACE")
+            g = settings.get("SIGNATURE_GRACE")
+            grace = time.monotonic() + (g if timeout is None else min(g, timeout))
         if box.any_at(seq) or time.monotonic() > grace:
             return grace
+    box.settle(seq)
+    return True
 
 
 def inbox_ready(p2p) -> bool:

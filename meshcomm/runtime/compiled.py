@@ -89,7 +89,7 @@ class Fast:
             # over every process the call's completion is the check; else a barrier over
             # every process on the signature communicator is
             tokens = works if self.world_call else p2p.ibarrier_on(sig)
-            grace = agreement.quick_signed(p2p, tokens)
+            grace = agreement.quick_signed(p2p, tokens, ctx.timeout)
             if grace is True and not self.world_call:
                 prim.wait_all(works, time.monotonic() + ctx.timeout)
             if grace is True:
