@@ -788,7 +788,7 @@ class _Run:
 
 def _contiguous_view(tile, sl):
     """tile[sl] as a 1-d view when that region is contiguous in memory, else None."""
-    v = tile[sl]
+    v = tile[sl + (...,)]       # a view of a 0-d tile too (by () NumPy gives a scalar copy)
     if _is_torch(v):
         return v.reshape(-1) if v.is_contiguous() else None
     if isinstance(v, np.ndarray) and v.flags.c_contiguous:

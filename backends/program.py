@@ -34,7 +34,7 @@ class Piece:
     out: bool                               # the tile is a dst tile (else a src tile)
     dev: int
     slices: tuple[tuple[slice, ...], ...]
-    whole: tuple[slice, ...] | None
+    whole: tuple | None     # ends in Ellipsis: tile[whole] is a view, of a 0-d tile too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +55,9 @@ class RankProgram:
 
 def _piece(t, dev, origin, out: bool) -> Piece:
     slices = tuple(local_slices(b, origin) for b in t.boxes)
-    whole = slices[0] if len(slices) == 1 and contiguous_in(t.boxes[0], origin) else None
+    # `+ (...,)`: indexing a 0-d tile by () gives a scalar copy, and a receive into that
+    # would be lost; by (...,) a view of the tile itself
+    whole = slices[0] + (...,) if len(slices) == 1 and contiguous_in(t.boxes[0], origin) else None
     return Piece(out, dev, slices, whole)
 
 

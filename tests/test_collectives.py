@@ -135,10 +135,10 @@ def test_mpiexec_8_and_two_devices_per_process(tmp_path):
     # every collective as its reshard plan (the native calls are tested on 4 processes)
     res = _launch(tmp_path / "a", 8, "--init", "mixed", "--backends", "mpi,torch,mixed", "--cases", "45",
                   "--seed", "12", env={"MESHCOMM_COLLECTIVES": "plan"})
-    assert all(r["ok"] == 45 and r["native"] == 0 for r in res)
+    assert all(r["ok"] == 45 and r["native"] == 0 and r["zero_d_ok"] == 1 for r in res)
     res = _launch(tmp_path / "b", 3, "--init", "mixed", "--backends", "mpi,torch", "--dpp", "2",
                   "--cases", "40", "--seed", "13", "--wide")
-    assert all(r["ok"] == 40 for r in res)
+    assert all(r["ok"] == 40 and r["zero_d_ok"] == 1 for r in res)    # 0-d tiles received into
 
 
 @pytest.mark.mpi

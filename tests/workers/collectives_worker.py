@@ -148,7 +148,7 @@ def close(a, b, dtype):
 def run_cases(ctx, args, backends, stats):
     ndev = ctx.world_size * ctx.devices_per_process
     pending = []
-    for i in range(args.cases):
+    for i in range(args.start, args.cases):
         rng = np.random.default_rng((args.seed, i))
         mesh, axes, op, dtype, red = draw(rng, ndev, args.wide)
         tiles, kw = tiles_for(rng, mesh, axes, op, dtype, red, scalars=args.wide)
@@ -183,6 +183,31 @@ def run_cases(ctx, args, backends, stats):
         check(ctx, *item)
     stats["ok"] += len(pending)
 
+
+
+def zero_d(ctx, backends, stats):
+    """0-d tiles on a mesh whose device order is not the ranks' (received straight into the
+    tile: a 0-d tile indexed by () is a scalar copy, and a receive into it was lost): a
+    broadcast from every root, and a reshard repeated so it runs compiled, on each backend."""
+    n = ctx.world_size * ctx.devices_per_process
+    order = list(np.random.default_rng(5).permutation(n))
+    mesh = mc.Mesh(np.array(order).reshape(n, 1), ("x", "y"))
+    owned = ctx.owned_devices(mesh)
+    for b in backends:
+        for root in range(n):
+            x = {d: np.array(1000 + d, dtype=np.uint32) for d in owned}
+            y = mc.broadcast(x or None, mesh, ("x", "y"), root=root, backend=b)
+            for d in owned:
+                assert y[d].shape == () and y[d] == 1000 + order[root], \
+                    f"zero_d [{b}] broadcast root {root}: rank {ctx.rank} device {d}: {y[d]!r}"
+        src = mc.Layout(mc.Mesh(order[:2], ("x",)), ())
+        dst = mc.Layout(mc.Mesh(order[::-1][:3], ("x",)), ())
+        x = {d: np.array(42.5, dtype=np.float64) for d in ctx.owned_devices(src)}
+        for k in range(5):
+            y = mc.reshard(x, src, dst, shape=(), dtype="float64", backend=b)
+            for d in ctx.owned_devices(dst):
+                assert y[d].shape == () and y[d] == 42.5, f"zero_d [{b}] reshard {k}: rank {ctx.rank} device {d}: {y[d]!r}"
+    stats["zero_d_ok"] += 1
 
 def check(ctx, h, asy, ref, owned, bare, what, dtype, torch_in=False):
     got = h.wait() if asy else h
@@ -513,6 +538,7 @@ def main():
     ap.add_argument("--dpp", type=int, default=1)
     ap.add_argument("--cases", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--start", type=int, default=0, help="first case (to replay one failing case)")
     ap.add_argument("--faults", action="store_true")
     ap.add_argument("--wide", action="store_true", help="element types beyond float32/64, int32/64 too")
     ap.add_argument("--fault-limit", type=float, default=15.0)
@@ -523,6 +549,7 @@ def main():
     stats: Counter = Counter()
     t0 = time.time()
     run_cases(ctx, args, backends, stats)
+    zero_d(ctx, backends, stats)
     if args.faults and args.dpp == 1:
         faults(ctx, backends, stats, args.fault_limit)
         p2p(ctx, backends, stats)
