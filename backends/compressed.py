@@ -139,7 +139,8 @@ class _Program:
         return self.codec.decode(Encoded(part, self.codec, self.dtype, unit.shape))
 
     def _target(self, dev: int, unit):
-        return self.dst[dev][local_slices(unit.box, self.dt.boxes[dev])]
+        # `+ (...,)`: a view of a 0-d tile too (indexed by () NumPy gives a scalar copy)
+        return self.dst[dev][local_slices(unit.box, self.dt.boxes[dev]) + (...,)]
 
     def _decode_into(self, dev: int, msg, parts) -> None:
         for u, p in zip(msg, parts):

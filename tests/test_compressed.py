@@ -85,6 +85,17 @@ def test_all_reduce_replicas_agree():
         assert np.abs(out[0] - exact).max() <= 4 * 2.0 ** -8 * np.abs(exact).max() + 4e-3
 
 
+
+@pytest.mark.parametrize("codec", ["bf16", "fp16", ZFP(rate=16)])
+def test_zero_d_tiles(codec):
+    # a 0-d tile indexed by () is a scalar copy: decoding into it was lost (a TypeError)
+    mesh = mc.Mesh(list(range(4)), ("x",))
+    out = mc.all_reduce({d: np.array(1.5 + d, np.float32) for d in range(4)}, mesh, "x", compression=codec)
+    assert all(type(v) is np.ndarray and v.shape == () and v == 12.0 for v in out.values()), out
+    src, dst = mc.Layout(mc.Mesh([0, 1], ("x",)), ()), mc.Layout(mc.Mesh([2, 3, 1], ("x",)), ())
+    out = mc.reshard({0: np.array(2.5, np.float32), 1: np.array(2.5, np.float32)}, src, dst, compression=codec)
+    assert all(v.shape == () and v == 2.5 for v in out.values()), out
+
 def test_reshard_within_tolerance_and_replicas_agree():
     a, b = mc.Mesh([0, 1, 2], ("x",)), mc.Mesh([[3, 4], [5, 6]], ("p", "q"))
     g = np.random.default_rng(1).standard_normal((30, 12)).astype(np.float64)

@@ -76,6 +76,8 @@ def random_case(rng, ndev, max_size=9):
     shape = tuple(int(s) for s in rng.integers(1, max_size + 1, size=tndim))
     if rng.random() < 0.05:
         shape = shape[:-1] + (0,)
+    elif rng.random() < 0.05:
+        shape = ()                                      # a 0-d tensor: every layout replicates it
     pool = list(range(ndev))
     src_mesh = random_mesh(rng, pool)
     mode = rng.choice(["disjoint", "overlapping", "same"])
@@ -107,7 +109,7 @@ def random_data(rng, shape, dtype, kind):
         import torch
         if dtype == "bfloat16":
             return torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)
-        return torch.from_numpy(np.ascontiguousarray(x))
+        return torch.from_numpy(np.ascontiguousarray(x).reshape(shape))     # ascontiguousarray makes 0-d 1-d
     return x
 
 
