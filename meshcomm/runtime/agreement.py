@@ -17,8 +17,9 @@ shapes, counts). `exchange` sends it to every process:
   (reshard's first stage) and wait for both together.
   Over MPI a call whose hashes every process agreed on twice before is checked by its
   signature communicator instead (`Pending.signature_comm`): a barrier there, or the call's
-  own native collective over every process, completes only if every process made exactly
-  this call; a process still waiting after MESHCOMM_SIGNATURE_GRACE, or seeing a peer's
+  own all_reduce, all_gather, reduce_scatter or all_to_all over every process (not a rooted
+  call: its root, or a non-root, completes once its own message is out), completes only if
+  every process made exactly this call; a process still waiting after MESHCOMM_SIGNATURE_GRACE, or seeing a peer's
   hashes of this check, sends its own, so a disagreement is decided by the same round. The
   vectors carry the check's number and arrive in an always-posted inbox
   (backends/hash_round.py `Inbox`).
@@ -172,7 +173,8 @@ class Pending:
         """The MPI communicator kept for exactly this call (every process agreed on these
         arguments twice before), or None: the call is checked by a round of hashes. With it,
         the caller posts on it what completes only if every process made this call (a
-        barrier, or the call's own native collective over all processes) and passes those
+        barrier, or the call's own unrooted native collective over all processes:
+        collective_call.SELF_CHECKING) and passes those
         works to `hashes`."""
         return self.sig
 

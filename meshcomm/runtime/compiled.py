@@ -24,7 +24,10 @@ __all__ = ["Fast", "fast_key"]
 
 def fast_key(req, backend, x):
     """The key of a repeated call's compiled form: the arguments and the tile's type, shape
-    and dtype (a bare NumPy array or CPU torch tensor in native byte order), or None."""
+    and dtype (a bare NumPy array or CPU torch tensor in native byte order; None where the
+    process passes no tile: a non-root of broadcast/scatter, or no device of the mesh), or None."""
+    if x is None:
+        return req, backend, None
     t = type(x)
     if t is np.ndarray:
         if not x.dtype.isnative:
@@ -73,19 +76,22 @@ class Fast:
         sig = p2p.sig_comm(self.world, self.signame)
         if sig is None or not agreement.inbox_ready(p2p):
             return None
-        comm = sig if self.world_call else native_call.sig_comm_of(ctx, nat.prim, req, self.group, f.dtype, f.tile,
-                                                                 f.shapes, None, create=False)
+        comm = sig if self.world_call or self.me is None else native_call.sig_comm_of(
+            ctx, nat.prim, req, self.group, f.dtype, f.tile, f.shapes, None, create=False)
         if comm is None:
             return None
         if lean:
             # the common case, with the least Python: the call posted on its signature
             # communicator and the check passed within the grace, nothing else built
             prim = nat.prim
-            prim._pin = comm
-            try:
-                works, fin = self.post(x)
-            finally:
-                prim._pin = None
+            if self.post is None:           # no device of the mesh here: the check alone
+                works, fin = [], dict
+            else:
+                prim._pin = comm
+                try:
+                    works, fin = self.post(x)
+                finally:
+                    prim._pin = None
             # over every process the call's completion is the check; else a barrier over
             # every process on the signature communicator is
             tokens = works if self.world_call else p2p.ibarrier_on(sig)
@@ -103,11 +109,11 @@ class Fast:
                 return (v if self.scale == 1 else arrays.divided(v, self.scale),)
             posted = native_call.Posted(self.group, self.me, works, fin, time.time())
         deadline = time.monotonic() + ctx.timeout
-        tiles = {self.me: x}
+        tiles = {} if x is None else {self.me: x}
         if not lean:
-            posted = native_call.post_on(ctx, nat, req, self.group, self.me, tiles, f.dtype, f.tile, f.shapes,
-                                         f.kind, comm, self.post)
-        meta = Meta(req.op, self.fields, None, {"tiles": {self.me: tuple(x.shape)}})
+            posted = native_call.Posted(None, None, [], dict, 0.0) if self.me is None else native_call.post_on(
+                ctx, nat, req, self.group, self.me, tiles, f.dtype, f.tile, f.shapes, f.kind, comm, self.post)
+        meta = Meta(req.op, self.fields, None, {"tiles": {d: tuple(v.shape) for d, v in tiles.items()}})
         pending = agreement.Pending.signed(ctx.backend, p2p, meta, deadline, self.vec, self.sigvec, sig,
                                            counted=lean, grace=grace if lean else None)
         out = pending.hashes(tokens if lean else posted.works if self.world_call else ())

@@ -505,6 +505,40 @@ def repeated_ops(ctx, backends, stats):
                      np.array([[r * 10 + it] * 2 for r in range(ws)]), "all_to_all")
                 same(mc.reduce_scatter(arr(np.full(ws, v, np.float64)), mesh, "x", op="avg", backend=b),
                      np.full(1, total * 10 / ws + it), "reduce_scatter avg")
+            # no tile passed: non-roots of broadcast and scatter, and the process outside a
+            # mesh of the others; they run compiled too (the receive, or the check alone)
+            c1 = issued[("compiled", "mpi")]
+            part = mc.Mesh(np.arange(max(ws - 1, 1)), ("x",))
+            for it in range(6):
+                v = me * 10 + it
+                same(mc.broadcast(arr(np.full(4, v, np.float32)) if me == ws - 1 else None, mesh, "x",
+                                  root=ws - 1, backend=b), np.full(4, (ws - 1) * 10 + it, np.float32), "broadcast from None")
+                same(mc.scatter(arr(np.arange(2 * ws, dtype=np.int64) + v) if me == 0 else None, mesh, "x",
+                                root=0, backend=b), np.arange(2 * me, 2 * me + 2) + it, "scatter from None")
+                y = mc.all_reduce(arr(np.full(2, me + it, np.int64)) if me < part.size else None, part, "x", backend=b)
+                if me < part.size:
+                    same(y, np.full(2, sum(range(part.size)) + part.size * it), "a mesh without the last process")
+                else:
+                    assert y is None, (b, kind, "outside the mesh", y)
+            if b == "mpi" and signature_checks(ctx) and settings_on("FAST_PATH"):
+                assert issued[("compiled", "mpi")] - c1 >= 3 * 2, (b, kind, "no tile", issued[("compiled", "mpi")] - c1)
+            # a rooted op repeated (compiled at the root) while the others make another call:
+            # the root's own message is out at once, yet it must raise with the others
+            for op, root in (("broadcast", ws - 1), ("scatter", 0), ("reduce", 0), ("gather", 0)):
+                x = arr(np.arange(2 * ws, dtype=np.float32).reshape(ws, 2) if op == "scatter" else np.ones((1, 2), np.float32))
+                for _ in range(5):
+                    getattr(mc, op)(x, mesh, "x", root=root, backend=b)
+                odd = root if op in ("broadcast", "scatter") else (root + 1) % ws   # the one that completes early
+                try:
+                    if me == odd:
+                        getattr(mc, op)(x, mesh, "x", root=root, backend=b)
+                    else:
+                        mc.all_reduce(arr(np.ones(3, np.float32)), mesh, "x", backend=b)
+                except ValueError as e:
+                    assert "disagree" in str(e), (b, kind, op, str(e))
+                else:
+                    raise AssertionError(f"rank {me}: {b} {kind} {op}: no error while the others called all_reduce")
+                same(mc.all_reduce(arr(np.full(2, me, np.int64)), mesh, "x", backend=b), np.full(2, total), "after")
             if ws % 2 == 0:             # sub-groups: rows and columns of a 2 x ws/2 mesh
                 grid = mc.Mesh(np.arange(ws).reshape(2, ws // 2), ("a", "b"))
                 row, col = divmod(me, ws // 2)
