@@ -174,7 +174,7 @@ class Pending:
         arguments twice before), or None: the call is checked by a round of hashes. With it,
         the caller posts on it what completes only if every process made this call (a
         barrier, or the call's own unrooted native collective over all processes:
-        collective_call.SELF_CHECKING) and passes those
+        native_call.self_checking) and passes those
         works to `hashes`."""
         return self.sig
 

@@ -38,15 +38,6 @@ __all__ = ["Request", "run", "tiles_of", "coded_dims"]
 
 
 
-# Operations whose native call completes on a process only once every member has posted it,
-# so that over every process, on the signature communicator, the call is its own check. Not
-# the rooted ones: a broadcast or scatter completes at its root, a reduce or gather at a
-# non-root, as soon as that process's own message is out (a small one is sent eagerly), with
-# the others maybe in another call; those post the flat barrier beside the data, as a
-# sub-group call does.
-SELF_CHECKING = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all"})
-
-
 @dataclasses.dataclass(frozen=True)
 class Request:
     """A collective call as the user made it (validated names, not yet its tiles)."""
@@ -236,8 +227,9 @@ class _State:
             # completion is then the check (nothing else is sent).
             nat = native_call.choose(ctx, be, req, f.dtype, f.tile, f.shapes, f.devtype)
             if nat is not None:
-                world = sig is not None and nat.prim is pending.p2p and req.op in SELF_CHECKING and \
-                    nat.all_ranks == (tuple(range(ctx.world_size)),)
+                world = sig is not None and nat.prim is pending.p2p and \
+                    nat.all_ranks == (tuple(range(ctx.world_size)),) and \
+                    native_call.self_checking(req, groups(req.mesh, req.axes)[0], f.tile, f.shapes)
                 posted = native_call.start(ctx, nat, req, tiles, f.dtype, f.tile, f.shapes, f.kind,
                                            comm=sig if world else None)
                 if world and posted is not None:

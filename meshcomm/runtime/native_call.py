@@ -24,7 +24,7 @@ from ..backends.base import empty_wire, from_wire, issued, to_wire
 from ..collectives.layouts import groups
 from .reshard_call import empty_like
 
-__all__ = ["Native", "Posted", "choose", "run", "start", "post_on", "poster", "sig_comm_of"]
+__all__ = ["Native", "Posted", "choose", "run", "start", "post_on", "poster", "sig_comm_of", "self_checking"]
 
 TABLE_OP = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatter": "reduce_scatter",
             "broadcast": "bcast", "reduce": "reduce", "all_to_all": "alltoall", "gather": "gather",
@@ -78,6 +78,24 @@ def _nccl_bytes(req, tile, shapes, g, itemsize) -> int:
 def _chunks(n: int, k: int) -> list[int]:
     c = -(-n // k)
     return [min((i + 1) * c, n) - min(i * c, n) for i in range(k)]
+
+
+def self_checking(req, g, tile, shapes) -> bool:
+    """Whether group `g`'s native call completes on a member only once every member has posted
+    it, so that over every process, on the signature communicator, it is its own agreement
+    check: an all_reduce, all_gather, reduce_scatter or all_to_all in which every member sends
+    and receives some bytes. Not a rooted call (a broadcast or scatter completes at its root,
+    a reduce or gather at a non-root, once that process's own message is out), nor one where a
+    member receives nothing (MPICH completes a 0-byte all_to_all, or a reduce_scatter member's
+    empty chunk, at once)."""
+    if req.op not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all") or not tile:
+        return False
+    row = math.prod(tile[1:])
+    if req.op == "all_gather":
+        return row > 0 and all((shapes[d][0] if shapes else tile[0]) > 0 for d in g)
+    if req.op == "reduce_scatter":
+        return row > 0 and min(_chunks(tile[0], len(g))) > 0
+    return tile[0] * row > 0
 
 
 def wire_bytes(req, k: int, i: int, root: int | None, size: int) -> tuple[int, int]:

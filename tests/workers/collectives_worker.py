@@ -522,22 +522,30 @@ def repeated_ops(ctx, backends, stats):
                     assert y is None, (b, kind, "outside the mesh", y)
             if b == "mpi" and signature_checks(ctx) and settings_on("FAST_PATH"):
                 assert issued[("compiled", "mpi")] - c1 >= 3 * 2, (b, kind, "no tile", issued[("compiled", "mpi")] - c1)
-            # a rooted op repeated (compiled at the root) while the others make another call:
-            # the root's own message is out at once, yet it must raise with the others
-            for op, root in (("broadcast", ws - 1), ("scatter", 0), ("reduce", 0), ("gather", 0)):
-                x = arr(np.arange(2 * ws, dtype=np.float32).reshape(ws, 2) if op == "scatter" else np.ones((1, 2), np.float32))
+            # a call repeated (compiled) while the others make another one, where this process's
+            # own part completes at once (a rooted op's root or non-root; a member that
+            # receives 0 bytes): it must still raise with the others
+            one = arr(np.ones((1, 2), np.float32))
+            early = [(op, lambda op=op, root=root: getattr(mc, op)(
+                        arr(np.ones((ws, 2), np.float32)) if op == "scatter" else one, mesh, "x", root=root, backend=b),
+                      root if op in ("broadcast", "scatter") else (root + 1) % ws)
+                     for op, root in (("broadcast", ws - 1), ("scatter", 0), ("reduce", 0), ("gather", 0))]
+            early += [("all_to_all of 0 bytes", lambda: mc.all_to_all(arr(np.zeros((0, 2), np.float32)), mesh, "x",
+                                                                    backend=b), 0),
+                      ("reduce_scatter, an empty chunk", lambda: mc.reduce_scatter(arr(np.ones((ws - 1, 2), np.float32)),
+                                                                                   mesh, "x", backend=b), ws - 1)]
+            for what, call, odd in early:
                 for _ in range(5):
-                    getattr(mc, op)(x, mesh, "x", root=root, backend=b)
-                odd = root if op in ("broadcast", "scatter") else (root + 1) % ws   # the one that completes early
+                    call()
                 try:
                     if me == odd:
-                        getattr(mc, op)(x, mesh, "x", root=root, backend=b)
+                        call()
                     else:
                         mc.all_reduce(arr(np.ones(3, np.float32)), mesh, "x", backend=b)
                 except ValueError as e:
-                    assert "disagree" in str(e), (b, kind, op, str(e))
+                    assert "disagree" in str(e), (b, kind, what, str(e))
                 else:
-                    raise AssertionError(f"rank {me}: {b} {kind} {op}: no error while the others called all_reduce")
+                    raise AssertionError(f"rank {me}: {b} {kind} {what}: no error while the others called all_reduce")
                 same(mc.all_reduce(arr(np.full(2, me, np.int64)), mesh, "x", backend=b), np.full(2, total), "after")
             if ws % 2 == 0:             # sub-groups: rows and columns of a 2 x ws/2 mesh
                 grid = mc.Mesh(np.arange(ws).reshape(2, ws // 2), ("a", "b"))
