@@ -229,7 +229,7 @@ class _State:
             if nat is not None:
                 world = sig is not None and nat.prim is pending.p2p and \
                     nat.all_ranks == (tuple(range(ctx.world_size)),) and \
-                    native_call.self_checking(req, groups(req.mesh, req.axes)[0], f.tile, f.shapes)
+                    native_call.self_checking(nat.prim, req, groups(req.mesh, req.axes)[0], f.dtype, f.tile, f.shapes)
                 posted = native_call.start(ctx, nat, req, tiles, f.dtype, f.tile, f.shapes, f.kind,
                                            comm=sig if world else None)
                 if world and posted is not None:

@@ -24,7 +24,8 @@ from ..backends.base import empty_wire, from_wire, issued, to_wire
 from ..collectives.layouts import groups
 from .reshard_call import empty_like
 
-__all__ = ["Native", "Posted", "choose", "run", "start", "post_on", "poster", "sig_comm_of", "self_checking"]
+__all__ = ["Native", "Posted", "choose", "run", "start", "post_on", "poster", "sig_comm_of", "self_checking",
+           "symmetric_form", "SYMMETRIC_MAX"]
 
 TABLE_OP = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatter": "reduce_scatter",
             "broadcast": "bcast", "reduce": "reduce", "all_to_all": "alltoall", "gather": "gather",
@@ -80,18 +81,45 @@ def _chunks(n: int, k: int) -> list[int]:
     return [min((i + 1) * c, n) - min(i * c, n) for i in range(k)]
 
 
-def self_checking(req, g, tile, shapes) -> bool:
+SYMMETRIC_MAX = 8 << 10      # bytes: up to this a rooted MPI call runs as its symmetric twin
+_ROOTED = ("broadcast", "reduce", "gather", "scatter")
+
+
+def _rooted_bytes(req, g, dt, tile, shapes) -> int:
+    if req.op == "gather":
+        return sum(shapes[d][0] for d in g) * math.prod(tile[1:]) * dt[1]
+    return math.prod(tile) * dt[1]
+
+
+def symmetric_form(prim, req, g, dt, tile, shapes) -> bool:
+    """Whether a rooted call runs as its symmetric twin (an all_reduce for broadcast, reduce and
+    scatter: the root's bytes against zeros by MAX, byte by byte, for the first and last; an
+    all_gather for gather): over MPI, from 1 byte to SYMMETRIC_MAX. The twin completes nowhere
+    before every member posted it, so over every process it is its own agreement check
+    (`self_checking`), where the rooted call needs a barrier beside it; at these sizes it
+    moves about what the rooted call does in as many rounds."""
+    return req.op in _ROOTED and prim.name == "mpi" and prim.wire == "numpy" and \
+        0 < _rooted_bytes(req, g, dt, tile, shapes) <= SYMMETRIC_MAX
+
+
+def self_checking(prim, req, g, dt, tile, shapes) -> bool:
     """Whether group `g`'s native call completes on a member only once every member has posted
     it, so that over every process, on the signature communicator, it is its own agreement
     check: an all_reduce, all_gather, reduce_scatter or all_to_all in which every member sends
-    and receives some bytes. Not a rooted call (a broadcast or scatter completes at its root,
-    a reduce or gather at a non-root, once that process's own message is out), nor one where a
-    member receives nothing (MPICH completes a 0-byte all_to_all, or a reduce_scatter member's
-    empty chunk, at once)."""
-    if req.op not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all") or not tile:
+    and receives some bytes, or a rooted call's symmetric twin (`symmetric_form`). Not a rooted
+    call itself (a broadcast or scatter completes at its root, a reduce or gather at a
+    non-root, once that process's own message is out), nor one where a member receives
+    nothing (MPICH completes a 0-byte all_to_all, or a reduce_scatter member's empty chunk,
+    at once)."""
+    if req.op in _ROOTED:
+        if not symmetric_form(prim, req, g, dt, tile, shapes):
+            return False
+        if req.op != "gather":
+            return True
+    elif req.op not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all") or not tile:
         return False
     row = math.prod(tile[1:])
-    if req.op == "all_gather":
+    if req.op in ("all_gather", "gather"):
         return row > 0 and all((shapes[d][0] if shapes else tile[0]) > 0 for d in g)
     if req.op == "reduce_scatter":
         return row > 0 and min(_chunks(tile[0], len(g))) > 0
@@ -268,8 +296,10 @@ def poster(ctx, prim, req, g, me, dt, tile, shapes, kind):
         return from_wire(buf, like, typed=typed).reshape(shape)
 
     op = "sum" if req.reduce_op == "avg" else req.reduce_op
-    root = rank_of(g[req.root]) if req.op in ("broadcast", "reduce", "gather", "scatter") else None
+    root = rank_of(g[req.root]) if req.op in _ROOTED else None
     rooted = ctx.rank == root
+    if symmetric_form(prim, req, g, dt, tile, shapes):
+        return _twin(prim, req, g, me, dt, tile, shapes, kind, ranks, rooted, op)
     if req.op == "all_reduce" and kind == "numpy" and wire == "numpy":
         def post(x):                    # the common case, with the least Python
             buf = buffers.copy(x).reshape(-1)
@@ -339,4 +369,44 @@ def poster(ctx, prim, req, g, me, dt, tile, shapes, kind):
     def post(x):
         recv = empty_wire(n, wire, x)
         return [prim.alltoall(_flat(x, wire, False), recv, ranks)], lambda: {me: out(recv, x, tile)}
+    return post
+
+
+def _twin(prim, req, g, me, dt, tile, shapes, kind, ranks, rooted, op):
+    """The poster of a rooted call's symmetric twin (`symmetric_form`): every member posts it
+    and gets the whole result; the root's result (a non-root's, for broadcast and scatter) is
+    what the rooted call gives, and the others' is dropped."""
+    wire, itemsize = prim.wire, dt[1]
+    row = math.prod(tile[1:]) if tile else 1
+    if req.op == "reduce":
+        def post(x):
+            buf = _flat(x.clone() if arrays.is_torch(x) else buffers.copy(x), wire, True)
+            w = prim.allreduce(buf, op, ranks)
+            return [w], (lambda: {me: from_wire(buf, x, typed=True).reshape(tile)}) if rooted else dict
+        return post
+    if req.op == "gather":
+        sizes = [shapes[d][0] for d in g]
+        counts = tuple(s * row * itemsize for s in sizes)
+        shape = (sum(sizes),) + tuple(tile[1:])
+
+        def post(x):
+            like = _like(x, kind, dt)
+            recv = empty_wire(sum(counts), wire, like)
+            w = prim.allgatherv(_flat(x, wire, False), recv, counts, ranks)
+            return [w], (lambda: {me: from_wire(recv, like).reshape(shape)}) if rooted else dict
+        return post
+    # broadcast and scatter: the root's bytes, zeros elsewhere, reduced by MAX byte by byte
+    n = math.prod(tile) * itemsize
+    off, m, shape = 0, n, tile
+    if req.op == "scatter":
+        sizes = _chunks(tile[0], len(g))
+        i = g.index(me)
+        off, m, shape = sum(sizes[:i]) * row * itemsize, sizes[i] * row * itemsize, (sizes[i],) + tuple(tile[1:])
+
+    def post(x):
+        like = _like(x, kind, dt)
+        buf = _flat(x.clone() if arrays.is_torch(x) else buffers.copy(x), wire, False) if rooted \
+            else np.zeros(n, np.uint8)
+        w = prim.allreduce(buf, "max", ranks)
+        return [w], lambda: {me: from_wire(buf[off:off + m], like).reshape(shape)}
     return post

@@ -530,7 +530,9 @@ def repeated_ops(ctx, backends, stats):
                         arr(np.ones((ws, 2), np.float32)) if op == "scatter" else one, mesh, "x", root=root, backend=b),
                       root if op in ("broadcast", "scatter") else (root + 1) % ws)
                      for op, root in (("broadcast", ws - 1), ("scatter", 0), ("reduce", 0), ("gather", 0))]
-            early += [("all_to_all of 0 bytes", lambda: mc.all_to_all(arr(np.zeros((0, 2), np.float32)), mesh, "x",
+            big = arr(np.ones(16384, np.float32))         # past native_call.SYMMETRIC_MAX: a real broadcast
+            early += [("broadcast of 64 KiB", lambda: mc.broadcast(big, mesh, "x", root=0, backend=b), 0),
+                      ("all_to_all of 0 bytes", lambda: mc.all_to_all(arr(np.zeros((0, 2), np.float32)), mesh, "x",
                                                                     backend=b), 0),
                       ("reduce_scatter, an empty chunk", lambda: mc.reduce_scatter(arr(np.ones((ws - 1, 2), np.float32)),
                                                                                    mesh, "x", backend=b), ws - 1)]
