@@ -19,8 +19,8 @@ shapes, counts). `exchange` sends it to every process:
   signature communicator instead (`Pending.signature_comm`): a barrier there, or the call's
   own all_reduce, all_gather, reduce_scatter or all_to_all over every process (not a rooted
   call: its root, or a non-root, completes once its own message is out), completes only if
-  every process made exactly this call; a process still waiting after MESHCOMM_SIGNATURE_GRACE, or seeing a peer's
-  hashes of this check, sends its own, so a disagreement is decided by the same round. The
+  every process made exactly this call; a process still waiting after
+  MESHCOMM_SIGNATURE_GRACE, or seeing a peer's hashes of this check, sends its own, so a disagreement is decided by the same round. The
   vectors carry the check's number and arrive in an always-posted inbox
   (backends/hash_round.py `Inbox`).
 * `allreduce` (above 8 processes, or MESHCOMM_CHECK_EXCHANGE=allreduce): first one
@@ -173,9 +173,9 @@ class Pending:
         """The MPI communicator kept for exactly this call (every process agreed on these
         arguments twice before), or None: the call is checked by a round of hashes. With it,
         the caller posts on it what completes only if every process made this call (a
-        barrier, or the call's own unrooted native collective over all processes:
-        native_call.self_checking) and passes those
-        works to `hashes`."""
+        barrier, or the call's own native collective over all processes where
+        native_call.self_checking says it is its own check) and passes those works to
+        `hashes`."""
         return self.sig
 
     def signature_tokens(self) -> list:

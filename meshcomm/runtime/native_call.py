@@ -116,7 +116,9 @@ def self_checking(prim, req, g, dt, tile, shapes) -> bool:
             return False
         if req.op != "gather":
             return True
-    elif req.op not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all") or not tile:
+    elif req.op == "all_reduce":
+        return math.prod(tile) > 0          # a 0-d tile too: one element
+    elif req.op not in ("all_gather", "reduce_scatter", "all_to_all") or not tile:
         return False
     row = math.prod(tile[1:])
     if req.op in ("all_gather", "gather"):
