@@ -73,7 +73,7 @@ from .pack import pack, unpack
 from meshcomm import settings
 from meshcomm.caches import memo
 __all__ = ["Work", "DoneWork", "Backend", "Step", "compile_steps", "wire_bytes", "groups_needed", "execute",
-           "wait_polling", "backoff", "issued", "to_wire", "torch_of", "empty_wire", "from_wire", "TAG_MOD"]
+           "wait_polling", "backoff", "abandon", "ABANDONED", "issued", "to_wire", "torch_of", "empty_wire", "from_wire", "TAG_MOD"]
 
 TAG_MOD = 32768   # the MPI standard guarantees tags up to 32767
 
@@ -115,14 +115,40 @@ def backoff(spins: int) -> None:
     time.sleep(min(SLEEP_MAX, 1e-5 * (spins - YIELD + 1)))
 
 
-# Works given up on after a timeout stay referenced here for the life of the process: MPI may
-# still write into their buffers (a peer can arrive late, and a collective request cannot be
-# cancelled), so freeing them would let it write into freed memory.
+# Works given up on (a timeout, an aborted plan, a failed agreement) stay referenced here until
+# they complete: MPI may still write into their buffers (a peer can arrive late, a receive
+# already matched cannot be cancelled, nor can a collective), and dropping the last reference
+# to an mpi4py request frees it while active and releases its buffer: MPI would then write
+# into freed memory (heap corruption, seen as a crash in malloc much later).
 ABANDONED: list = []
 
 
-def timeout_error(rank, works: Sequence[Work], timeout: float | None) -> PeerTimeoutError:
+def abandon(works: Sequence, cancel: bool = False) -> None:
+    """The one way to give works up: try to cancel them if `cancel` (receives; best effort),
+    then keep them in ABANDONED. Works given up before that have completed by now (a
+    cancelled receive completes, a late peer's message arrives) are let go here."""
+    if cancel:
+        for w in works:
+            c = getattr(w, "cancel", None)
+            if c is not None:
+                try:
+                    c()
+                except Exception:  # noqa: BLE001 - best effort: the work stays kept either way
+                    pass
+    keep = []
+    for w in ABANDONED:
+        try:
+            done = w.test()
+        except Exception:  # noqa: BLE001 - a failed work stays kept: nothing says MPI let go
+            done = False
+        if not done:
+            keep.append(w)
+    ABANDONED[:] = keep
     ABANDONED.extend(works)
+
+
+def timeout_error(rank, works: Sequence[Work], timeout: float | None) -> PeerTimeoutError:
+    abandon(works)
     peers = sorted({p for w in works for p in w.peers})
     ops = sorted({w.op for w in works})
     t = f"{timeout:g}s" if timeout is not None else "the timeout"
@@ -593,11 +619,7 @@ class Execution:
         return self.out, self._done
 
     def abort(self) -> None:
-        for _, works, _ in self.pending:
-            for w in works:
-                cancel = getattr(w, "cancel", None)
-                if cancel is not None:
-                    cancel()
+        abandon([w for _, works, _ in self.pending for w in works], cancel=True)
         self.pending.clear()
         self._gen = None
 

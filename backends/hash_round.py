@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .base import Work, backoff, timeout_error, wait_polling
+from .base import Work, abandon, backoff, timeout_error, wait_polling
 
 __all__ = ["Round", "start"]
 
@@ -28,6 +28,9 @@ class _Peer(Work):
 
     def __init__(self, peer: int, op: str):
         self.peers, self.op = (peer,), op
+
+    def test(self) -> bool:
+        return True         # nothing in flight: the round's requests are kept by the round
 
 
 class Round:
@@ -68,17 +71,17 @@ class Round:
         return [_Peer(p, "the agreement check") for p, r in zip(self.peers, self.reqs[:n]) if not r.Test()]
 
     def cancel(self) -> None:
-        if self.reqs is not None:
-            for r in self.reqs:
-                try:
-                    r.Cancel()
-                except Exception:  # noqa: BLE001 - best effort after a timeout
-                    pass
+        """Give the round up: cancel its receives (best effort) and keep it, buffers and all,
+        until MPI lets go of them (base.abandon)."""
+        if self.reqs is None:
+            abandon(self.works, cancel=True)
             return
-        for w in self.works:
-            c = getattr(w, "cancel", None)
-            if c is not None:
-                c()
+        for r in self.reqs:
+            try:
+                r.Cancel()
+            except Exception:  # noqa: BLE001 - best effort after a timeout
+                pass
+        abandon([self])
 
 
 def start(be, vec: np.ndarray, tag: int) -> Round:

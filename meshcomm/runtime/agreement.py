@@ -230,7 +230,7 @@ class Pending:
         disagreement returns None on every process, in this call. Nothing else is sent.
         `ready`: (some of the tokens, a function) called once those complete, if they do
         before all of them (a reshard starts its data with the peers already in the call)."""
-        from ..backends.base import ABANDONED, backoff, timeout_error
+        from ..backends.base import abandon, backoff, timeout_error
         box, seq, meta = self.box, self.seq, self.meta
         vec, grace = None, self.grace
         sent = agreed = False
@@ -260,14 +260,14 @@ class Pending:
                 box.settle(seq)
                 out = rows.min(axis=0).tolist()
                 if not decided(out):
-                    ABANDONED.extend(tokens)
+                    abandon(tokens)
                     return None
                 if not (rows == rows[0]).all():     # some process checks by hashes alone
-                    ABANDONED.extend(tokens)
+                    abandon(tokens)
                     return Outcome(meta.fields, None, out, "hash", mixed=True)
                 agreed = True                       # a late peer: the tokens will complete
             if self.deadline is not None and time.monotonic() > self.deadline:
-                ABANDONED.extend(tokens)
+                abandon(tokens)
                 late = box.missing(seq) if sent and not agreed else tokens
                 raise timeout_error(self.be.rank, late, self.be.timeout)
             spins += 1

@@ -263,8 +263,8 @@ class Posted:
     def abandon(self) -> None:
         """Give the works up (the agreement failed): MPI may still write into their buffers,
         so they stay referenced; the caller resets the communicators they were posted on."""
-        from meshcomm.backends.base import ABANDONED
-        ABANDONED.extend(self.works)
+        from meshcomm.backends.base import abandon
+        abandon(self.works)
         self.works = []
 
 
