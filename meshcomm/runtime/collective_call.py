@@ -116,15 +116,24 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
     from meshcomm.backends import streams
     if fast is not None:
         # a repeated call: its compiled form (`Fast`), which falls back to the full path
-        # below whenever it no longer applies (checked on the queue, just before it runs)
+        # below whenever it no longer applies (checked on the queue, just before it runs).
+        # Asynchronous: the lean form on the queue's thread, where everything issued before
+        # has run (a one-element list: the finished result tile)
         def go():
+            if async_op:
+                r = fast.run(ctx, x, True)
+                if r is not None:
+                    return [r[0]]
             return fast.run(ctx, x) or _State.of(ctx, req, x, backend, None, fk).go()
         result = ctx.run(go, async_op)
     else:
         result = ctx.run(_State.of(ctx, req, x, backend, stamp, fk).go, async_op)
 
     def finish():
-        res, done, kind, prob, bare, owned = result()
+        out = result()
+        if type(out) is list:
+            return out[0]
+        res, done, kind, prob, bare, owned = out
         for v in res.values():
             if done is not None:
                 done.wait_on(streams.current_stream(streams.device_of(v)))

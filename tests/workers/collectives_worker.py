@@ -549,6 +549,26 @@ def repeated_ops(ctx, backends, stats):
                 else:
                     raise AssertionError(f"rank {me}: {b} {kind} {what}: no error while the others called all_reduce")
                 same(mc.all_reduce(arr(np.full(2, me, np.int64)), mesh, "x", backend=b), np.full(2, total), "after")
+            # asynchronous repeats (the lean form on the queue's thread): several in flight,
+            # waited in order, then one process's repeated async call against the others' all_reduce
+            for it in range(6):
+                hs = [(mc.all_reduce(arr(np.full(3, me + it + k, np.int64)), mesh, "x", backend=b, async_op=True),
+                       np.full(3, total + ws * (it + k)), f"async all_reduce {k}") for k in range(3)]
+                hs.append((mc.all_gather(arr(np.full((1, 2), me + it, np.float32)), mesh, "x", backend=b, async_op=True),
+                           np.array([[r + it] * 2 for r in range(ws)], np.float32), "async all_gather"))
+                for h, want, what in hs:
+                    same(h.wait(), want, what)
+            for _ in range(5):
+                mc.broadcast(one, mesh, "x", root=0, backend=b, async_op=True).wait()
+            h = (mc.broadcast(one, mesh, "x", root=0, backend=b, async_op=True) if me == ws - 1 else
+                 mc.all_reduce(arr(np.ones(3, np.float32)), mesh, "x", backend=b, async_op=True))
+            try:
+                h.wait()
+            except ValueError as e:
+                assert "disagree" in str(e), (b, kind, "async", str(e))
+            else:
+                raise AssertionError(f"rank {me}: {b} {kind}: async repeat: no error while the others called all_reduce")
+            same(mc.all_reduce(arr(np.full(2, me, np.int64)), mesh, "x", backend=b), np.full(2, total), "after async")
             if ws % 2 == 0:             # sub-groups: rows and columns of a 2 x ws/2 mesh
                 grid = mc.Mesh(np.arange(ws).reshape(2, ws // 2), ("a", "b"))
                 row, col = divmod(me, ws // 2)
