@@ -118,12 +118,12 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
         # a repeated call: its compiled form (`Fast`), which falls back to the full path
         # below whenever it no longer applies (checked on the queue, just before it runs).
         # Asynchronous: the lean form on the queue's thread, where everything issued before
-        # has run (a one-element list: the finished result tile)
+        # has run (a one-element list: the finished result tile; where it does not apply,
+        # neither does the compiled form: the same conditions)
         def go():
             if async_op:
                 r = fast.run(ctx, x, True)
-                if r is not None:
-                    return [r[0]]
+                return [r[0]] if r is not None else _State.of(ctx, req, x, backend, None, fk).go()
             return fast.run(ctx, x) or _State.of(ctx, req, x, backend, None, fk).go()
         result = ctx.run(go, async_op)
     else:
