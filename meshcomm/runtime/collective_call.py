@@ -110,21 +110,17 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
     if fast is not None and not async_op:
         # a blocking repeated call of a host tile: its compiled form with the least Python
         # between the user and MPI (the full path below wherever it does not apply)
-        r = ctx.call(fast.run, ctx, x, True)
+        r = ctx.call(fast.run, ctx, x)
         if r is not None:
             return r[0]
+        fast = None
     from meshcomm.backends import streams
     if fast is not None:
-        # a repeated call: its compiled form (`Fast`), which falls back to the full path
-        # below whenever it no longer applies (checked on the queue, just before it runs).
-        # Asynchronous: the lean form on the queue's thread, where everything issued before
-        # has run (a one-element list: the finished result tile; where it does not apply,
-        # neither does the compiled form: the same conditions)
+        # asynchronous: the same form on the queue's thread, where everything issued before
+        # has run (a one-element list: the finished result tile), or the full path
         def go():
-            if async_op:
-                r = fast.run(ctx, x, True)
-                return [r[0]] if r is not None else _State.of(ctx, req, x, backend, None, fk).go()
-            return fast.run(ctx, x) or _State.of(ctx, req, x, backend, None, fk).go()
+            r = fast.run(ctx, x)
+            return [r[0]] if r is not None else _State.of(ctx, req, x, backend, None, fk).go()
         result = ctx.run(go, async_op)
     else:
         result = ctx.run(_State.of(ctx, req, x, backend, stamp, fk).go, async_op)

@@ -61,15 +61,16 @@ class Fast:
         self.scale = prob.scale
         self.post = None if self.me is None else native_call.poster(
             st.ctx, nat.prim, st.req, self.group, self.me, self.f.dtype, self.f.tile, self.f.shapes, self.f.kind)
-        # a lean call counts as the full check and Posted.finish count theirs
+        # counted as the full check and Posted.finish count theirs
         self.counts = (("signature_check", st.be.name), ("compiled", nat.prim.name),
                        ("native_" + nat.prim.name, st.req.op), ("optimistic_native", nat.prim.name))
 
-    def run(self, ctx, x, lean: bool = False):
-        """The call's result (as collective_call `_State.go` returns it), or None where this
-        form does not apply. `lean` (a blocking call of a host tile, nothing queued before
-        it): (the result tile,) as the user gets it (`finish_tiles`' work done here), or None;
-        when the native call completes within the first polls nothing else runs."""
+    def run(self, ctx, x):
+        """(the result tile,) as the user gets it (`finish_tiles`' work done here), or None
+        where this form does not apply. Run where everything issued before has run (the
+        caller's thread after waiting for the queue, or the queue's thread). The call is
+        posted from the kept poster on its signature communicator; when the check passes
+        within its first polls nothing else is built."""
         if not self.on or ctx.agreed.get(self.key) is not self.agreed or settings.raw(settings.COMPILED_DEPENDS) != self.env:
             return None
         p2p, st, f, req, nat = self.p2p, self.st, self.f, self.st.req, self.nat
@@ -80,56 +81,46 @@ class Fast:
             ctx, nat.prim, req, self.group, f.dtype, f.tile, f.shapes, None, create=False)
         if comm is None:
             return None
-        if lean:
-            # the common case, with the least Python: the call posted on its signature
-            # communicator and the check passed within the grace, nothing else built
-            prim = nat.prim
-            if self.post is None:           # no device of the mesh here: the check alone
-                works, fin = [], dict
-            else:
-                prim._pin = comm
-                try:
-                    works, fin = self.post(x)
-                finally:
-                    prim._pin = None
-            # over every process the call's completion is the check; else a barrier over
-            # every process on the signature communicator is
-            tokens = works if self.world_call else p2p.ibarrier_on(sig)
-            grace = agreement.quick_signed(p2p, tokens, ctx.timeout)
-            if grace is True and not self.world_call:
+        prim = nat.prim
+        if self.post is None:           # no device of the mesh here: the check alone
+            works, fin = [], dict
+        else:
+            prim._pin = comm
+            try:
+                works, fin = self.post(x)
+            finally:
+                prim._pin = None
+        # over every process the call's completion is the check; else a barrier over every
+        # process on the signature communicator is
+        tokens = works if self.world_call else p2p.ibarrier_on(sig)
+        grace = agreement.quick_signed(p2p, tokens, ctx.timeout)
+        if grace is True:
+            if not self.world_call:
                 prim.wait_all(works, time.monotonic() + ctx.timeout)
-            if grace is True:
-                issued = base.issued
-                for k in self.counts:
-                    issued[k] += 1
-                v = fin().get(self.me)
-                if v is None:
-                    return (None,)
-                v = v.reshape(self.out_shape)
-                return (v if self.scale == 1 else arrays.divided(v, self.scale),)
-            posted = native_call.Posted(self.group, self.me, works, fin, time.time())
+            issued = base.issued
+            for k in self.counts:
+                issued[k] += 1
+            v = fin().get(self.me)
+            if v is None:
+                return (None,)
+            v = v.reshape(self.out_shape)
+            return (v if self.scale == 1 else arrays.divided(v, self.scale),)
+        # a peer's hashes or the grace ran out: the full check, from where it is
+        posted = native_call.Posted(self.group, self.me, works, fin, time.time())
         deadline = time.monotonic() + ctx.timeout
         tiles = {} if x is None else {self.me: x}
-        if not lean:
-            posted = native_call.Posted(None, None, [], dict, 0.0) if self.me is None else native_call.post_on(
-                ctx, nat, req, self.group, self.me, tiles, f.dtype, f.tile, f.shapes, f.kind, comm, self.post)
         meta = Meta(req.op, self.fields, None, {"tiles": {d: tuple(v.shape) for d, v in tiles.items()}})
         pending = agreement.Pending.signed(ctx.backend, p2p, meta, deadline, self.vec, self.sigvec, sig,
-                                           counted=lean, grace=grace if lean else None)
-        out = pending.hashes(tokens if lean else posted.works if self.world_call else ())
+                                           counted=True, grace=grace)
+        out = pending.hashes(tokens)
+        from .collective_call import finish_tiles
         if out is not None and not out.mixed:
             base.issued[("signature_check", st.be.name)] += 1
             base.issued[("compiled", nat.prim.name)] += 1
             res = posted.finish(ctx, self.nat, req, self.prob, f.dtype, f.tile, deadline)
-            if lean:
-                from .collective_call import finish_tiles
-                return (finish_tiles(req, self.prob, res, True, st.owned),)
-            return res, None, f.kind, self.prob, True, st.owned
+            return (finish_tiles(req, self.prob, res, True, st.owned),)
         # the check did not pass: on, as the full path (this call's own tile and Meta)
         from ..backends import streams
         st = dataclasses.replace(st, tiles=tiles, fence=streams.fence_from_current(None), fk=None)
         res = st.conclude(pending, meta, out, f, self.hashed, posted, self.nat, self.key, False, deadline)
-        if lean:
-            from .collective_call import finish_tiles
-            return (finish_tiles(req, res[3], res[0], res[4], res[5]),)
-        return res
+        return (finish_tiles(req, res[3], res[0], res[4], res[5]),)
