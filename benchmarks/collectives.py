@@ -159,9 +159,11 @@ def main():
         for r in rows:
             print(f"{r['op']:15} {fmt(r['bytes']):>6} {r['impl']:16} {r['seconds'] * 1e6:10.1f} {r['algbw']:10.3f} "
                   f"{r['busbw']:10.3f} {r['vs_best_direct']:13.2f}x")
-        mixed = [r["vs_best_direct"] for r in rows if r["impl"] == "meshcomm[mixed]"]
-        print(f"meshcomm[mixed] over the fastest direct call: min {min(mixed):.2f}x, "
-              f"geomean {float(np.exp(np.mean(np.log(mixed)))):.2f}x over {len(mixed)} op/size points")
+        for impl in ("meshcomm[mpi]", "meshcomm[torch]", "meshcomm[mixed]"):
+            ratios = [r["vs_best_direct"] for r in rows if r["impl"] == impl]
+            if ratios:
+                print(f"{impl} over the fastest direct call: min {min(ratios):.2f}x, "
+                      f"geomean {float(np.exp(np.mean(np.log(ratios)))):.2f}x over {len(ratios)} op/size points")
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
     mc.finalize()

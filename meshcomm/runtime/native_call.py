@@ -22,6 +22,7 @@ from .. import arrays, settings
 from ..backends import buffers
 from ..backends.base import empty_wire, from_wire, issued, to_wire
 from ..collectives.layouts import groups
+from .numpy_posters import numpy_poster
 from .reshard_call import empty_like
 
 __all__ = ["Native", "Posted", "choose", "run", "start", "post_on", "poster", "sig_comm_of", "self_checking",
@@ -302,11 +303,11 @@ def poster(ctx, prim, req, g, me, dt, tile, shapes, kind):
     rooted = ctx.rank == root
     if symmetric_form(prim, req, g, dt, tile, shapes):
         return _twin(prim, req, g, me, dt, tile, shapes, kind, ranks, rooted, op)
-    if req.op == "all_reduce" and kind == "numpy" and wire == "numpy":
-        def post(x):                    # the common case, with the least Python
-            buf = buffers.copy(x).reshape(-1)
-            return [prim.allreduce(buf, op, ranks)], lambda: {me: buf.reshape(tile)}
-        return post
+    if kind == "numpy":                 # the common case, with the least Python
+        post = numpy_poster(prim, req, me, dt, tile, shapes, g, ranks, op,
+                            _chunks(tile[0], k) if req.op == "reduce_scatter" else None)
+        if post is not None:
+            return post
     if req.op in ("all_reduce", "reduce"):
         def post(x):
             buf = _flat(x.clone() if arrays.is_torch(x) else buffers.copy(x), wire, True)
