@@ -6,7 +6,10 @@ A 1 KiB MPI_Iallreduce polled with sched_yield (as meshcomm polls), after a busy
 0, 10, 25 or 50 µs standing for a library's Python per call; then mpi4py's blocking
 Allreduce and meshcomm.all_reduce (its compiled form, from the fifth call) with their CPU
 time per call and process. Medians over `--reps` loops of `--calls` calls, the slowest
-rank's wall time per call.
+rank's wall time per call. The last line is meshcomm's CPU per call outside its wait (the
+signature check's polls, `agreement.quick_signed`, timed by wrapping it): the Python
+itself, which grows several-fold when processes share cores (caches shared, refilled after
+each switch) beside the same figure at one process per core.
 """
 from __future__ import annotations
 
@@ -51,6 +54,18 @@ def main():
     forms = {f"Iallreduce + {us} us of work": polled(us) for us in (0, 10, 25, 50)}
     forms["mpi4py Allreduce"] = lambda: w.Allreduce(MPI.IN_PLACE, x.copy())
     forms["meshcomm all_reduce"] = lambda: mc.all_reduce(x, line, "x")
+    from meshcomm.runtime import agreement
+    waited = {"cpu": 0.0}
+    quick = agreement.quick_signed
+
+    def timed_wait(*a):             # CPU spent polling, to take away from the call's own
+        c1 = time.thread_time()
+        try:
+            return quick(*a)
+        finally:
+            waited["cpu"] += time.thread_time() - c1
+    agreement.quick_signed = timed_wait
+    outside = []
     wall = {k: [] for k in forms}
     cpu = {k: [] for k in forms}
     for rep in range(args.reps + 1):
@@ -58,17 +73,23 @@ def main():
             for _ in range(5):
                 f()
             w.Barrier()
-            t, c0 = time.perf_counter(), time.process_time()
+            waited["cpu"] = 0.0
+            t, c0, c1 = time.perf_counter(), time.process_time(), time.thread_time()
             for _ in range(args.calls):
                 f()
             t, c0 = (time.perf_counter() - t) / args.calls, (time.process_time() - c0) / args.calls
+            c1 = (time.thread_time() - c1 - waited["cpu"]) / args.calls
             if rep:
                 wall[k].append(w.allreduce(t, op=MPI.MAX))
                 cpu[k].append(w.allreduce(c0) / w.size)
+                if k == "meshcomm all_reduce":
+                    outside.append(w.allreduce(c1) / w.size)
     if w.rank == 0:
         for k in forms:
             print(f"{k:30} wall {statistics.median(wall[k]) * 1e6:7.0f} us/call   "
                   f"cpu {statistics.median(cpu[k]) * 1e6:6.0f} us/call/process", flush=True)
+        print(f"{'meshcomm, outside its wait':30} {'':17}   cpu {statistics.median(outside) * 1e6:6.0f} "
+              f"us/call/process", flush=True)
     mc.finalize()
 
 
