@@ -6,8 +6,9 @@ Ialltoall, Igatherv, Iscatterv, Ibarrier; reduce is MPIBackend.reduce's Ireduce)
 equal-count form where every member's count is the same (Iallgather, Ireduce_scatter_block):
 MPICH picks other algorithms for those, measured up to 1.3x faster on 8 processes at 256 KiB
 (an all-gather). Not for gathers and scatters: MPICH's Igather and Iscatter (a tree) were
-up to 2x slower than the v forms (linear) from 256 KiB on 8 processes here. `allgather_poster` and friends validate a group once and
-give a function that only posts (a compiled call's poster, meshcomm.runtime.native_call). mpi4py
+up to 2x slower than the v forms (linear) from 256 KiB on 8 processes here.
+`allgather_poster` and the other `*_poster`s validate a group once and give a function that
+only posts (what meshcomm.runtime.numpy_posters calls per repeated call). mpi4py
 takes the MPI datatype from the NumPy dtype (uint8 bytes, int32/64, float32/64, ...):
 counts are elements. bfloat16 has no MPI datatype (a NumPy array of ml_dtypes' bfloat16 is
 refused by mpi4py with a TypeError); reduce it on torch. Unlike broadcasts and reduces of a
@@ -44,13 +45,17 @@ class MPICollectives:
     """Mixed into MPIBackend: needs `rank`, `_group(ranks)` (the cached communicator) and
     `work_cls` (MPIWork)."""
 
-    def _work(self, req, bufs, what, ranks):
+    def _desc(self, what, ranks):
         key = (what, ranks, self.rank)
         desc = _DESC.get(key)
         if desc is None:
             if len(_DESC) > 4096:
                 _DESC.clear()
             desc = _DESC[key] = (f"{what} in group {list(ranks)}", others(ranks, self.rank))
+        return desc
+
+    def _work(self, req, bufs, what, ranks):
+        desc = self._desc(what, ranks)
         return self.work_cls(req, bufs, desc[0], desc[1], self.rank)
 
     def allreduce(self, buf, op, ranks):
@@ -125,8 +130,7 @@ class MPICollectives:
         return post
 
     def _poster_work(self, what, ranks):
-        desc, peers = f"{what} in group {list(ranks)}", others(ranks, self.rank)
-        cls, rank = self.work_cls, self.rank
+        (desc, peers), cls, rank = self._desc(what, ranks), self.work_cls, self.rank
         return lambda req, bufs: cls(req, bufs, desc, peers, rank)
 
     def gatherv(self, sendbuf, recvbuf, counts, root, ranks):
