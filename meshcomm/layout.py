@@ -100,6 +100,14 @@ def _entry_axes(entry: SpecEntry) -> AxisNames:
     return entry
 
 
+def exact_shape(shape) -> bool:
+    """Whether `shape` is a tuple (torch.Size too) of plain ints, so that a cache keyed by it
+    may answer before it is checked: True == 1 and 4.0 == 4 (equal hashes too), so a shape
+    of bools or floats would otherwise find the entry of an int shape and skip the
+    TypeError it must get."""
+    return isinstance(shape, tuple) and all(type(s) is int for s in shape)
+
+
 def normalize_shape(shape) -> tuple[int, ...]:
     try:
         dims = tuple(shape)
@@ -221,12 +229,13 @@ class Layout:
 
     def tiles(self, shape) -> "Tiling":
         """Cached per-shape facts: boxes per device, shard classes, addends."""
-        if type(shape) is tuple:
+        exact = exact_shape(shape)
+        if exact:
             t = _CHECKED.get((self, shape))
             if t is not None:
                 return t
         t = _tiling(self, self.check_shape(shape))
-        if type(shape) is tuple:
+        if exact:
             _CHECKED.put((self, shape), t)
         return t
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from . import arrays
 from .caches import memo, registry
-from .layout import normalize_shape
+from .layout import exact_shape, normalize_shape
 from .planners import Plan, Topology, plan_reshard
 from .validate import check_layouts
 
@@ -15,10 +15,12 @@ _SEEN = registry(512)       # the call's own arguments -> Plan (one dict lookup 
 def plan(shape, dtype, src, dst, topology: Topology | str | None = None) -> Plan:
     """The schedule that moves a `shape`/`dtype` tensor from `src` to `dst`. Pure,
     deterministic and cached: asking again with equal arguments returns the same Plan."""
-    try:
-        return _SEEN[(shape, dtype, src, dst, topology)]
-    except (KeyError, TypeError):
-        pass
+    exact = exact_shape(shape)      # a list, or bools/floats equal to ints: no shortcut
+    if exact:
+        try:
+            return _SEEN[(shape, dtype, src, dst, topology)]
+        except (KeyError, TypeError):
+            pass
     check_layouts(src, dst)
     key = (shape, dtype, src, dst, topology)
     shape = normalize_shape(shape)
@@ -26,10 +28,11 @@ def plan(shape, dtype, src, dst, topology: Topology | str | None = None) -> Plan
     dst.check_shape(shape)
     name, itemsize = arrays.normalize_dtype(dtype)
     p = _cached_plan(shape, name, itemsize, src, dst, Topology.coerce(topology))
-    try:
-        _SEEN.put(key, p)
-    except TypeError:           # an unhashable spelling of the shape (a list): no shortcut
-        pass
+    if exact:
+        try:
+            _SEEN.put(key, p)
+        except TypeError:       # an unhashable dtype or topology spelling: no shortcut
+            pass
     return p
 
 

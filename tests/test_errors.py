@@ -372,6 +372,24 @@ def test_shapes_must_be_integers():
     assert lay.check_shape((np.int64(4), torch.tensor(2))) == (4, 2)
 
 
+def test_a_cached_shape_does_not_excuse_bools_or_floats_equal_to_it():
+    # True == 1 and 4.0 == 4 hash alike: the caches keyed by a shape as given must not
+    # answer for them (this failed, depending on what earlier tests had cached)
+    lay = mc.Layout(M4, ("x",))
+    lay.index_map((1,))
+    lay.index_map((4, 3))
+    mc.plan((4, 4), "float32", lay, lay)
+    with raises(TypeError, r"shape.*dimension 0.*True"):
+        lay.index_map((True,))
+    with raises(TypeError, r"shape.*dimension 0.*4\.0"):
+        lay.index_map((4.0, 3))
+    with raises(TypeError, r"shape.*dimension 1.*4\.0"):
+        mc.plan((4, 4.0), "float32", lay, lay)
+    with raises(TypeError, r"shape.*dimension 0.*True"):
+        mc.plan((True, 4), "float32", lay, lay)
+    assert mc.plan(torch.Size([4, 4]), "float32", lay, lay) is mc.plan((4, 4), "float32", lay, lay)
+
+
 def test_alltoall_counts_must_be_integers():
     m = mc.Mesh([0, 1], "x")
     x = {0: np.zeros((4, 2)), 1: np.zeros((4, 2))}
