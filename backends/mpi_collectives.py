@@ -26,9 +26,20 @@ _OPS: dict = {}
 _DESC: dict = {}        # (what, group, rank) -> (the work's description, the other members)
 
 
-def _equal(counts) -> bool:
-    """Whether every member's count is the same (the equal-count MPI call applies)."""
-    return counts.count(counts[0]) == len(counts)
+def _v_spec(counts):
+    """None where every member's count is the same (the equal-count MPI call applies), else
+    (counts, displacements) for the v form."""
+    return None if counts.count(counts[0]) == len(counts) else (counts, displs(counts))
+
+
+def _iallgather(comm, sendbuf, recvbuf, spec):
+    return comm.Iallgather(sendbuf, recvbuf) if spec is None else comm.Iallgatherv(sendbuf, [recvbuf, spec])
+
+
+def _ireduce_scatter(comm, sendbuf, recvbuf, spec, mop):
+    if spec is None:
+        return comm.Ireduce_scatter_block(sendbuf, recvbuf, op=mop)
+    return comm.Ireduce_scatter(sendbuf, recvbuf, recvcounts=list(spec[0]), op=mop)
 
 
 def mpi_op(op: str):
@@ -79,19 +90,17 @@ class MPICollectives:
         counts = check_counts(counts, ranks, "allgatherv")
         check_len(sendbuf, counts[ranks.index(self.rank)], "allgatherv", "sendbuf")
         check_len(recvbuf, sum(counts), "allgatherv", "recvbuf")
-        return self.allgather_poster(counts, ranks)(sendbuf, recvbuf)
+        req = _iallgather(self._group(ranks), sendbuf, recvbuf, _v_spec(counts))
+        return self._work(req, (sendbuf, recvbuf), "allgatherv", ranks)
 
     def allgather_poster(self, counts, ranks):
         """(sendbuf, recvbuf) -> the posted allgatherv of this group (validated here, once)."""
         ranks = check_group(self.rank, ranks, "allgatherv")
         counts = check_counts(counts, ranks, "allgatherv")
-        spec = None if _equal(counts) else (counts, displs(counts))
-        group, work = self._group, self._poster_work("allgatherv", ranks)
+        spec, group, work = _v_spec(counts), self._group, self._poster_work("allgatherv", ranks)
 
         def post(sendbuf, recvbuf):
-            comm = group(ranks)
-            req = comm.Iallgather(sendbuf, recvbuf) if spec is None else comm.Iallgatherv(sendbuf, [recvbuf, spec])
-            return work(req, (sendbuf, recvbuf))
+            return work(_iallgather(group(ranks), sendbuf, recvbuf, spec), (sendbuf, recvbuf))
         return post
 
     def reduce_scatterv(self, sendbuf, recvbuf, counts, op, ranks):
@@ -99,25 +108,24 @@ class MPICollectives:
         counts = check_counts(counts, ranks, "reduce_scatterv")
         check_len(sendbuf, sum(counts), "reduce_scatterv", "sendbuf")
         check_len(recvbuf, counts[ranks.index(self.rank)], "reduce_scatterv", "recvbuf")
-        return self.reduce_scatter_poster(counts, op, ranks)(sendbuf, recvbuf)
+        req = _ireduce_scatter(self._group(ranks), sendbuf, recvbuf, _v_spec(counts), mpi_op(op))
+        return self._work(req, (sendbuf, recvbuf), "reduce_scatterv", ranks)
 
     def reduce_scatter_poster(self, counts, op, ranks):
         """(sendbuf, recvbuf) -> the posted reduce_scatterv of this group (validated once)."""
         ranks = check_group(self.rank, ranks, "reduce_scatterv")
-        counts = list(check_counts(counts, ranks, "reduce_scatterv"))
-        mop, equal = mpi_op(op), _equal(counts)
+        counts = check_counts(counts, ranks, "reduce_scatterv")
+        spec, mop = _v_spec(counts), mpi_op(op)
         group, work = self._group, self._poster_work("reduce_scatterv", ranks)
 
         def post(sendbuf, recvbuf):
-            comm = group(ranks)
-            req = comm.Ireduce_scatter_block(sendbuf, recvbuf, op=mop) if equal else \
-                comm.Ireduce_scatter(sendbuf, recvbuf, recvcounts=counts, op=mop)
-            return work(req, (sendbuf, recvbuf))
+            return work(_ireduce_scatter(group(ranks), sendbuf, recvbuf, spec, mop), (sendbuf, recvbuf))
         return post
 
     def alltoall(self, sendbuf, recvbuf, ranks):
         ranks = check_alltoall(self.rank, sendbuf, recvbuf, ranks)
-        return self.alltoall_poster(ranks)(sendbuf, recvbuf)
+        req = self._group(ranks).Ialltoall(sendbuf, recvbuf)
+        return self._work(req, (sendbuf, recvbuf), "alltoall", ranks)
 
     def alltoall_poster(self, ranks):
         """(sendbuf, recvbuf) -> the posted alltoall of this group; the buffers' lengths are
@@ -138,12 +146,11 @@ class MPICollectives:
         counts = check_counts(counts, ranks, "gatherv")
         i = member(ranks, root, "gatherv")
         check_len(sendbuf, counts[ranks.index(self.rank)], "gatherv", "sendbuf")
-        comm = self._group(ranks)
         spec = None
         if self.rank == root:
             check_len(recvbuf, sum(counts), "gatherv", "recvbuf")
             spec = [recvbuf, (counts, displs(counts))]
-        req = comm.Igatherv(sendbuf, spec, root=i)
+        req = self._group(ranks).Igatherv(sendbuf, spec, root=i)
         return self._work(req, (sendbuf, recvbuf), "gatherv", ranks)
 
     def scatterv(self, sendbuf, recvbuf, counts, root, ranks):
@@ -151,12 +158,11 @@ class MPICollectives:
         counts = check_counts(counts, ranks, "scatterv")
         i = member(ranks, root, "scatterv")
         check_len(recvbuf, counts[ranks.index(self.rank)], "scatterv", "recvbuf")
-        comm = self._group(ranks)
         spec = None
         if self.rank == root:
             check_len(sendbuf, sum(counts), "scatterv", "sendbuf")
             spec = [sendbuf, (counts, displs(counts))]
-        req = comm.Iscatterv(spec, recvbuf, root=i)
+        req = self._group(ranks).Iscatterv(spec, recvbuf, root=i)
         return self._work(req, (sendbuf, recvbuf), "scatterv", ranks)
 
     def ibarrier(self, ranks):
