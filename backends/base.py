@@ -53,7 +53,6 @@ How a process runs a plan (`execute`):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import sys
 import time
@@ -70,7 +69,6 @@ from . import buffers, program, streams
 from .local import alloc_like
 from .pack import pack, unpack
 
-from meshcomm import settings
 from meshcomm.caches import memo
 __all__ = ["Work", "DoneWork", "Backend", "Step", "compile_steps", "wire_bytes", "groups_needed", "execute",
            "wait_polling", "backoff", "abandon", "ABANDONED", "issued", "to_wire", "torch_of", "empty_wire", "from_wire", "TAG_MOD"]
@@ -100,7 +98,7 @@ class DoneWork(Work):
         return True
 
 
-SPIN, YIELD, SLEEP_MAX = 8, settings.get("POLL_YIELDS"), 2e-4
+SPIN, YIELD, SLEEP_MAX = 8, 4000, 2e-4
 
 
 def backoff(spins: int) -> None:
@@ -158,7 +156,13 @@ def timeout_error(rank, works: Sequence[Work], timeout: float | None) -> PeerTim
         f"(MESHCOMM_TIMEOUT); peer rank(s) {peers} did not arrive or died", peers, ", ".join(ops))
 
 
+# The runtime's control channel (meshcomm.runtime.control.Channel.watch), polled by every
+# wait: watch(peers, deadline) may raise a peer's error. None without a context.
+WATCH: Callable | None = None
+
+
 def wait_polling(works: Sequence[Work], deadline: float | None, rank=None, timeout=None) -> None:
+    """The one poll/deadline loop: every wait of every backend ends here (or polls `watch`)."""
     pending = list(works)
     spins = 0
     while pending:
@@ -170,8 +174,21 @@ def wait_polling(works: Sequence[Work], deadline: float | None, rank=None, timeo
             return
         if deadline is not None and time.monotonic() > deadline:
             raise timeout_error(rank, pending, timeout)
+        watch(pending, deadline)
         spins += 1
         backoff(spins)
+
+
+def watch(pending: Sequence[Work], deadline) -> None:
+    """Poll the control channel from a wait (gives the works up when it raises)."""
+    w = WATCH
+    if w is None:
+        return
+    try:
+        w({p for x in pending for p in x.peers}, deadline)
+    except BaseException:
+        abandon(pending, cancel=True)
+        raise
 
 
 # -- the primitive interface -------------------------------------------------------------
@@ -188,9 +205,12 @@ class Backend:
 
     def isend(self, buf, peer: int, tag: int) -> Work: raise NotImplementedError
     def irecv(self, buf, peer: int, tag: int) -> Work: raise NotImplementedError
-    def bcast(self, buf, root: int, ranks: tuple[int, ...]) -> Work: raise NotImplementedError
+    def bcast(self, buf, root: int, ranks: tuple[int, ...], tag: int = 7) -> Work: raise NotImplementedError
     def reduce(self, buf, root: int, ranks: tuple[int, ...], op: str = "sum") -> Work: raise NotImplementedError
-    def allgather_obj(self, obj, deadline: float | None) -> list: raise NotImplementedError
+    def allgather_obj(self, obj, deadline: float | None, tag: int | None = None, accept=None) -> list:
+        """Every rank's small picklable `obj` (rank order), within the deadline. `tag`: the
+        round (default: a per-backend counter); `accept(rank, obj)` False drops a stale one."""
+        raise NotImplementedError
 
     # -- native collectives: ONE collective call of the backend on the group `ranks` --------
     # Only members call them, in the same order on every member. The group comes from the
@@ -237,24 +257,19 @@ class Backend:
         """`ibarrier` waited for: returns once every member arrived, else PeerTimeoutError."""
         self.wait_all([self.ibarrier(ranks)], deadline)
 
-    def allreduce_min(self, vec, deadline: float | None):
-        """The elementwise minimum of an int64 NumPy vector over all ranks (the metadata
-        check's collective form, see meshcomm.runtime). This default goes through
-        allgather_obj; backends override it with their tree/ring allreduce."""
-        return np.min(np.stack(self.allgather_obj(vec, deadline)), axis=0)
-
     def barrier(self, deadline: float | None) -> None:
         self.allgather_obj(None, deadline)
 
     def prepare_groups(self, groups: Sequence[tuple[int, ...]], deadline: float | None) -> None:
-        """Create (collectively, in this order) the groups not cached yet."""
+        """Create (collectively, in this order) the groups not cached yet, within `deadline`."""
 
     def has_groups(self, groups: Sequence[tuple[int, ...]]) -> bool:
         """True when every group in `groups` is already created (nothing collective to do)."""
         return not groups
 
-    def reset(self) -> None:
-        """Drop in-flight state after an aborted call (collective: every rank calls it)."""
+    # -- the control channel: small messages beside the data (meshcomm.runtime.control) ------
+    def ctl_send(self, peer: int, data: bytes) -> None: raise NotImplementedError
+    def ctl_poll(self) -> list: raise NotImplementedError
 
     def flush(self) -> None:
         """Issue any operations the backend batches (torch: batch_isend_irecv)."""
@@ -387,6 +402,13 @@ def _unique(seq):
     return tuple(dict.fromkeys(seq))
 
 
+# How sums over 3+ ranks run: "auto" (the backend's reduce for integers, except MPI on one
+# host, where the root gathers; floats in plan order), "collective" (the backend's reduce for
+# integers and float32/64: order not fixed), "ordered" (always gathered, added in plan order).
+# Tests set it, the same on every process before any Program is constructed.
+REDUCE_MODE = "auto"
+
+
 def collective_reduce_ok(dtype: str, backend: "Backend | None" = None) -> bool:
     """Whether a reduce over 3+ ranks uses the backend's collective reduce (else the root
     gathers and adds in plan order). auto: integers, except where the backend reports its
@@ -394,8 +416,8 @@ def collective_reduce_ok(dtype: str, backend: "Backend | None" = None) -> bool:
     (sum, prod, min, max) is exact in any order on integers. Float min/max are not: a NaN
     or a 0.0/-0.0 tie gives an order-dependent result (MPI's MIN/MAX keep or drop a NaN
     by its position), so floats of every op use the collective only with
-    MESHCOMM_REDUCE=collective."""
-    mode = settings.get("REDUCE")
+    REDUCE_MODE = "collective"."""
+    mode = REDUCE_MODE
     if mode == "ordered":
         return False
     try:
@@ -543,8 +565,9 @@ class Execution:
     `start` whose plan turned out not to be agreed on (cancels what it can)."""
 
     def __init__(self, plan, shards, like, *, rank, devices_per_process, backend: Backend,
-                 device_kind="cpu", producer_fences=(), compression=None):
+                 device_kind="cpu", producer_fences=(), compression=None, tags=(0, TAG_MOD), out=None):
         dpp = devices_per_process
+        self.tags = tags                # (first tag, span): a Program's own tag space
         self.compression = compression  # a planners.compressed.Compression: backends/compressed.py
         self.rank_of = rank_of = lambda d: d // dpp  # noqa: E731
         self.plan, self.backend, self.device_kind = plan, backend, device_kind
@@ -553,8 +576,13 @@ class Execution:
         self.out = {}
         for d, box in dt.boxes.items():
             if rank_of(d) == rank:
-                self.out[d] = _alloc(like, tuple(b - a for a, b in box), zero=d in zero or box_size(box) == 0,
-                                     op=plan.fill_op)
+                shape, z = tuple(b - a for a, b in box), d in zero or box_size(box) == 0
+                if out is not None and d in out:    # the caller's buffer (a Program's out=)
+                    self.out[d] = out[d]
+                    if z:
+                        out[d][...] = _alloc(like, shape, zero=True, op=plan.fill_op)
+                else:
+                    self.out[d] = _alloc(like, shape, zero=z, op=plan.fill_op)
         self.coll = collective_reduce_ok(plan.dtype, backend)
         self.dpp = dpp
         one = len(backend.members()) == 1
@@ -562,13 +590,12 @@ class Execution:
         # host tiles on one host-buffer backend, messages and copies only: the rank's
         # program worked out once (backends/program.py)
         self.fast = None
-        if one and compression is None and backend.wire == "numpy" and type(like) is np.ndarray \
-                and settings.get("RANK_PROGRAM"):
+        if one and compression is None and backend.wire == "numpy" and type(like) is np.ndarray:
             prog = _rank_program(plan, rank, dpp, self.coll)
             if prog is not None and program.fits(prog, shards):
                 self.fast = prog
         self.device = streams.device_of(like)
-        self.run = _Run(plan, shards, self.out, like, rank, rank_of, st, dt, self.device)
+        self.run = _Run(plan, shards, self.out, like, rank, rank_of, st, dt, self.device, tags)
         self.producer_fences = producer_fences
         self.pending: list = []
         self._gen = None
@@ -602,7 +629,7 @@ class Execution:
             self._done = streams.record(streams.comm_stream("local", self.device))
         elif self.fast is not None:
             b = self.backend.members()[0]
-            self._gen = program.run(self.fast, self.run.shards, self.out, b, TAG_MOD, self.pending,
+            self._gen = program.run(self.fast, self.run.shards, self.out, b, self.tags, self.pending,
                                     lambda works: b.wait_all(works, self._deadline), issued)
             self._done = streams.record(None)
             issued[("rank_program", b.name)] += 1
@@ -675,10 +702,10 @@ class Execution:
 class _Run:
     """The per-call state of `execute`: tiles, boxes and the issue/finish of one step."""
 
-    def __init__(self, plan, shards, out, like, rank, rank_of, st, dt, device):
+    def __init__(self, plan, shards, out, like, rank, rank_of, st, dt, device, tags=(0, TAG_MOD)):
         self.plan, self.shards, self.out, self.like = plan, shards, out, like
         self.rank, self.rank_of, self.st, self.dt = rank, rank_of, st, dt
-        self.device = device
+        self.device, self.tags = device, tags
 
     def _src(self, t):
         return (self.shards, self.st.boxes) if t.src_buf == "src" else (self.out, self.dt.boxes)
@@ -734,7 +761,7 @@ class _Run:
 
     def issue(self, s: Step, t, b: Backend, stream):
         me, rank_of = self.rank, self.rank_of
-        tag = s.index % TAG_MOD
+        tag = self.tags[0] + s.index % self.tags[1]
         if t.kind in ("send", "bcast"):
             mine = [d for d in t.dsts if rank_of(d) == me]
             if me == s.root:
@@ -745,12 +772,12 @@ class _Run:
                 if s.prim == "p2p":
                     peer = s.ranks[0] if s.ranks[1] == me else s.ranks[1]
                     return [b.isend(w, peer, tag)], None
-                return [b.bcast(w, s.root, s.ranks)], None
+                return [b.bcast(w, s.root, s.ranks, tag=tag)], None
             direct = self._recv_into(t, mine, b.wire)
             if direct is not None:
                 if s.prim == "p2p":
                     return [b.irecv(direct, s.root, tag)], None
-                return [b.bcast(direct, s.root, s.ranks)], None
+                return [b.bcast(direct, s.root, s.ranks, tag=tag)], None
             buf = empty_wire(s.nbytes, b.wire, self.like)
 
             def fin():
@@ -759,7 +786,7 @@ class _Run:
                     self._unpack_to(t, d, v)
             if s.prim == "p2p":
                 return [b.irecv(buf, s.root, tag)], fin
-            return [b.bcast(buf, s.root, s.ranks)], fin
+            return [b.bcast(buf, s.root, s.ranks, tag=tag)], fin
         # reduce
         root_dev, op = t.dsts[0], self.plan.reduce_op
         if s.prim == "reduce":              # the backend's reduction (order-free dtypes)

@@ -49,6 +49,14 @@ AUTO_CANDIDATES = (Cast("bf16"), ZFP(rate=16))     # about bf16's accuracy, 2x s
 PAYS = 0.9                  # compress only when the model's time is at most this fraction
 
 
+# How compressed reductions run: "auto" (the cost model's choice, one-shot on ties), "oneshot"
+# (each addend coded once, sent to its root) or "ring" (each hop decodes, adds, re-encodes).
+REDUCE_ALGORITHM = "auto"
+# True: the point-to-point compression baseline of the benchmarks (whole messages, decoded and
+# re-encoded at every hop). Both are set by tests and benchmarks, the same on every process.
+PER_HOP = False
+
+
 def agreement_key(arg) -> str | None:
     """The `("codec", ...)` field of the agreement: the argument and the settings that
     decide how it runs ("none" without compression: a field every process knows, so the
@@ -56,8 +64,8 @@ def agreement_key(arg) -> str | None:
     c = coerce(arg)
     if c is None:
         return "none"
-    key = f"{c} reduce={settings.get('COMPRESSION_REDUCE')} chunk={settings.get('COMPRESSION_CHUNK')}"
-    if settings.get("COMPRESSION_PER_HOP"):
+    key = f"{c} reduce={REDUCE_ALGORITHM} chunk={settings.get('COMPRESSION_CHUNK')}"
+    if PER_HOP:
         key += " per-hop"
     if c is AUTO:
         key += f" link={settings.get('EMULATE_GBPS')}/{settings.get('EMULATE_NODE_SIZE')}"
@@ -136,9 +144,9 @@ def _cost(plan, comp: Compression, topo: Topology, procs: int) -> float:
 
 
 def choose_reduce(plan, comp: Compression, topo: Topology, procs: int) -> Compression:
-    """`comp` with the reduce algorithm MESHCOMM_COMPRESSION_REDUCE names, or (auto) the
-    one the model finds faster; one-shot on ties (each addend coded once: smaller error)."""
-    mode = settings.get("COMPRESSION_REDUCE")
+    """`comp` with the reduce algorithm REDUCE_ALGORITHM names, or (auto) the one the model
+    finds faster; one-shot on ties (each addend coded once: smaller error)."""
+    mode = REDUCE_ALGORITHM
     if mode != "auto":
         return Compression(comp.codec, mode, comp.per_hop, comp.chunk_bytes, comp.strip)
     if comp.per_hop:
@@ -158,8 +166,8 @@ def resolve(arg, plan, *, backend=None, world: int = 1, devices_per_process: int
     c = coerce(arg)
     if c is None or (c is AUTO and local):
         return None
-    env = tuple(settings.get(k) for k in ("COMPRESSION_PER_HOP", "COMPRESSION_CHUNK", "COMPRESSION_REDUCE",
-                                           "EMULATE_GBPS", "EMULATE_NODE_SIZE", "TUNING"))
+    env = (PER_HOP, REDUCE_ALGORITHM) + tuple(settings.get(k) for k in (
+        "COMPRESSION_CHUNK", "EMULATE_GBPS", "EMULATE_NODE_SIZE", "TUNING"))
     return _resolve(c, plan, _host_processes(backend, world), devices_per_process, strip, env)
 
 

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 
 from . import tuning
-from .base import Backend, torch_of, wait_polling
+from .base import Backend, backoff, timeout_error, torch_of, wait_polling, watch
 
 __all__ = ["MixedBackend"]
 
@@ -71,9 +72,9 @@ class MixedBackend(Backend):
         b, (x,) = self._pick("allreduce", _nbytes(buf), ranks, buf)
         return b.allreduce(x, op, ranks)
 
-    def bcast(self, buf, root, ranks):
+    def bcast(self, buf, root, ranks, tag=7):
         b, (x,) = self._pick("bcast", _nbytes(buf), ranks, buf)
-        return b.bcast(x, root, ranks)
+        return b.bcast(x, root, ranks, tag=tag)
 
     def reduce(self, buf, root, ranks, op="sum"):
         b, (x,) = self._pick("reduce", _nbytes(buf), ranks, buf)
@@ -106,18 +107,36 @@ class MixedBackend(Backend):
         self.torch.flush()
 
     def wait_all(self, works, deadline):
-        """Polls the works of both backends together (MPI progresses only inside MPI calls,
-        so a blocking torch wait would stall MPI work a peer may be waiting for), then lets
-        torch raise the error of any torch work that completed by failing."""
+        """Polls the MPI works (MPI progresses only inside MPI calls, so a blocking torch wait
+        would stall MPI work a peer may be waiting for) while torch's block on its waiter
+        thread (backends/torch_dist.py), then raises the first error of either."""
         self.flush()
-        wait_polling(works, deadline, self.rank, self.timeout)
-        self.torch.wait_all([w for w in works if hasattr(w, "work")], deadline)
+        tw = [w for w in works if hasattr(w, "work")]
+        mw = [w for w in works if not hasattr(w, "work")]
+        if not tw:
+            return wait_polling(mw, deadline, self.rank, self.timeout)
+        fut = self.torch.wait_async(tw, deadline)
+        pending, spins = mw, 0
+        while pending or not fut.done():
+            pending = [w for w in pending if not w.test()]
+            if pending and deadline is not None and time.monotonic() > deadline:
+                raise timeout_error(self.rank, pending, self.timeout)
+            watch(pending + ([] if fut.done() else tw), deadline)
+            spins += 1
+            backoff(spins)
+        fut.result()
 
-    def allgather_obj(self, obj, deadline):
-        return self.mpi.allgather_obj(obj, deadline)
+    def allgather_obj(self, obj, deadline, tag=None, accept=None):
+        return self.mpi.allgather_obj(obj, deadline, tag, accept)
 
-    def allreduce_min(self, vec, deadline):
-        return self.mpi.allreduce_min(vec, deadline)
+    def retract(self, obj, tag):
+        self.mpi.retract(obj, tag)
+
+    def ctl_send(self, peer, data):
+        self.mpi.ctl_send(peer, data)
+
+    def ctl_poll(self):
+        return self.mpi.ctl_poll()
 
     def close(self):
         pass            # the context closes the two members

@@ -3,16 +3,21 @@
 * Messages are raw bytes (any dtype: bfloat16, float16, ...; the executor views packed
   buffers as uint8). Reductions take typed NumPy buffers (integer dtypes, or floats with
   MESHCOMM_REDUCE=collective).
-* The backend works on two duplicates of the world communicator (data and metadata), so
-  it never matches the user's own MPI traffic. Errors return as exceptions (not abort).
-* Sub-communicators for broadcasts/reductions come from `Comm.Create_group` (collective
-  over the members only), created in plan order and cached by rank tuple.
+* The backend works on three duplicates of the world communicator (data, metadata and the
+  control channel of meshcomm.runtime.control), so it never matches the user's own MPI
+  traffic. Errors return as exceptions (not abort). A Program's point-to-point messages
+  carry tags of its own (meshcomm.runtime.program): two Programs never match each other's.
+* Sub-communicators for broadcasts/reductions across hosts come from `Comm.Create_group`
+  (collective over the members only), created at a Program's construction in plan order,
+  cached by rank tuple, on a thread the deadline can give up on (a frozen member would
+  otherwise hold every other member in the call forever). Native collectives of a Program
+  get communicators of their own the same way (`communicator`).
 * A broadcast whose group sits on one host is the root's Isend to each member (on the
   group's communicator) rather than `Ibcast`: with MPI's shared-memory transport every
   receiver then copies straight from the root's buffer, in parallel, which measured about
   2x faster than MPICH's `Ibcast` from 1 KiB to 16 MiB (BENCHMARKS.md). Likewise integer
   reduces gather to the root there instead of `Ireduce` (3-7x faster here). Across hosts
-  MPI's own trees are kept. `MESHCOMM_MPI_COLLECTIVES=native|p2p` forces one way.
+  MPI's own trees are kept.
 * Every wait polls `Test` with a deadline instead of a blocking `Wait`, so a peer that
   never arrives raises `PeerTimeoutError` naming it.
 * Threads: meshcomm runs all communication of a context on one background thread; MPI
@@ -34,11 +39,10 @@ import numpy as np
 
 from meshcomm.errors import PeerTimeoutError
 
-from . import pacing
+from . import base as _base, pacing
 from .base import TAG_MOD, Backend, Work, backoff, wait_polling
 from .mpi_collectives import MPICollectives
 
-from meshcomm import settings
 __all__ = ["MPIBackend"]
 
 
@@ -89,28 +93,24 @@ class MPIWork(Work):
                                    f"failed: {e}", self.peers, self.op) from e
 
 
-# call signatures with a communicator of their own, per group: every process can hold about
-# 2040 communicators (MPICH's context ids), so sub-groups keep fewer; past the cap a new
-# signature is checked by a round of hashes every call (measured ~3x slower at 1-256 KiB)
-SIG_MAX = 64
-SIG_MAX_WORLD = 256
 INIT_TAG = 32000     # the tag of the join check on the launcher's communicator
-BCAST_TAG = 7        # point-to-point broadcasts, on the group's own communicator
-BARRIER_TAG = 8      # the flat barrier of a signature check, on its signature communicator
-_EMPTY = np.empty(0, np.uint8)
-
-
-def _collectives_mode() -> str:
-    return settings.get("MPI_COLLECTIVES")
+BCAST_TAG = 7        # point-to-point broadcasts outside a Program (a Program passes its own tags)
+CTL_TAG = 9          # control messages, on the control communicator
+CREATE_TAG = 10      # Comm.Create_group's tag
 
 
 def _dumps(obj):
     return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
 
 
-def timed_allgather(comm, obj, deadline, tag, timeout, what, why):
+def timed_allgather(comm, obj, deadline, tag, timeout, what, why, accept=None, stash=None):
     """Every rank's `obj` (small, picklable) through point-to-point messages, polled with a
-    deadline: ranks that did not send in time are named in the PeerTimeoutError."""
+    deadline: ranks that did not send in time are named in the PeerTimeoutError.
+
+    With `accept(rank, obj)`: a message it refuses is dropped (left over from an attempt its
+    sender took back: the sender's ("RETRACT", nonce) follows it on the same tag, so a
+    RETRACT already here behind an accepted message drops that one too); a message read
+    behind the accepted one belongs to a later round and waits in `stash` (a dict)."""
     MPI = _mpi()
     rank, n = comm.Get_rank(), comm.Get_size()
     data = _dumps(obj)
@@ -120,14 +120,39 @@ def timed_allgather(comm, obj, deadline, tag, timeout, what, why):
              for r in range(n) if r != rank]
     pending = [r for r in range(n) if r != rank]
     status = MPI.Status()
+    stash = {} if stash is None else stash
     spins = 0
+
+    def next_message(r):
+        q = stash.get((r, tag))
+        if q:
+            return q.pop(0)
+        if comm.Iprobe(source=r, tag=tag, status=status):
+            buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+            comm.Recv(buf, source=r, tag=tag)
+            return pickle.loads(buf.tobytes())
+        return _NONE
+
     while pending:
         got = []
         for r in pending:
-            if comm.Iprobe(source=r, tag=tag, status=status):
-                buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
-                comm.Recv(buf, source=r, tag=tag)
-                out[r] = pickle.loads(buf.tobytes())
+            v, cand = next_message(r), _NONE
+            while v is not _NONE:
+                if accept is None:
+                    cand = v
+                    break
+                if cand is _NONE:
+                    if accept(r, v):
+                        cand = v
+                elif v[0] == "RETRACT" and v[1] == cand[1]:
+                    accept(r, v)
+                    cand = _NONE            # taken back
+                else:                       # a later round's: it waits for that round
+                    stash.setdefault((r, tag), []).insert(0, v)
+                    break
+                v = next_message(r)
+            if cand is not _NONE:
+                out[r] = cand
                 got.append(r)
         if got:
             pending = [r for r in pending if r not in got]
@@ -138,10 +163,15 @@ def timed_allgather(comm, obj, deadline, tag, timeout, what, why):
             raise PeerTimeoutError(
                 f"rank {rank}: peer rank(s) {pending} did not arrive at {what} within {t} "
                 f"(MESHCOMM_TIMEOUT): they {why}, or died", pending, what)
+        if _base.WATCH is not None:         # a peer's error, or a peer in another call
+            _base.WATCH(set(pending), deadline)
         spins += 1
         backoff(spins)
     wait_polling(sends, deadline, rank, timeout)
     return out
+
+
+_NONE = object()
 
 
 def timed_dup(comm, deadline):
@@ -160,9 +190,9 @@ class MPIBackend(MPICollectives, Backend):
     def __init__(self, comm=None, timeout: float | None = None):
         MPI = _mpi()
         base = comm if comm is not None else MPI.COMM_WORLD
-        if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
-            raise RuntimeError("meshcomm's MPI backend needs MPI initialised with at least "
-                               "MPI_THREAD_SERIALIZED (mpi4py.rc.thread_level); got "
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RuntimeError("meshcomm's MPI backend needs MPI initialised with MPI_THREAD_MULTIPLE "
+                               "(mpi4py.rc.thread_level = 'multiple', mpi4py's default); got "
                                f"level {MPI.Query_thread()}")
         self._base = base
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -170,23 +200,25 @@ class MPIBackend(MPICollectives, Backend):
         # and on which host (broadcasts inside one host go point to point, see above)
         self.hosts = timed_allgather(base, MPI.Get_processor_name(), deadline, INIT_TAG, timeout,
                                      "meshcomm.init", "did not call init")
-        self.mode = _collectives_mode()
         # every rank on one host: integer reduces gather to the root too (MPICH's Ireduce
         # measured 3-7x slower over shared memory here); the same answer on every rank
-        self.gather_reduces = self.mode == "p2p" or (self.mode == "auto" and len(set(self.hosts)) == 1)
+        self.gather_reduces = len(set(self.hosts)) == 1
         self.comm = timed_dup(base, deadline)
         self.meta = timed_dup(base, deadline)
-        self.bcomm = timed_dup(base, deadline)     # point-to-point broadcasts over everyone
-        for c in (self.comm, self.meta, self.bcomm):
+        self.ctl = timed_dup(base, deadline)        # the control channel (meshcomm.runtime.control)
+        for c in (self.comm, self.meta, self.ctl):
             c.Set_errhandler(MPI.ERRORS_RETURN)
         self.rank = self.comm.Get_rank()
         self.world_size = self.comm.Get_size()
+        self.tag_ub = int(self.comm.Get_attr(MPI.TAG_UB))
         self.timeout = timeout
         self._groups: dict[tuple[int, ...], object] = {}
-        self._retired: list = []         # communicators given up by reset (never freed)
-        self._sig: dict = {}             # (ranks, call signature) -> its own communicator
+        self._own: list = []             # communicators made for Programs (freed at close)
         self._pin = None                 # the communicator `pinned` routes collectives to
         self._meta_seq = 0
+        self._stash: dict = {}           # agreement messages read ahead of their round
+        self._ctl_out: list = []         # control messages in flight (request, buffer)
+        self._status = MPI.Status()
 
     # -- point to point ----------------------------------------------------------------
     def isend(self, buf, peer, tag):
@@ -219,37 +251,33 @@ class MPIBackend(MPICollectives, Backend):
         every member: each sees the same hosts; always under MESHCOMM_EMULATE_GBPS)."""
         if pacing.pacer(self.rank) is not None:
             return True
-        if self.mode != "auto":
-            return self.mode == "p2p"
         return len({self.hosts[r] for r in ranks}) == 1
 
-    def bcast(self, buf, root, ranks):
-        sub = self._group(ranks)
-        i = ranks.index(root)
+    def bcast(self, buf, root, ranks, tag=BCAST_TAG):
         what = f"bcast in group {list(ranks)}"
-        if self.bcast_p2p(ranks):
-            if sub is self.comm and self._pin is None:  # the world group: clear of the executor's tags
-                sub = self.bcomm
+        if self.bcast_p2p(ranks):       # on the data communicator, with the step's own tag
+            comm = self.comm
             if self.rank == root:
                 pace = pacing.pacer(self.rank)
                 if pace is not None:                    # MESHCOMM_EMULATE_GBPS (benchmarks)
-                    return self._paced_bcast(pace, sub, buf, i, ranks, what)
-                reqs = [sub.Isend(buf, dest=j, tag=BCAST_TAG) for j in range(len(ranks)) if j != i]
+                    return self._paced_bcast(pace, comm, buf, root, ranks, what, tag)
+                reqs = [comm.Isend(buf, dest=r, tag=tag) for r in ranks if r != root]
                 return MPIMultiWork(reqs, buf, what, tuple(r for r in ranks if r != root), self.rank)
-            return MPIWork(sub.Irecv(buf, source=i, tag=BCAST_TAG), buf, what, (root,), self.rank)
-        req = sub.Ibcast(buf, root=i)
+            return MPIWork(comm.Irecv(buf, source=root, tag=tag), buf, what, (root,), self.rank)
+        sub = self._group(ranks)
+        req = sub.Ibcast(buf, root=ranks.index(root))
         # in a collective any member may be the one missing: name them all
         others = tuple(r for r in ranks if r != self.rank)
         return MPIWork(req, buf, what, others, self.rank)
 
-    def _paced_bcast(self, pace, sub, buf, i, ranks, what):
+    def _paced_bcast(self, pace, comm, buf, root, ranks, what, tag):
         works = []
-        for j, r in enumerate(ranks):
-            if j == i:
+        for r in ranks:
+            if r == root:
                 continue
-            send = (lambda j=j: MPIWork(sub.Isend(buf, dest=j, tag=BCAST_TAG), buf, what, (ranks[j],), self.rank))
+            send = (lambda r=r: MPIWork(comm.Isend(buf, dest=r, tag=tag), buf, what, (r,), self.rank))
             works.append(pace.send(send, buf.nbytes, what, (r,)) if pace.crosses(r) else send())
-        return pacing.AllOf(works, what, tuple(r for r in ranks if r != ranks[i]))
+        return pacing.AllOf(works, what, tuple(r for r in ranks if r != root))
 
     def reduce(self, buf, root, ranks, op="sum"):
         MPI = _mpi()
@@ -263,46 +291,9 @@ class MPIBackend(MPICollectives, Backend):
         others = tuple(r for r in ranks if r != self.rank)
         return MPIWork(req, buf, f"reduce in group {list(ranks)}", others, self.rank)
 
-    def sig_comm(self, ranks, sig, deadline=None, create=False):
-        """The communicator of group `ranks` kept for one exact native call (`sig`: op,
-        dtype, counts, reduction, root), or None. A native collective posted before its
-        agreement has decided goes only there: processes that disagree then post on
-        different communicators (or not at all), so mismatched calls never meet (two typed
-        calls of different dtypes on one communicator abort inside MPICH). `create`: make
-        it now (collective over the group's members, once the call is agreed; at most
-        SIG_MAX per group, SIG_MAX_WORLD for all ranks: every member takes part in each of
-        its group's creations, so all of them decide alike, whatever other groups each also
-        belongs to)."""
-        key = (ranks, sig)
-        c = self._sig.get(key)
-        cap = SIG_MAX_WORLD if len(ranks) == self.world_size else SIG_MAX
-        if c is None and create and sum(1 for r, _ in self._sig if r == ranks) < cap:
-            c = timed_dup(self.comm if len(ranks) == self.world_size else self._groups[ranks], deadline)
-            c.Set_errhandler(_mpi().ERRORS_RETURN)
-            self._sig[key] = c
-        return c
-
-    def ibarrier_on(self, comm):
-        """A barrier over every rank of `comm` (a `sig_comm` of all ranks): the signature check.
-        Flat: an empty message to and from every other rank, so it completes one message
-        after the last rank arrives (MPI_Ibarrier's rounds each wait for a peer to be
-        scheduled: measured slower with more processes than cores, BENCHMARKS.md section 10).
-        The receives come first, one per other rank in rank order: each completes once that
-        rank is in the same call."""
-        works = []
-        for r in range(self.world_size):
-            if r != self.rank:
-                works.append(MPIWork(comm.Irecv(_EMPTY, source=r, tag=BARRIER_TAG), None,
-                                     "the signature check", (r,), self.rank))
-        for r in range(self.world_size):
-            if r != self.rank:
-                works.append(MPIWork(comm.Isend(_EMPTY, dest=r, tag=BARRIER_TAG), None,
-                                     "the signature check", (r,), self.rank))
-        return works
-
     @contextlib.contextmanager
     def pinned(self, comm):
-        """Route the native collectives issued inside to `comm` (a `sig_comm`)."""
+        """Route the native collectives issued inside to `comm` (a Program's own)."""
         self._pin = comm
         try:
             yield
@@ -312,70 +303,107 @@ class MPIBackend(MPICollectives, Backend):
     def has_groups(self, groups):
         return all(g in self._groups or len(g) == self.world_size for g in groups)
 
-    def reset(self):
-        """After an aborted call (every rank calls this, see meshcomm.runtime): messages of
-        the aborted plan, or of a native collective posted before the agreement failed, may
-        still be in flight, so move to fresh communicators. The old ones are retired, not
-        freed: a freed communicator's context id can be given to the next one while a
-        request of the old one is still pending, and its messages would then match the new
-        one's (seen: garbage in the next planned all_gather)."""
-        MPI = _mpi()
-        self._retired.append(self.comm)
-        self._retired.append(self.bcomm)
-        self._retired.extend(c for c in self._groups.values() if c is not None)
-        self._retired.extend(self._sig.values())
-        self._groups.clear()
-        self._sig.clear()
-        self.comm = self._base.Dup()
-        self.comm.Set_errhandler(MPI.ERRORS_RETURN)
-        self.bcomm = self._base.Dup()
-        self.bcomm.Set_errhandler(MPI.ERRORS_RETURN)
-
     def prepare_groups(self, groups: Sequence[tuple[int, ...]], deadline):
         new = [g for g in groups if g not in self._groups and len(g) < self.world_size]
-        if not new:
-            return
-        mine = [g for g in new if self.rank in g]
-        world = self.comm.Get_group()
-        for g in mine:                       # every member creates its groups in plan order
-            grp = world.Incl(list(g))
-            self._groups[g] = self.comm.Create_group(grp, tag=0)
-            grp.Free()
-        for g in new:
-            self._groups.setdefault(g, None)  # non-members remember they are not in it
-        world.Free()
+        for g in new:                       # every member creates its groups in plan order
+            self._groups[g] = self._create(g, deadline) if self.rank in g else None
 
-    # -- metadata: an allgather of small objects that names missing peers --------------
-    def allgather_obj(self, obj, deadline):
-        tag = self._meta_seq % TAG_MOD
-        self._meta_seq += 1
-        return timed_allgather(self.meta, obj, deadline, tag, self.timeout,
-                               "the metadata exchange", "did not call reshard")
+    def retract(self, obj, tag) -> None:
+        """Send `obj` to every other rank on the metadata communicator's `tag`, behind what
+        this rank sent there before (MPI keeps their order)."""
+        data = _dumps(obj)
+        self._ctl_out.extend((self.meta.Isend(data, dest=r, tag=tag % TAG_MOD), data)
+                             for r in range(self.world_size) if r != self.rank)
 
-    def allreduce_min(self, vec, deadline):
-        """MPI_Iallreduce(MIN) on the metadata communicator, polled with the deadline. A
-        collective cannot tell which member is missing, so a timeout names every other rank."""
-        MPI = _mpi()
-        vec = np.ascontiguousarray(vec, dtype=np.int64)
-        out = np.empty_like(vec)
-        req = self.meta.Iallreduce(vec, out, op=MPI.MIN)
-        others = tuple(r for r in range(self.world_size) if r != self.rank)
-        wait_polling([MPIWork(req, (vec, out), "the metadata check (an allreduce: any of them "
-                               "may be the one missing)", others, self.rank)],
-                     deadline, self.rank, self.timeout)
+    def communicator(self, ranks, deadline):
+        """A new communicator of the group `ranks` (this rank a member) for one Program's
+        native collectives: nothing else ever posts on it."""
+        c = self._create(tuple(ranks), deadline)
+        self._own.append(c)
+        return c
+
+    def _create(self, ranks, deadline):
+        """Comm.Create_group of `ranks` (collective over them) on a thread the deadline can
+        give up on: a member that never arrives raises PeerTimeoutError naming the group."""
+        if len(ranks) == self.world_size:
+            c = timed_dup(self.comm, deadline)
+        else:
+            def make():
+                world = self.comm.Get_group()
+                grp = world.Incl(list(ranks))
+                try:
+                    return self.comm.Create_group(grp, tag=CREATE_TAG)
+                finally:
+                    grp.Free()
+                    world.Free()
+            c = bounded(make, deadline, self.rank, tuple(r for r in ranks if r != self.rank),
+                        f"creating the communicator of group {list(ranks)}", self.timeout)
+        c.Set_errhandler(_mpi().ERRORS_RETURN)
+        return c
+
+    # -- the control channel (meshcomm.runtime.control) ----------------------------------
+    def ctl_send(self, peer, data: bytes) -> None:
+        buf = np.frombuffer(data, dtype=np.uint8)
+        self._ctl_out = [(r, b) for r, b in self._ctl_out if not r.Test()]
+        self._ctl_out.append((self.ctl.Isend(buf, dest=peer, tag=CTL_TAG), buf))
+
+    def ctl_poll(self) -> list:
+        MPI, out, st = _mpi(), [], self._status
+        while self.ctl.Iprobe(source=MPI.ANY_SOURCE, tag=CTL_TAG, status=st):
+            buf = np.empty(st.Get_count(MPI.BYTE), dtype=np.uint8)
+            src = st.Get_source()
+            self.ctl.Recv(buf, source=src, tag=CTL_TAG)
+            out.append((src, buf.tobytes()))
         return out
 
+    # -- metadata: an allgather of small objects that names missing peers --------------
+    def allgather_obj(self, obj, deadline, tag=None, accept=None):
+        if tag is None:
+            tag = self._meta_seq % TAG_MOD
+            self._meta_seq += 1
+        return timed_allgather(self.meta, obj, deadline, tag % TAG_MOD, self.timeout,
+                               "the agreement of a Program", "did not construct the same Program", accept,
+                               self._stash)
+
     def close(self):
-        for c in list(self._groups.values()) + list(self._sig.values()):
+        for c in list(self._groups.values()) + self._own:
             if c is not None:
                 try:
                     c.Free()
                 except Exception:
                     pass
         self._groups.clear()
-        self._sig.clear()
-        for c in (self.comm, self.meta, self.bcomm):
+        self._own.clear()
+        for c in (self.comm, self.meta, self.ctl):
             try:
                 c.Free()
             except Exception:
                 pass
+
+
+def bounded(fn, deadline, rank, peers, what, timeout):
+    """fn() on a daemon thread, waited for with `deadline` (a blocking MPI call that a missing
+    peer would hold forever); PeerTimeoutError naming `peers` past it (the thread is left)."""
+    import threading
+    box: list = []
+
+    def run():
+        try:
+            box.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            box.append((False, e))
+    t = threading.Thread(target=run, name="meshcomm-create", daemon=True)
+    t.start()
+    spins = 0
+    while not box:
+        if deadline is not None and time.monotonic() > deadline:
+            t_ = f"{timeout:g}s" if timeout is not None else "the timeout"
+            raise PeerTimeoutError(f"rank {rank}: {what} did not complete within {t_} (MESHCOMM_TIMEOUT); "
+                                   f"one of rank(s) {list(peers)} did not arrive or died", peers, what)
+        spins += 1
+        backoff(spins)
+        t.join(0.0005 if spins > 64 else 0)
+    ok, v = box[0]
+    if not ok:
+        raise v
+    return v

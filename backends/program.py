@@ -40,7 +40,7 @@ class Piece:
 @dataclasses.dataclass(frozen=True)
 class Stage:
     recvs: tuple        # (peer, tag, nbytes, direct Piece | None, (Piece, ...) to unpack into)
-    bcasts: tuple       # (root, ranks, nbytes, src Piece | None (not the root), own dst Pieces,
+    bcasts: tuple       # (root, ranks, tag, nbytes, src Piece | None (not the root), own dst Pieces,
                         #  direct Piece | None, (Piece, ...) to unpack into), in plan order
     sends: tuple        # (peer, tag, Piece, (Piece, ...) of this rank's own dsts)
     copies: tuple       # (src Piece, (dst Piece, ...)): one box at a time, no staging
@@ -101,7 +101,7 @@ def rank_program(plan, steps: tuple, rank: int, devices_per_process: int) -> Ran
         direct = mine[0] if src is None and len(mine) == 1 and mine[0].whole is not None else None
         into = () if direct or src is not None else mine
         if s.prim == "bcast":
-            cur[2].append((s.root, s.ranks, s.nbytes, src, mine if src is not None else (), direct, into))
+            cur[2].append((s.root, s.ranks, s.index, s.nbytes, src, mine if src is not None else (), direct, into))
         else:
             cur[1].append((s.root, s.index, s.nbytes, direct, into))
     return RankProgram(tuple(Stage(tuple(r), tuple(b), tuple(snd), tuple(c), len(r) + len(snd))
@@ -136,36 +136,37 @@ def _copy_into(src_tile, src: Piece, out, dsts) -> None:
             tile[dsl] = src_tile[ssl]
 
 
-def run(prog: RankProgram, shards, out, backend, tag_mod: int, pending: list, wait, counts):
+def run(prog: RankProgram, shards, out, backend, tags: tuple, pending: list, wait, counts):
     """A generator: issues stage 0 and yields (nothing waits before that), then waits for
     each stage with `wait(works)` and issues the next. `out`: this rank's dst tiles (NumPy,
     C order, allocated by the caller); `pending` holds the stage in flight (for an abort);
-    `counts`: base.issued."""
+    `counts`: base.issued; `tags`: (first tag, span) of the Program's tag space."""
+    t0, span = tags
     started = False
     for stage in prog.stages:
         works, fins = [], []
         for peer, index, nbytes, direct, into in stage.recvs:
             if direct is not None:
-                works.append(backend.irecv(_bytes(out[direct.dev][direct.whole]), peer, index % tag_mod))
+                works.append(backend.irecv(_bytes(out[direct.dev][direct.whole]), peer, t0 + index % span))
                 continue
             buf = buffers.empty(nbytes)
-            works.append(backend.irecv(buf, peer, index % tag_mod))
+            works.append(backend.irecv(buf, peer, t0 + index % span))
             fins.append((buf, into))
-        for root, ranks, nbytes, src, mine, direct, into in stage.bcasts:
+        for root, ranks, index, nbytes, src, mine, direct, into in stage.bcasts:
             if src is not None:
                 tile = (out if src.out else shards)[src.dev]
-                works.append(backend.bcast(_message(tile, src), root, ranks))
+                works.append(backend.bcast(_message(tile, src), root, ranks, tag=t0 + index % span))
                 if mine:
                     _copy_into(tile, src, out, mine)
             elif direct is not None:
-                works.append(backend.bcast(_bytes(out[direct.dev][direct.whole]), root, ranks))
+                works.append(backend.bcast(_bytes(out[direct.dev][direct.whole]), root, ranks, tag=t0 + index % span))
             else:
                 buf = buffers.empty(nbytes)
-                works.append(backend.bcast(buf, root, ranks))
+                works.append(backend.bcast(buf, root, ranks, tag=t0 + index % span))
                 fins.append((buf, into))
         for peer, index, src, mine in stage.sends:
             tile = (out if src.out else shards)[src.dev]
-            works.append(backend.isend(_message(tile, src), peer, index % tag_mod))
+            works.append(backend.isend(_message(tile, src), peer, t0 + index % span))
             if mine:
                 _copy_into(tile, src, out, mine)
         for src, dsts in stage.copies:

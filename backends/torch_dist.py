@@ -28,6 +28,7 @@ from typing import Sequence
 from meshcomm.errors import PeerTimeoutError
 
 from . import pacing
+from . import base as _base
 from .base import Backend, Work
 from .torch_collectives import CollWork, TorchCollectives, widened
 
@@ -79,6 +80,8 @@ class TorchBackend(TorchCollectives, Backend):
         self._groups: dict[tuple[int, ...], object] = {}
         self._batch: list = []          # (P2POp, _TorchWork) not issued yet
         self._meta_seq = 0
+        self._ctl_read = 0             # control messages read from the store
+        self._waiter = None            # threads that block in gloo's waits (wait_all)
 
     @classmethod
     def create(cls, timeout: float | None, mpi_comm=None) -> "TorchBackend":
@@ -175,7 +178,7 @@ class TorchBackend(TorchCollectives, Backend):
             raise RuntimeError(f"rank {self.rank}: no process group for ranks {ranks}; "
                                "prepare_groups was not called for this plan") from None
 
-    def bcast(self, buf, root, ranks):
+    def bcast(self, buf, root, ranks, tag=0):
         self.flush()
         pace = pacing.pacer(self.rank)
         if pace is not None and self.rank == root:      # the root waits for its slot (k-1 messages)
@@ -210,13 +213,39 @@ class TorchBackend(TorchCollectives, Backend):
             self._groups[g] = self.dist.new_group(list(g), **kw)
 
     def wait_all(self, works, deadline):
+        """Blocking waits (gloo's point-to-point works say they are done only once waited
+        for) on a waiter thread, while this thread polls the control channel
+        (backends.base.WATCH): a peer's error raises here within milliseconds."""
         self.flush()
         for w in works:
-            left = None if deadline is None else deadline - time.monotonic()
             if w.work is None and isinstance(w, pacing.Paced):
                 w.force()                       # a paced send not issued yet: wait for its slot
-            if w.work is None:
-                continue
+        live = [w for w in works if w.work is not None]
+        if not live:
+            return
+        if _base.WATCH is None:
+            return self._block(live, deadline)
+        fut = self.wait_async(live, deadline)
+        while not fut.done():
+            _base.watch(live, deadline)
+            time.sleep(2e-4)
+        fut.result()
+
+    def retract(self, obj, tag) -> None:
+        """Overwrite this rank's value of round `tag` (its last Meta there) with `obj`."""
+        self.store.set(f"meshcomm/meta/{tag}/{self.rank}", pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def wait_async(self, works, deadline):
+        """`_block(works)` on a waiter thread: a Future."""
+        self.flush()
+        if self._waiter is None:
+            import concurrent.futures
+            self._waiter = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="meshcomm-torch-wait")
+        return self._waiter.submit(self._block, [w for w in works if w.work is not None], deadline)
+
+    def _block(self, works, deadline):
+        for w in works:
+            left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0 and not w.work.is_completed():
                 raise self._timeout(w, None)
             try:
@@ -242,55 +271,56 @@ class TorchBackend(TorchCollectives, Backend):
             w.peers, w.op)
 
     # -- metadata through the store --------------------------------------------------------
-    def allgather_obj(self, obj, deadline):
-        seq = self._meta_seq
-        self._meta_seq += 1
-        key = lambda r, s=seq: f"meshcomm/meta/{s}/{r}"  # noqa: E731
+    def allgather_obj(self, obj, deadline, tag=None, accept=None):
+        if tag is None:
+            tag = self._meta_seq
+            self._meta_seq += 1
+        key = lambda r, s=tag: f"meshcomm/meta/{s}/{r}"  # noqa: E731
         self.store.set(key(self.rank), pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-        if seq >= 2:                            # everyone has read round seq-2 by now
-            try:
-                self.store.delete_key(key(self.rank, seq - 2))
-            except Exception:
-                pass
         others = [r for r in range(self.world_size) if r != self.rank]
-        keys = [key(r) for r in others]
-        if keys:
-            try:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is None:
-                    self.store.wait(keys)
-                else:
-                    self.store.wait(keys, _td(left))
-            except Exception as e:
-                try:
-                    missing = [r for r in others if not self.store.check([key(r)])]
-                except Exception:           # the store itself is gone: its host (rank 0) died
-                    missing = [0] if self.rank != 0 else others
-                t = f"{self.timeout:g}s" if self.timeout is not None else "the timeout"
-                raise PeerTimeoutError(
-                    f"rank {self.rank}: peer rank(s) {missing} did not arrive at the metadata "
-                    f"exchange within {t} (MESHCOMM_TIMEOUT): they did not call reshard, or died",
-                    missing, "metadata") from e
         out = [None] * self.world_size
         out[self.rank] = obj
-        vals = self.store.multi_get(keys) if keys else []
-        for r, v in zip(others, vals):
-            out[r] = pickle.loads(bytes(v))
+        pending, spins = list(others), 0
+        while pending:
+            try:
+                ready = [r for r in pending if self.store.check([key(r)])]
+            except Exception:           # the store itself is gone: its host (rank 0) died
+                ready = []
+                deadline = 0.0
+            got = []
+            if ready:
+                for r, v in zip(ready, self.store.multi_get([key(r) for r in ready])):
+                    v = pickle.loads(bytes(v))
+                    if accept is None or accept(r, v):
+                        out[r] = v
+                        got.append(r)
+            pending = [r for r in pending if r not in got]
+            if not pending:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                t = f"{self.timeout:g}s" if self.timeout is not None else "the timeout"
+                raise PeerTimeoutError(
+                    f"rank {self.rank}: peer rank(s) {pending} did not arrive at the agreement of a Program "
+                    f"within {t} (MESHCOMM_TIMEOUT): they did not construct the same Program, or died",
+                    pending, "metadata")
+            if _base.WATCH is not None:
+                _base.WATCH(set(pending), deadline)
+            spins += 1
+            time.sleep(min(0.002, 1e-5 * spins))
         return out
 
-    def allreduce_min(self, vec, deadline):
-        """all_reduce(MIN) of a CPU int64 tensor (gloo: no round trips through the store
-        host); a timeout names every other rank, as any of them may be the one missing."""
-        import numpy as np
-        import torch
-        self.flush()
-        t = torch.from_numpy(np.array(vec, dtype=np.int64))
-        work = self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN, async_op=True)
-        others = tuple(r for r in range(self.world_size) if r != self.rank)
-        w = _TorchWork("the metadata check (an allreduce: any of them may be the one missing)",
-                       others, t, work)
-        self.wait_all([w], deadline)
-        return t.numpy()
+    # -- the control channel (meshcomm.runtime.control), through the store ---------------
+    def ctl_send(self, peer, data: bytes) -> None:
+        n = self.store.add(f"meshcomm/ctl/{peer}/n", 1)
+        self.store.set(f"meshcomm/ctl/{peer}/{n}", data)
+
+    def ctl_poll(self) -> list:
+        n = self.store.add(f"meshcomm/ctl/{self.rank}/n", 0)
+        out = []
+        while self._ctl_read < n:
+            self._ctl_read += 1
+            out.append((None, bytes(self.store.get(f"meshcomm/ctl/{self.rank}/{self._ctl_read}"))))
+        return out
 
     def close(self):
         self._groups.clear()

@@ -25,8 +25,11 @@ from meshcomm.backends.local import alloc_like
 from meshcomm.backends.pack import message_elems, pack, unpack
 from meshcomm.planners.boxes import box_size, local_slices
 
-from meshcomm import settings
 __all__ = ["execute_packed"]
+
+
+# True drops the CUDA stream fences: only to show that the fence test fails without them
+UNSAFE_NO_FENCE = False
 
 
 def execute_packed(plan, shards: Mapping[int, object], like=None, *, async_op: bool = False,
@@ -44,7 +47,7 @@ def execute_packed(plan, shards: Mapping[int, object], like=None, *, async_op: b
     for d, box in dt.boxes.items():
         out[d] = alloc_like(like, tuple(b - a for a, b in box), zero=d in zero or box_size(box) == 0,
                             op=plan.fill_op)
-    if settings.get("UNSAFE_NO_FENCE"):
+    if UNSAFE_NO_FENCE:
         fence = False
     device = streams.device_of(like)
     comm = stream if stream is not None else streams.comm_stream("packed", device)

@@ -24,7 +24,6 @@ from typing import Sequence
 
 import numpy as np
 
-from meshcomm import settings
 from meshcomm.caches import memo
 __all__ = ["available", "pack_cuda", "unpack_cuda", "plan_boxes", "BoxPlan", "KernelUnsupported",
            "SOURCE", "KERNEL_NAMES", "ADD_KERNELS", "add_kernel_for"]
@@ -185,10 +184,13 @@ def _cupy():
     return cupy
 
 
+ENABLED = True          # False: CUDA tensors are packed with torch slicing (tests, comparisons)
+
+
 def available() -> bool:
-    """True when CuPy imports and sees a CUDA device (and MESHCOMM_CUDA_KERNELS is not 0)."""
+    """True when CuPy imports and sees a CUDA device (and `ENABLED`: False packs with torch slicing)."""
     global _AVAILABLE
-    if not settings.get("CUDA_KERNELS"):
+    if not ENABLED:
         return False
     if _AVAILABLE is None:
         try:

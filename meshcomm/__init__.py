@@ -25,12 +25,13 @@ from .api import plan, reshard, shard, unshard
 from .handle import Handle
 from .caches import clear_caches
 from .runtime import init, finalize
+from .runtime.program import Program
 from . import log  # noqa: F401  (meshcomm.log.start / stop / tag)
 
 __version__ = "0.1.0"
 
 __all__ = ["Mesh", "Layout", "Blocks", "Topology", "Plan", "Transfer", "plan", "reshard",
-           "shard", "unshard", "verify", "Handle", "planners", "init", "finalize", "clear_caches"]
+           "shard", "unshard", "verify", "Handle", "planners", "init", "finalize", "clear_caches", "Program"]
 from .alltoall import all_to_all_v; __all__ += ["all_to_all_v"]  # noqa: E402,E702
 from .planners.bounds import lower_bound; __all__ += ["lower_bound"]  # noqa: E402,E702
 from .collectives import (all_gather, all_reduce, all_to_all, barrier, broadcast, gather, recv,  # noqa: E402

@@ -6,14 +6,13 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import arrays, runtime
-from . import log as _log
 from .addends import split_pending
 from .handle import Handle
 from .layout import Layout
 from .planning import plan
 from .reduceops import combine
-from .validate import (check_keys, check_layouts, check_tile_shapes, infer_shape, normalize_input,
-                       resolve_shape_dtype)
+from .runtime.local_program import one_process
+from .validate import check_keys, check_layouts, check_tile_shapes, infer_shape
 
 __all__ = ["plan", "reshard", "shard", "unshard"]
 
@@ -171,7 +170,7 @@ def reshard(x, src: Layout, dst: Layout, *, shape=None, dtype=None, backend: str
         return ctx.reshard(x, src, dst, shape=shape, dtype=dtype, backend=backend, async_op=async_op,
                            compression=compression)
     runtime.no_context(backend, "reshard")
-    result, bare = _one_process(x, src, dst, shape, dtype, async_op, compression)
+    result, bare = one_process(x, src, dst, shape, dtype, async_op, compression)
     if bare:
         devs = dst.mesh.device_ids
         if len(devs) != 1:
@@ -179,58 +178,3 @@ def reshard(x, src: Layout, dst: Layout, *, shape=None, dtype=None, backend: str
                              f"device; dst mesh has {len(devs)}; pass a dict {{device: tile}}")
         result = result[devs[0]]
     return Handle(result=result) if async_op else result
-
-
-def _one_process(x, src, dst, shape, dtype, async_op=False, compression=None, commit=True):
-    """reshard without a launcher: (the dst tiles, whether x was a bare array). With
-    `commit=False`, JAX tiles come back as host arrays for the caller to commit."""
-    stamp = _log.stamp(async_op) if _log.ON else None
-    shards, bare = normalize_input(x, src)
-    owned_src = list(src.mesh.device_ids)
-    missing = [d for d in owned_src if d not in shards]
-    if missing:
-        raise ValueError(f"without meshcomm.init this process owns every device, so x must hold a "
-                         f"tile for each src device; missing device(s) {missing[:8]}{runtime.init_hint()}")
-    return _reshard_local(shards, src, dst, shape, dtype, stamp, compression, commit), bare
-
-
-def _on_cpu(shards) -> bool:
-    """Whether every JAX tile lives on a CPU device (host memory JAX adopts without a copy)."""
-    return all(d.platform == "cpu" for v in shards.values() for d in v.devices())
-
-
-def _reshard_local(shards, src, dst, shape, dtype, stamp=None, compression=None, commit=True):
-    shape, name, itemsize = resolve_shape_dtype(shards, src, shape, dtype)
-    if shape is None:
-        raise ValueError("cannot infer the global shape from the shards; pass shape=")
-    p = plan(shape, name, src, dst)
-    check_tile_shapes({d: v.shape for d, v in shards.items()}, src.tiles(shape), "src")
-    first = next(iter(shards.values()))
-    kind = arrays.kind_of(first)
-    from .backends.local import LocalBackend
-    comp = None
-    if compression is not None:
-        from .backends import codec_cost
-        dev = getattr(first, "device", None)
-        codec_cost.check(compression, name, getattr(dev, "type", "cpu") if kind == "torch" else "cpu", "reshard")
-        comp = codec_cost.resolve(compression, p, local=True)
-    if comp is not None:                # the same round trips as under a launcher
-        from .backends.compressed import execute_local
-        host = {d: np.asarray(v) for d, v in shards.items()} if kind == "jax" else shards
-        out = execute_local(p, host, next(iter(host.values())), comp)
-        if kind == "jax" and commit:
-            out = arrays.to_jax_devices(out)
-    elif kind == "jax":
-        # one copy per piece into 64-byte-aligned NumPy tiles, which jax.device_put adopts
-        # on CPU devices without a copy; replicas share one (JAX arrays are immutable)
-        np_shards = {d: np.asarray(v) for d, v in shards.items()}
-        out = LocalBackend().execute(p, np_shards, like=next(iter(np_shards.values())), share=True,
-                                     alias=_on_cpu(shards))
-        if commit:
-            out = arrays.to_jax_devices(out)
-    else:
-        out = LocalBackend().execute(p, shards, like=first)
-    if stamp is not None:       # one process: nothing on the wire (meshcomm.log)
-        _log.record_reshard(stamp, rank=None, dpp=None, backend="local", plan=p, collective_reduce=False,
-                            shards=shards, out=out)
-    return out

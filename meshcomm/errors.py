@@ -5,10 +5,13 @@
   `TimeoutError` and a `RuntimeError`, so either `except` clause catches it.
 * Processes that disagree on a call (shape, dtype, layouts, backend) get a `ValueError`
   naming the ranks and what they disagree on (see meshcomm.runtime).
+* `PeerError`: another process failed in a call this process takes part in (its bad input,
+  its timeout), or waits for this process in another call. It names that rank; it is a
+  `ValueError`, as a disagreement found at construction is.
 """
 from __future__ import annotations
 
-__all__ = ["PeerTimeoutError"]
+__all__ = ["PeerTimeoutError", "PeerError"]
 
 
 class PeerTimeoutError(TimeoutError, RuntimeError):
@@ -21,3 +24,15 @@ class PeerTimeoutError(TimeoutError, RuntimeError):
         super().__init__(message)
         self.peers = tuple(peers)
         self.op = op
+
+
+class PeerError(ValueError):
+    """Another process failed in a call this one takes part in, or is in another call.
+
+    `rank` is that process."""
+
+    relayed = False
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank

@@ -70,38 +70,13 @@ _ALL = (
     Setting("TIMEOUT", _positive_float, 300.0,
             "seconds a process waits for a peer before `PeerTimeoutError` naming it (every entry point; `init(timeout=...)` overrides)",
             "300"),
-    Setting("CHECK", _bool, True,
-            "`0` skips the agreement check when `shape=` and `dtype=` are given, and trusts `all_to_all_v`'s `recv_counts` (no count exchange; a wrong count is then undefined)",
-            "1"),
-    Setting("CHECK_EXCHANGE", _choice("auto", "allgather", "allreduce"), "auto",
-            "how the check travels: `allgather` (every rank's hashes to every rank, point to point over MPI, then its metadata only if the hashes do not decide; a missing peer is named exactly) or `allreduce` (one MIN-allreduce of hashes, O(log N) messages per rank; a timeout names the group); auto: allreduce above 8 processes. Disagreements and calls whose shape a process cannot infer fall back to the allgather of the metadata, which names who differs"),
-    Setting("OPTIMISTIC", _bool, True,
-            "MPI starts the first stage while the check's metadata exchange (when the hashes do not decide) is in flight, and posts a repeated native collective beside the hashes (on a communicator of its own call signature; the result is used once they agree); `0` waits for the check", "1"),
-    Setting("SIGNATURE_CHECK", _bool, True,
-            "over MPI, a call repeated with arguments every process agreed on twice before is checked by its signature communicator instead of a round of hashes: a barrier (or the call's own world-wide all_reduce, all_gather, reduce_scatter or all_to_all) on a communicator kept for exactly that call completes only if every process made the same call; a process whose barrier is late past MESHCOMM_SIGNATURE_GRACE, or sees a peer's hashes, sends its hashes, so a disagreement still raises on every process in the same call; `0`: a round of hashes every call", "1"),
-    Setting("FAST_PATH", _bool, True,
-            "a collective or reshard repeated with the same arguments and the same kind of tiles, once checked by its signature communicator, runs compiled: no validation, hashing, choosing or planning again, the same native call or plan and the same signature check (anything it was built on changed: the full path); `0`: the full path every call", "1"),
-    Setting("RANK_PROGRAM", _bool, True,
-            "a plan of point-to-point messages and local copies on host (NumPy) tiles over one backend runs from its rank's program, worked out once per plan (backends/program.py: slices, contiguity and buffers decided ahead, each local box copied once); `0`: the executor works each step out per call", "1"),
-    Setting("SIGNATURE_GRACE", _positive_float, 0.01,
-            "seconds a signature check waits for its barrier before it also sends its hashes (a disagreement is found this much later; a late peer costs one round of hashes)"),
+    Setting("CHECK", _choice("construct", "every"), "construct",
+            "when processes agree: `construct` (once per Program, at its construction; an eager call constructs one on its first call with given arguments) or `every` (every run agrees in full as well: debugging a mismatch)"),
     Setting("TUNING", _str, None,
             "path of a `meshcomm tune` table that `mixed` reads (a missing file is an error naming this variable)",
             "built-in"),
-    Setting("REDUCE", _choice("auto", "ordered", "collective"), "auto",
-            "how sums over 3+ ranks run. auto: the backend's reduce for integers, except MPI on one host (the root gathers, faster there); floats in plan order. `collective`: the backend's reduce for integers and float32/64 (order not fixed); `ordered`: always gathered and added in plan order"),
-    Setting("MPI_COLLECTIVES", _choice("auto", "native", "p2p"), "auto",
-            "MPI broadcasts and integer reduces: `p2p` (the root sends to / gathers from each member), `native` (`MPI_Ibcast`/`MPI_Ireduce`); auto: p2p when all ranks are on one host"),
-    Setting("CUDA_KERNELS", _bool, True,
-            "`0` packs CUDA tensors with torch slicing instead of the kernels", "1"),
-    Setting("POLL_YIELDS", _int, 4000,
-            "polls of a pending operation that yield the core before the poller starts sleeping briefly"),
-    Setting("COLLECTIVES", _choice("auto", "native", "plan"), "auto",
-            "how a collective runs: `plan` (its reshard plan on the executor), `native` (one collective call of the backend the tuning table names, where it applies: one device per process in each group, CPU tiles, the leading dimension, a dtype its reductions take); `auto`: native where it applies, else the plan"),
     Setting("BUFFER_POOL_MB", _int, 512,
             "MiB of idle host memory kept for result tiles of 1 MiB or more (backends/buffers.py): a tile's memory is reused once every array over it is gone, instead of fresh pages that fault on first touch; `0`: every tile in fresh memory"),
-    Setting("UNSAFE_NO_FENCE", _bool, False,
-            "`1` drops the CUDA stream fences (only to show that the fence test fails without them)", "0"),
     Setting("LOG", _str, None,
             "a folder: log every communicating call to `rank<r>.jsonl` there (`meshcomm.log`; read with `meshcomm log summary`); read when meshcomm is imported and at `meshcomm.init`",
             "off"),
@@ -112,10 +87,6 @@ _ALL = (
             "consecutive ranks per emulated node under `MESHCOMM_EMULATE_GBPS` (1: every process its own node)"),
     Setting("COMPRESSION_CHUNK", _positive_int, 262144,
             "uncompressed bytes per message of a compressed collective or reshard (chunks on ZFP block boundaries, so coding and transfer overlap)"),
-    Setting("COMPRESSION_REDUCE", _choice("auto", "oneshot", "ring"), "auto",
-            "compressed reductions: `oneshot` (each addend coded once, sent to its root), `ring` (each hop decodes, adds, re-encodes); auto: the cost model's choice, one-shot on ties (smaller error)"),
-    Setting("COMPRESSION_PER_HOP", _bool, False,
-            "`1`: the point-to-point compression baseline (benchmarks): whole messages, decoded and re-encoded at every hop", "0"),
 )
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}
@@ -171,12 +142,6 @@ def raw(names: tuple) -> tuple:
 
 
 _RAW_KEYS: dict = {}
-
-# The settings a compiled call (meshcomm.runtime.compiled, compiled_reshard) depends on: it
-# applies only while they are what they were when it was built (a `raw` snapshot).
-COMPILED_DEPENDS = ("FAST_PATH", "CHECK", "SIGNATURE_CHECK", "OPTIMISTIC", "CHECK_EXCHANGE", "COLLECTIVES",
-                    "TUNING", "REDUCE", "MPI_COLLECTIVES", "EMULATE_GBPS", "EMULATE_NODE_SIZE")
-
 
 def markdown_table() -> str:
     """The README's table of environment variables."""

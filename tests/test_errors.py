@@ -295,7 +295,7 @@ def test_infer_shape_ambiguous(tiles):
     assert infer_shape(lay, tiles) is None
     src_shards = {d: np.zeros(s) for d, s in tiles.items()}
     with raises(ValueError, r"cannot infer the global shape.*shape="):
-        mc.api._reshard_local(src_shards, lay, mc.Layout(mc.Mesh([9], "x"), ()), None, None)
+        mc.runtime.local_program.reshard_local(src_shards, lay, mc.Layout(mc.Mesh([9], "x"), ()), None, None)
 
 
 def test_infer_shape_inconsistent():

@@ -283,7 +283,8 @@ def reshard_jax(x, dst, *, backend: str | None = None, async_op: bool = False):
         # One process: the JAX tiles go in as they are and the dst tiles come back as host
         # arrays (one copy per piece, none for a dst tile that is a contiguous run of a src
         # tile), committed below in one batched transfer that adopts them (CPU devices).
-        out, _ = api._one_process(shards, src, dst_layout, shape, x.dtype, async_op, commit=False)
+        from ..runtime.local_program import one_process
+        out, _ = one_process(shards, src, dst_layout, shape, x.dtype, async_op, commit=False)
         return api.Handle(result=finish(out)) if async_op else finish(out)
     # Under a launcher they go as NumPy views (zero-copy on CPU) and come back as NumPy tiles.
     np_shards = {d: np.asarray(v) for d, v in shards.items()}

@@ -5,78 +5,15 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .. import arrays, runtime
-from ..caches import memo
+from .. import runtime
 from ..handle import Handle
 from ..planning import plan
-from ..runtime.collective_call import Request, build, coded_dims, finish_tiles, run
-from ..runtime.collective_input import local_facts, tiles_of
-from .layouts import REDUCE_OPS, group_axes
+from ..runtime.collective_call import Request, collective_local, request as _request, run
+from .layouts import group_axes
 from .p2p import recv, send
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather",
            "scatter", "barrier", "send", "recv", "collective_plan"]
-
-
-def _check_op(op: str, reduce_op) -> str:
-    if reduce_op not in REDUCE_OPS:
-        raise ValueError(f"{op}: op must be one of {', '.join(REDUCE_OPS)}, got {reduce_op!r}")
-    return reduce_op
-
-
-def _check_int(op: str, name: str, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise TypeError(f"{op}: {name} must be an int, got {v!r}")
-    return int(v)
-
-
-def _check_compression(op: str, compression):
-    """The compression= argument as a codec, "auto" or None (ValueError/TypeError naming a bad one)."""
-    if compression is None:
-        return None
-    from .. import compression as codecs
-    try:
-        return codecs.coerce(compression)
-    except (ValueError, TypeError) as e:
-        raise type(e)(f"{op}: {e}") from None
-
-
-_CHECKED = {"all_reduce": ("reduce_op", "compression"), "all_gather": ("dim", "compression"),
-            "reduce_scatter": ("dim", "reduce_op", "compression"), "broadcast": ("root",),
-            "reduce": ("root", "reduce_op"), "all_to_all": ("split_dim", "concat_dim"),
-            "gather": ("root", "dim"), "scatter": ("root", "dim")}
-
-
-def _request(op: str, mesh, axes, dim=0, root=0, reduce_op="sum", split_dim=0, concat_dim=0,
-             compression=None) -> Request:
-    """The validated Request of a call (ValueError/TypeError naming a bad argument); the same
-    object for the same arguments, so a repeated call finds its compiled form at once."""
-    args = (op, mesh, axes, dim, root, reduce_op, split_dim, concat_dim)
-    if compression is None:
-        try:
-            hash(args)
-        except TypeError:
-            pass
-        else:
-            return _request_of(*args)
-    return _build_request(*args, compression)
-
-
-@memo(256, typed=True)
-def _request_of(*args) -> Request:
-    return _build_request(*args)
-
-
-def _build_request(op, mesh, axes, dim, root, reduce_op, split_dim, concat_dim, compression=None) -> Request:
-    ax = group_axes(mesh, axes)
-    checked = _CHECKED[op]
-    kw = {"compression": _check_compression(op, compression)} if "compression" in checked else {}
-    for name, v in (("dim", dim), ("root", root), ("split_dim", split_dim), ("concat_dim", concat_dim)):
-        if name in checked:
-            kw[name] = _check_int(op, name, v)
-    if "reduce_op" in checked:
-        kw["reduce_op"] = _check_op(op, reduce_op)
-    return Request(op, mesh, ax, **kw)
 
 
 def _call(req: Request, x, backend, async_op):
@@ -84,42 +21,8 @@ def _call(req: Request, x, backend, async_op):
     if ctx is not None and backend != "local":
         return run(ctx, req, x, backend=backend, async_op=async_op)
     runtime.no_context(backend, req.op)
-    result = _local(req, x)
+    result = collective_local(req, x)
     return Handle(result=result) if async_op else result
-
-
-def _local(req: Request, x):
-    """Without a launcher: every device's tile is here; the plan runs in memory."""
-    from ..backends.local import LocalBackend
-    owned = tuple(req.mesh.device_ids)
-    where = "this process (without meshcomm.init it owns every device" + runtime.init_hint() + ")"
-    tiles, bare = tiles_of(req, x, owned, where)
-    facts = local_facts(req, tiles)
-    if facts["tile"] is None:
-        raise ValueError(f"{req.op}: no tile given, so shape and dtype are unknown")
-    prob = build(req, facts["tile"], {d: tuple(v.shape) for d, v in tiles.items()})
-    src_devs = set(prob.src.mesh.device_ids)
-    kind = facts["kind"]
-    shards = {d: prob.in_tile(np.asarray(v) if kind == "jax" else v)
-              for d, v in tiles.items() if d in src_devs}
-    p = plan(prob.shape, facts["dtype"][0], prob.src, prob.dst)
-    comp = None
-    if req.compression is not None:
-        from ..backends import codec_cost
-        codec_cost.check(req.compression, facts["dtype"][0], facts["devtype"], req.op)
-        comp = codec_cost.resolve(req.compression, p, local=True, strip=coded_dims(req, prob))
-    if comp is not None:                # the same round trips as under a launcher
-        from ..backends.compressed import execute_local
-        out = execute_local(p, shards, next(iter(shards.values())), comp)
-    else:
-        out = LocalBackend().execute(p, shards, like=next(iter(shards.values())))
-    res = finish_tiles(req, prob, out, bare, owned)
-    if kind == "jax":
-        import jax
-        if bare:
-            return None if res is None else jax.device_put(res, arrays.jax_device(owned[0]))
-        return arrays.to_jax_devices(res)
-    return res
 
 
 def all_reduce(x, mesh, axes, op: str = "sum", *, backend=None, async_op: bool = False, compression=None):

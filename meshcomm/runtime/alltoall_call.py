@@ -1,12 +1,14 @@
-"""One all_to_all_v under a launcher: the agreement check, the counts exchange, the plan's stages.
+"""all_to_all_v under a launcher: a Program (agreed once: mesh, axis, backend, row shape,
+dtype, array kind), whose runs exchange the counts (they are data) and then the rows.
 
-`meshcomm.alltoall` validates the call and runs it in one process; under `meshcomm.init` it
-hands it to `DistRun` here through the context's queue. Messages of a stage are posted
-(non-blocking) in the plan's global order, then waited for.
+`meshcomm.alltoall` validates the call and runs it in one process; under `meshcomm.init` the
+eager call is the cached Program of its arguments (runtime/program.py `eager`), and
+`Program.all_to_all_v` constructs one explicitly. Each run is a `DistRun`: the count
+exchange, then the plan's stages, messages posted (non-blocking) in the plan's global order,
+then waited for, all on the Program's own tags.
 """
 from __future__ import annotations
 
-import itertools
 import time
 
 import numpy as np
@@ -15,15 +17,16 @@ from .. import arrays
 from .. import log as _log
 from ..planners.alltoall import plan_alltoall
 from ..backends.base import empty_wire, from_wire, to_wire
-from . import agreement
+from ..handle import Handle
+from ..planners import Topology
+from ..mesh import Mesh
+from ..planners.alltoall import AllToAllPlan
+from ..validate import native_byte_order
+from .context import init_hint
+from typing import Any, Mapping, Sequence
+from .program import Program, construct, eager, tags_of
 
-__all__ = ["DistRun", "split_rows", "assemble", "cat"]
-
-# Tags of all-to-all messages: a base plus a per-group call counter, so concurrent async
-# calls on the same group cannot be confused (processes of a group call in the same order).
-_TAG_BASE = 20000
-_TAG_SPAN = 4096
-_calls: dict[tuple[int, ...], itertools.count] = {}
+__all__ = ["DistRun", "split_rows", "assemble", "cat", "program", "run"]
 
 
 def cat(parts, like):
@@ -56,9 +59,9 @@ class DistRun:
     needed), then the plan's stages; messages of a stage are posted (non-blocking) in global
     order, then waited for."""
 
-    def __init__(self, ctx, be, groups, args, topo, algorithm, backend, mesh, axis, err, check):
-        self.ctx, self.be, self.err, self.check = ctx, be, err, check
-        self.mesh, self.axis, self.topo, self.algorithm = mesh, axis, topo, algorithm
+    def __init__(self, ctx, be, groups, args, topo, algorithm, tags):
+        self.ctx, self.be = ctx, be
+        self.topo, self.algorithm = topo, algorithm
         self.dpp = ctx.devices_per_process
         self.timeout = ctx.timeout
         self.keep = []          # send buffers stay alive until their wait
@@ -73,49 +76,23 @@ class DistRun:
             dev = like.device if arrays.is_torch(like) else None
             self.prim = _primitives(ctx, be, int(sum(sum(c) for c in scs.values())) * row_bytes,
                                     "cuda" if dev is not None and dev.type == "cuda" else "cpu")
-        # tags are taken now, in the caller's order (the same on every process of a group)
+        # two tags per group (counts, rows), from the Program's own tag space
         self.groups = [g for g in groups if self.owned.intersection(g)]
-        self.tags = {g: _TAG_BASE + (next(_calls.setdefault(g, itertools.count())) % _TAG_SPAN) * 2
-                     for g in self.groups}
-
-    def _agree(self):
-        like = self.like if self.args is not None else None
-        dt = None if like is None else arrays.dtype_of(like)
-        kind = None if like is None else arrays.kind_of(like)
-        meta = agreement.Meta("all_to_all_v", (
-            ("op", "all_to_all_v"), ("mesh", repr(self.mesh)), ("axes", self.axis),
-            ("backend", getattr(self.be, "signature", self.be.name)), ("dtype", dt),
-            ("rows", None if like is None else tuple(like.shape[1:])), ("kind", kind)),
-            agreement.error_of(self.err))
-        out = agreement.exchange(self.ctx.backend, meta, time.monotonic() + self.timeout)
-        if out.metas is not None:
-            agreement.settle(out.metas, self.ctx.rank, self.err)
+        self.tags = {g: tags[0] + 2 * i for i, g in enumerate(groups) if g in self.groups}
 
     def run(self, bare):
         t_run = time.time() if self.stamp is not None else None
-        if self.check:
-            self._agree()
-        elif self.err is not None:
-            raise self.err
         if self.args is None:
             return None
         xs, scs, rcs, _, _, row_bytes = self.args
         topo, algorithm = self.topo, self.algorithm
         self.plans = []
         wrong = []          # (device, recv_counts given, counts the senders send)
-        multi_node = topo.devices_per_node > 1
         for g in self.groups:
             tag = self.tags[g]
             mine = [d for d in g if d in self.owned]
-            need_matrix = multi_node and algorithm != "pairwise" and \
-                len({topo.node_of(d) for d in g}) > 1
-            if rcs is not None and not need_matrix and not self.check:
-                counts = _partial_matrix(g, scs, rcs)     # trusted: no exchange
-                algo = "pairwise"
-            else:
-                counts = self._exchange_counts(g, mine, scs, tag)    # the full matrix
-                algo = algorithm
-            p = plan_alltoall(g, counts, row_bytes, topo, algo)
+            counts = self._exchange_counts(g, mine, scs, tag)    # the full matrix
+            p = plan_alltoall(g, counts, row_bytes, topo, algorithm)
             if rcs is not None:
                 wrong.extend((f, rcs[f], p.recv_counts(f)) for f in mine if p.recv_counts(f) != rcs[f])
             self.plans.append((p, tag + 1))
@@ -229,20 +206,271 @@ def _flat_cat(parts, like):
     return np.concatenate(flat)
 
 
-def _partial_matrix(g, scs, rcs):
-    """Counts with the owned rows and columns filled (enough for pairwise), zeros elsewhere."""
-    n = len(g)
-    m = [[0] * n for _ in range(n)]
-    for i, d in enumerate(g):
-        if d in scs:
-            m[i] = list(scs[d])
-    for j, d in enumerate(g):
-        if d in rcs:
-            for i in range(n):
-                m[i][j] = rcs[d][i]
-    return m
-
-
 def _primitives(ctx, be, nbytes=0, device="cpu"):
     """The concrete backend whose isend/irecv run the exchange ("mixed" picks per size)."""
     return be.choose("send", nbytes, 2, device)
+
+
+class A2AKernel:
+    """An all_to_all_v Program's run: this process's rows checked against the agreed row
+    shape and dtype, then a DistRun on the Program's tags."""
+
+    def __init__(self, ctx, be, mesh, axis, groups, rows, dtype, topo, algorithm, tags):
+        self.ctx, self.be, self.mesh, self.axis, self.groups = ctx, be, mesh, axis, groups
+        self.rows, self.dtype, self.topo, self.algorithm, self.tags = rows, dtype, topo, algorithm, tags
+
+    def describe(self) -> str:
+        return "count exchange, then the planned row exchange"
+
+    def facts(self, st):
+        return None if st[0] is None else tuple(sorted((d, tuple(v.shape)) for d, v in st[0][0].items()))
+
+    def prepare(self, args, out=None):
+        x, send_counts, recv_counts = args
+        st = validate_owned(self.ctx, x, send_counts, recv_counts, self.mesh, self.axis, self.groups)
+        return self.check(st, not isinstance(x, dict))
+
+    def check(self, a, bare):
+        if a is not None:
+            like = a[3]
+            if tuple(like.shape[1:]) != self.rows or arrays.dtype_of(like)[0] != self.dtype:
+                raise ValueError(f"all_to_all_v: rank {self.ctx.rank}'s rows are {tuple(like.shape[1:])} "
+                                 f"{arrays.dtype_of(like)[0]}, the Program's are {self.rows} {self.dtype}")
+        return a, bare
+
+    def run(self, st, deadline, stamp=None):
+        a, bare = st
+        r = DistRun(self.ctx, self.be, self.groups, a, self.topo, self.algorithm, self.tags)
+        r.stamp = stamp
+        return r.run(bare)
+
+    def finish(self, r):
+        return r
+
+
+class A2AProgram(Program):
+    """`prog(x, send_counts, recv_counts=None, async_op=False)`."""
+
+    def __call__(self, x=None, send_counts=None, recv_counts=None, *, async_op: bool = False):
+        return self.start((x, send_counts, recv_counts), async_op, None, _log.stamp(async_op) if _log.ON else None)
+
+
+def _fields(mesh, axis, be, rows, dtype, kind, topo, algorithm):
+    return (("op", "all_to_all_v"), ("mesh", repr(mesh)), ("axes", axis),
+            ("backend", getattr(be, "signature", be.name)), ("dtype", dtype), ("rows", rows), ("kind", kind),
+            ("algorithm", f"{algorithm} {topo}"))
+
+
+def _build(ctx, be, mesh, axis, groups, topo, algorithm):
+    from .agreement import value
+
+    def build(pid, metas, deadline):
+        rows, dt = value(metas, "rows"), value(metas, "dtype")
+        if rows is None:
+            raise ValueError("all_to_all_v: no process holds rows, so their shape and dtype are unknown")
+        k = A2AKernel(ctx, be, mesh, axis, groups, tuple(rows), dt[0], topo, algorithm,
+                      tags_of(pid, getattr(be, "tag_ub", 1 << 29)))
+        return A2AProgram(ctx, pid, f"all_to_all_v along {axis!r} of {mesh} rows {tuple(rows)} {dt[0]}", k)
+    return build
+
+
+def run(ctx, x, send_counts, recv_counts, mesh, axis, groups, backend, async_op, topo, algorithm, stamp):
+    """The eager all_to_all_v: the cached Program of its arguments, then one run."""
+    be, err = ctx.resolve_backend(backend)
+    a = None
+    try:
+        if err is not None:
+            raise err
+        a = validate_owned(ctx, x, send_counts, recv_counts, mesh, axis, groups)
+    except (ValueError, TypeError) as e:
+        err = e
+    like = a[3] if a is not None else None
+    rows = None if like is None else tuple(like.shape[1:])
+    dt = None if like is None else arrays.dtype_of(like)
+    kind = None if like is None else arrays.kind_of(like)
+    complete = a is not None
+    sig = ("all_to_all_v", mesh, axis, be.name, repr(topo), algorithm)
+    fields = _fields(mesh, axis, be, rows, dt, kind, topo, algorithm)
+
+    def agreed_key(metas):
+        from .agreement import value
+        return (value(metas, "rows"), value(metas, "dtype"), value(metas, "kind"))
+    prog = ctx.call(lambda: eager(ctx, sig, (rows, dt, kind) if complete else None, complete, "all_to_all_v",
+                                  fields, err, {}, _build(ctx, be, mesh, axis, groups, topo, algorithm), agreed_key))
+    st = prog._kernel.check(a, not isinstance(x, dict))
+    return prog.start(None, async_op, None, stamp, st)
+
+
+def program(mesh, axis, rows, dtype, backend, topology, algorithm) -> Program:
+    """`Program.all_to_all_v(mesh, axis, rows=, dtype=)`: rows is the trailing shape of a row."""
+    from . import current
+    groups = axis_groups(mesh, axis)
+    ctx = current()
+    name, itemsize = arrays.normalize_dtype(dtype)
+    rows = tuple(int(r) for r in rows)
+    topo = Topology.coerce(topology)
+    if ctx is None:
+        from .local_program import local_all_to_all_v
+        return local_all_to_all_v(mesh, axis, rows, dtype, topology, algorithm)
+    be, err = ctx.resolve_backend(backend)
+    fields = _fields(mesh, axis, be, rows, (name, itemsize), None, topo, algorithm)
+    return ctx.call(lambda: construct(ctx, "all_to_all_v", fields, err, {},
+                                      _build(ctx, be, mesh, axis, groups, topo, algorithm)))
+
+
+def axis_groups(mesh: Mesh, axis: str) -> list[tuple[int, ...]]:
+    """Device tuples along `axis`, one per combination of the other axes' coordinates."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a meshcomm.Mesh, got {type(mesh).__name__}")
+    if not isinstance(axis, str):
+        raise TypeError(f"axis must be a mesh axis name (str), got {axis!r}")
+    a = mesh.axis_index(axis)
+    devs = np.moveaxis(mesh.devices, a, -1).reshape(-1, mesh.shape[a])
+    return [tuple(int(d) for d in row) for row in devs]
+
+
+# -- validation and the one-process path ------------------------------------------------------
+
+def _counts(c, device: int, n: int, axis: str) -> tuple[int, ...]:
+    if arrays.is_torch(c):
+        c = c.tolist()
+    from ..mesh import as_int
+    try:            # dtype=object keeps the values as given (2.5 stays 2.5, True stays True)
+        vals = np.asarray(c, dtype=object).reshape(-1).tolist()
+    except (TypeError, ValueError):
+        raise TypeError(f"counts of device {device} must be a sequence of ints, got {c!r}") from None
+    row = tuple(as_int(v, f"count {j} of device {device}") for j, v in enumerate(vals))
+    if len(row) != n:
+        raise ValueError(f"counts of device {device} have {len(row)} entries but mesh axis {axis!r} "
+                         f"has {n} devices")
+    if any(v < 0 for v in row):
+        raise ValueError(f"counts of device {device} must be non-negative, got {list(row)}")
+    return row
+
+
+def _matrix_rows(c, owned: Sequence[int]):
+    """A counts matrix (one row per owned device, in mesh order) as {device: row}."""
+    if isinstance(c, Mapping) or len(owned) < 2:
+        return c
+    if arrays.is_torch(c):
+        c = c.tolist()
+    try:
+        m = np.asarray(c)
+    except (TypeError, ValueError):
+        return c
+    if m.ndim == 2 and m.shape[0] == len(owned):
+        return {d: m[k] for k, d in enumerate(owned)}
+    raise TypeError(f"counts must be a dict {{device: counts}} or a matrix with one row per device "
+                    f"({len(owned)} rows, in mesh order), got shape {m.shape}")
+
+
+def _per_device(v, owned: Sequence[int], what: str) -> dict[int, Any]:
+    if isinstance(v, Mapping):
+        extra = [d for d in v if d not in owned]
+        if extra:
+            raise ValueError(f"{what} given for device(s) {extra} that this process does not own "
+                             f"(it owns {list(owned)})")
+        return dict(v)
+    if len(owned) != 1:
+        raise TypeError(f"{what} must be a dict {{device id: value}} when this process owns "
+                        f"{len(owned)} devices of the mesh")
+    return {owned[0]: v}
+
+
+def validate_owned(ctx, x, send_counts, recv_counts, mesh, axis, groups):
+    """This process's validated arguments (None where it owns no device of the mesh)."""
+    ctx.ownership.check_mesh(mesh)
+    owned = list(ctx.ownership.owned(mesh))
+    if not owned:
+        return None
+    return _validate(x, send_counts, recv_counts, mesh, axis, owned, groups,
+                     f"process {ctx.rank} owns devices {owned}")
+
+
+def _validate(x, send_counts, recv_counts, mesh, axis, owned, groups, where):
+    """(xs, scs, rcs, like, row_elems, row_bytes) for the devices this process owns."""
+    n = mesh.axis_size(axis)
+    xs = _per_device(x, owned, "x")
+    scs = _per_device(_matrix_rows(send_counts, owned), owned, "send_counts")
+    missing = [d for d in owned if d not in xs or d not in scs]
+    if missing:
+        raise ValueError(f"x and send_counts need an entry for device(s) {missing[:8]} ({where})")
+    kinds = {arrays.kind_of(v) for v in xs.values()}
+    if "jax" in kinds or len(kinds) > 1:
+        raise TypeError(f"all_to_all_v takes NumPy arrays or torch tensors of one kind, got {sorted(kinds)}")
+    xs = {d: native_byte_order(v) for d, v in xs.items()}
+    scs = {d: _counts(scs[d], d, n, axis) for d in owned}
+    like = xs[owned[0]]
+    for d in owned:
+        v = xs[d]
+        if v.ndim < 1:
+            raise ValueError(f"x of device {d} must have a row dimension, got shape {tuple(v.shape)}")
+        if sum(scs[d]) != v.shape[0]:
+            raise ValueError(f"send counts of device {d} sum to {sum(scs[d])} but x of device {d} has "
+                             f"{v.shape[0]} rows")
+        if tuple(v.shape[1:]) != tuple(like.shape[1:]) or v.dtype != like.dtype:
+            raise ValueError(f"x of device {d} has rows {tuple(v.shape[1:])} {v.dtype}, device {owned[0]} "
+                             f"has {tuple(like.shape[1:])} {like.dtype}; all rows must match")
+    rcs = None
+    if recv_counts is not None:
+        rcs = _per_device(_matrix_rows(recv_counts, owned), owned, "recv_counts")
+        rcs = {d: _counts(rcs[d], d, n, axis) for d in owned if d in rcs}
+        if len(rcs) != len(owned):
+            raise ValueError(f"recv_counts needs an entry for every device this process owns {owned}")
+        _check_owned_counts(groups, scs, rcs, axis)
+    row_elems = int(np.prod(like.shape[1:], dtype=np.int64))
+    row_bytes = row_elems * arrays.dtype_of(like)[1]
+    return xs, scs, rcs, like, row_elems, row_bytes
+
+
+def local(x, send_counts, mesh, axis, recv_counts, async_op, topology, algorithm, groups, stamp=None):
+    """Without a launcher: every device's rows are here; run each group's plan in memory."""
+    owned = list(mesh.device_ids)
+    n = mesh.axis_size(axis)
+    bare = not isinstance(x, Mapping)
+    xs, scs, rcs, like, row_elems, row_bytes = _validate(
+        x, send_counts, recv_counts, mesh, axis, owned, groups,
+        "without meshcomm.init this process owns every device" + init_hint())
+    topo = Topology.coerce(topology)
+    out = {}
+    for g in groups:
+        counts = [scs[d] for d in g]
+        if rcs is not None:
+            for j, f in enumerate(g):
+                want = tuple(counts[i][j] for i in range(n))
+                if rcs[f] != want:
+                    raise ValueError(f"recv_counts of device {f} are {list(rcs[f])} but the senders "
+                                     f"along axis {axis!r} send it {list(want)}")
+        p = plan_alltoall(g, counts, row_bytes, topo, algorithm)
+        out.update(_run_local(p, xs))
+    if stamp is not None:           # one process: nothing on the wire (meshcomm.log)
+        _log.record_rows(stamp, "all_to_all_v", group=None, backend="local", xs=xs, out=out, like=like)
+    result = out[owned[0]] if bare and len(owned) == 1 else out
+    return Handle(result=result) if async_op else result
+
+
+# -- execution --------------------------------------------------------------------------------
+
+def _run_local(p: AllToAllPlan, xs) -> dict[int, Any]:
+    """Run a plan in one process: messages move blocks between per-device holdings."""
+    hold = {d: split_rows(xs[d], p.counts[i], d, p.devices) for i, d in enumerate(p.devices)}
+    for msg in p.messages:
+        for o, f, _ in msg.blocks:
+            hold[msg.dst][(o, f)] = hold[msg.src].pop((o, f))
+    return {d: assemble(hold[d], d, p.devices, xs[d]) for d in p.devices}
+
+
+def _check_owned_counts(groups, scs, rcs, axis):
+    """recv_counts entries whose sender this process owns must equal that sender's send
+    counts (a device's count to itself included): checked here, before any communication."""
+    for g in groups:
+        for j, f in enumerate(g):
+            if f not in rcs:
+                continue
+            for i, o in enumerate(g):
+                if o in scs and scs[o][j] != rcs[f][i]:
+                    raise ValueError(
+                        f"recv_counts of device {f} say {rcs[f][i]} rows from device {o} but the "
+                        f"send_counts of device {o} send it {scs[o][j]} (mesh axis {axis!r})")
+
+

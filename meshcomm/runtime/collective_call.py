@@ -1,19 +1,12 @@
-"""One collective on mesh axes (see meshcomm.collectives), from validation to execution.
+"""Collective Programs on mesh axes (see meshcomm.collectives): `Program.all_reduce` and the
+others, and the eager collectives (cached Programs).
 
-The same path as a reshard: every process validates its own tiles (keeping the error to
-share), all agree on the call (operation, mesh, axes, parameters, dtype, tile shapes) through
-`agreement`, then the collective runs as the reshard `collectives.layouts.problem` gives,
-with the plan executed by the backend. Tile sizes along a gathered dimension travel with the
-agreement, so uneven all_gather/gather cost no extra round.
-
-Repeated calls: every process keeps what the last call with the same arguments agreed on
-(`Agreed`, in `ctx.agreed`). A gather, or a process without a tile, hashes that instead of
-what it cannot know alone (the other tiles' sizes); all hashes equal decides, so a repeated
-uneven all_gather costs the round of hashes and no metadata exchange. Over MPI the native
-call is posted beside the hashes (the optimistic start) on a communicator of its own exact
-signature (backends/mpi.py `sig_comm`), and its result is released only once the hashes
-agree; where they do not, every process learns so from the same Metas, gives the posted
-call up and moves to fresh communicators before raising or running the call again.
+Construction agrees on the operation, mesh, axes, parameters, backend, dtype, array kind,
+device type and tile shapes (a gather's tiles may differ along `dim`: every device's size
+travels with the agreement), then decides once, from the tuning table, between ONE native
+collective of a backend per group (`NativeKernel`: MPI's or torch.distributed's own call;
+over MPI on a communicator the Program owns) and the collective's reshard plan
+(`collectives.layouts.problem`, run by the reshard kernel).
 """
 from __future__ import annotations
 
@@ -25,17 +18,19 @@ import numpy as np
 
 from .. import arrays, settings
 from .. import log as _log
-from ..backends import base, codec_cost
-from ..collectives.layouts import groups, problem
-from ..handle import Handle
-from . import agreement, native_call
-from .collective_input import GATHERS, masked, local_facts, tiles_of
-from .compiled import Fast, fast_key
-from .agreement import Meta
-from .reshard_call import Local, PlannedCall
+from ..backends import codec_cost
+from ..caches import memo
+from ..collectives.layouts import REDUCE_OPS, group_axes, groups, problem
+from ..planning import plan as make_plan
+from ..planning import plan
+from . import control, native_call
+from .agreement import value
+from .collective_input import GATHERS, local_facts, masked, tiles_of
+from .context import init_hint
+from .local_program import LocalKernel
+from .program import PlanRun, Program, consume, construct, eager, empty_like, fences_of, tags_of
 
-__all__ = ["Request", "run", "tiles_of", "coded_dims"]
-
+__all__ = ["Request", "run", "program", "tiles_of", "coded_dims", "build", "finish_tiles"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +59,69 @@ class Request:
     @property
     def params(self) -> tuple:
         return (self.dim, self.root, self.reduce_op, self.split_dim, self.concat_dim)
+
+
+# -- the arguments, validated --------------------------------------------------------------------
+
+def _check_op(op: str, reduce_op) -> str:
+    if reduce_op not in REDUCE_OPS:
+        raise ValueError(f"{op}: op must be one of {', '.join(REDUCE_OPS)}, got {reduce_op!r}")
+    return reduce_op
+
+
+def _check_int(op: str, name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{op}: {name} must be an int, got {v!r}")
+    return int(v)
+
+
+def _check_compression(op: str, compression):
+    """The compression= argument as a codec, "auto" or None (ValueError/TypeError naming a bad one)."""
+    if compression is None:
+        return None
+    from .. import compression as codecs
+    try:
+        return codecs.coerce(compression)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{op}: {e}") from None
+
+
+_CHECKED = {"all_reduce": ("reduce_op", "compression"), "all_gather": ("dim", "compression"),
+            "reduce_scatter": ("dim", "reduce_op", "compression"), "broadcast": ("root",),
+            "reduce": ("root", "reduce_op"), "all_to_all": ("split_dim", "concat_dim"),
+            "gather": ("root", "dim"), "scatter": ("root", "dim")}
+
+
+def request(op: str, mesh, axes, dim=0, root=0, reduce_op="sum", split_dim=0, concat_dim=0,
+             compression=None) -> Request:
+    """The validated Request of a call (ValueError/TypeError naming a bad argument); the same
+    object for the same arguments, so a repeated call finds its compiled form at once."""
+    args = (op, mesh, axes, dim, root, reduce_op, split_dim, concat_dim)
+    if compression is None:
+        try:
+            hash(args)
+        except TypeError:
+            pass
+        else:
+            return _request_of(*args)
+    return _build_request(*args, compression)
+
+
+@memo(256, typed=True)
+def _request_of(*args) -> Request:
+    return _build_request(*args)
+
+
+def _build_request(op, mesh, axes, dim, root, reduce_op, split_dim, concat_dim, compression=None) -> Request:
+    ax = group_axes(mesh, axes)
+    checked = _CHECKED[op]
+    kw = {"compression": _check_compression(op, compression)} if "compression" in checked else {}
+    for name, v in (("dim", dim), ("root", root), ("split_dim", split_dim), ("concat_dim", concat_dim)):
+        if name in checked:
+            kw[name] = _check_int(op, name, v)
+    if "reduce_op" in checked:
+        kw["reduce_op"] = _check_op(op, reduce_op)
+    return Request(op, mesh, ax, **kw)
 
 
 def build(req: Request, tile: tuple, tile_shapes: Mapping[int, tuple] | None):
@@ -102,269 +160,210 @@ def finish_tiles(req: Request, prob, out: Mapping[int, Any], bare: bool, owned: 
     return res
 
 
-def run(ctx, req: Request, x, *, backend=None, async_op=False):
-    """A collective under a launcher: every process calls this with its own tiles (SPMD)."""
-    stamp = _log.stamp(async_op) if _log.ON else None
-    fk = fast_key(req, backend, x) if stamp is None else None
-    fast = ctx.fast.get(fk) if fk is not None else None
-    if fast is not None and not async_op:
-        # a blocking repeated call of a host tile: its compiled form with the least Python
-        # between the user and MPI (the full path below wherever it does not apply)
-        r = ctx.call(fast.run, ctx, x)
-        if r is not None:
-            return r[0]
-        fast = None
-    from meshcomm.backends import streams
-    if fast is not None:
-        # asynchronous: the same form on the queue's thread, where everything issued before
-        # has run (a one-element list: the finished result tile), or the full path
-        def go():
-            r = fast.run(ctx, x)
-            return [r[0]] if r is not None else _State.of(ctx, req, x, backend, None, fk).go()
-        result = ctx.run(go, async_op)
-    else:
-        result = ctx.run(_State.of(ctx, req, x, backend, stamp, fk).go, async_op)
-
-    def finish():
-        out = result()
-        if type(out) is list:
-            return out[0]
-        res, done, kind, prob, bare, owned = out
-        for v in res.values():
-            if done is not None:
-                done.wait_on(streams.current_stream(streams.device_of(v)))
-            break
-        res = finish_tiles(req, prob, res, bare, owned)
-        if kind == "jax":
-            import jax
-            if bare:
-                return None if res is None else jax.device_put(res, arrays.jax_device(owned[0]))
-            res = arrays.to_jax_devices(res)
-        return res
-    if async_op:
-        return Handle(finish)
-    return finish()
-
-
-@dataclasses.dataclass
-class _State:
-    """One call on the full path: this process's validated tiles and facts (an error kept, to
-    be shared through the agreement), and what it will hash."""
-
-    ctx: Any
-    req: Request
-    be: Any
-    err: BaseException | None
-    tiles: dict
-    bare: bool
-    owned: tuple
-    facts: dict
-    fence: Any
-    stamp: Any
-    fk: Any                 # the key of the call's compiled form (`Fast`), None if it cannot have one
-
-    @classmethod
-    def of(cls, ctx, req: Request, x, backend, stamp, fk) -> "_State":
-        from meshcomm.backends import streams
-        be, err = ctx.resolve_backend(backend)
-        own = ctx.ownership
-        owned = own.owned(req.mesh)
-        tiles, bare, facts = {}, not isinstance(x, Mapping), {"dtype": None, "kind": None, "devtype": None, "tile": None}
-        try:
-            if err is not None:
-                raise err
-            own.check_mesh(req.mesh)
-            if owned:
-                tiles, bare = tiles_of(req, x, owned, f"rank {ctx.rank}")
-                facts = local_facts(req, tiles)
-                codec_cost.check(req.compression, (facts["dtype"] or (None,))[0], facts["devtype"], req.op)
-            elif x is not None and not (isinstance(x, Mapping) and not x):
-                raise ValueError(f"{req.op}: rank {ctx.rank} owns no device of the mesh {req.mesh} but passed "
-                                 "a tile; pass None (or an empty dict)")
-        except (ValueError, TypeError) as e:
-            err = e
-        if facts["kind"] == "jax":
-            tiles = {d: np.asarray(v) for d, v in tiles.items()}
-        fence = streams.fence_from_current(None)
-        for v in tiles.values():
-            dev = streams.device_of(v)
-            if streams.is_cuda(dev):
-                fence = streams.fence_from_current(dev)
-                break
-        return cls(ctx, req, be, err, tiles, bare, owned, facts, fence, stamp, fk)
-
-    def go(self):
-        ctx, req, be, err, tiles, facts, stamp = (self.ctx, self.req, self.be, self.err, self.tiles,
-                                                  self.facts, self.stamp)
-        deadline = time.monotonic() + ctx.timeout
-        own_shapes = {d: tuple(v.shape) for d, v in tiles.items()}
-        key = _key(req, be)
-        guess = _guess(ctx, key, req, err, facts, own_shapes)
-        # Always agreed (MESHCOMM_CHECK does not apply): a process without a tile of the mesh
-        # still takes part in creating the plan's groups, so it must learn shape and dtype.
-        meta = Meta(req.op, _fields(req, be, facts["dtype"], facts["kind"], facts["devtype"],
-                                    masked(req, facts["tile"]), None),
-                    agreement.error_of(err), {"tiles": own_shapes})
-        known = req.op not in GATHERS and facts["tile"] is not None
-        # What this process hashes: its own facts, or (a gather, or no tile here) what the last
-        # call with these arguments agreed on; all hashes equal means every process's own
-        # tiles fit that, so it is this call's truth too.
-        hashed = None if known or guess is None else _fields(
-            req, be, guess.dtype, guess.kind, guess.devtype, masked(req, guess.tile), guess.shapes_key)
-        f = guess if hashed is not None else (Agreed(facts["tile"], None, facts["dtype"], facts["kind"],
-                                                      facts["devtype"]) if known else None)
-        # plan_only: compressed calls, and every call under link emulation (which paces the
-        # executor's sends only), run as their plans
-        plan_only = req.compression is not None or settings.get("EMULATE_GBPS") is not None
-        early = f is not None and err is None and not plan_only and settings.get("OPTIMISTIC") \
-            and (hashed is None or guess.streak > 0)
-        pending = agreement.start(ctx.backend, meta, deadline, eligible=f is not None, hashed=hashed,
-                                  signature=early)
-        sig = pending.signature_comm
-        posted = nat = None
-        tokens = []
-        if early:
-            # The optimistic start: the native call goes out beside the check (on a
-            # communicator of its own call signature); its result is used only once the check
-            # agrees. A guess the hashes have not confirmed before (shapes that change from
-            # call to call) waits for them: a wrong guess then costs the metadata round, not a
-            # reset. A call over every process with a signature communicator goes there: its
-            # completion is then the check (nothing else is sent).
-            nat = native_call.choose(ctx, be, req, f.dtype, f.tile, f.shapes, f.devtype)
-            if nat is not None:
-                world = sig is not None and nat.prim is pending.p2p and \
-                    nat.all_ranks == (tuple(range(ctx.world_size)),) and \
-                    native_call.self_checking(nat.prim, req, groups(req.mesh, req.axes)[0], f.dtype, f.tile, f.shapes)
-                posted = native_call.start(ctx, nat, req, tiles, f.dtype, f.tile, f.shapes, f.kind,
-                                           comm=sig if world else None)
-                if world and posted is not None:
-                    tokens = posted.works
-        out = pending.hashes(tokens)
-        res = self.conclude(pending, meta, out, f, hashed, posted, nat, key, plan_only, deadline)
-        if out is not None and out.via == "signature" and posted is not None and self.fk is not None \
-                and stamp is None and self.bare and len(self.owned) <= 1 and (posted.me is None) == (not self.owned):
-            # one tile of this process's one device, or none passed (a non-root, or no device
-            # of the mesh here: the compiled form then posts the receive, or the check alone)
-            if len(ctx.fast) > 256:
-                ctx.fast.clear()
-            g = ctx.agreed.get(key)
-            ctx.fast[self.fk] = Fast(self, key, g, f if hashed is None else g, hashed, meta.fields, pending,
-                                     posted, nat, bool(tokens), res[3])
-        return res
-
-    def conclude(self, pending, meta, out, f, hashed, posted, nat, key, plan_only, deadline):
-        """The call after its check: the posted native call's result where every process
-        agreed, else the full exchange (raising together, or resetting and running again)."""
-        ctx, req, be, err, tiles, facts, stamp = (self.ctx, self.req, self.be, self.err, self.tiles,
-                                                  self.facts, self.stamp)
-        if out is not None and out.mixed:       # some processes posted a signature check: all reset
-            if posted is not None:
-                posted.abandon()
-            ctx.reset_started(["mpi"])
-            posted = None
-        if out is not None:                     # every process agrees with f
-            base.issued[(f"{out.via}_check", be.name)] += 1
-            agreed = dataclasses.replace(f, streak=f.streak + 1) if hashed is not None else Agreed(
-                f.tile, None, f.dtype, out.value("kind", "numpy"), out.value("devtype", "cpu"))
-            if posted is not None:
-                prob = build(req, agreed.tile, agreed.shapes)
-                res = posted.finish(ctx, nat, req, prob, agreed.dtype, agreed.tile, deadline, stamp)
-                _remember(ctx, key, agreed)
-                return res, None, agreed.kind, prob, self.bare, self.owned
-        else:
-            meta.extra["opt"] = (posted is not None and bool(posted.works)) or pending.signature_comm is not None
-            out = pending.metas()
-            if posted is not None:
-                posted.abandon()
-            try:
-                agreement.settle(out.metas, ctx.rank, err,
-                                 {"mesh": lambda v, m: v, "params": lambda v, m: _params_str(req.op, v)})
-            finally:                            # every process sees the same Metas: all reset
-                if any(m.extra.get("opt") for m in out.metas):
-                    ctx.reset_started(["mpi"])
-            shapes = None
-            if req.op in GATHERS:
-                shapes = {}
-                for m in out.metas:
-                    shapes.update(m.extra.get("tiles", {}))
-            tile = facts["tile"] if facts["tile"] is not None else _any_tile(out.metas)
-            dt = out.value("dtype")
-            if dt is None:
-                raise ValueError(f"{req.op}: no process passed a tile, so shape and dtype are unknown")
-            agreed = Agreed(tile, shapes, dt, out.value("kind", "numpy"), out.value("devtype", "cpu"))
-        tile, shapes, dt, kind, devtype = agreed.tile, agreed.shapes, agreed.dtype, agreed.kind, agreed.devtype
-        prob = build(req, tile, shapes)
-        _remember(ctx, key, agreed)
-        nat = None if plan_only else native_call.choose(ctx, be, req, dt, tile, shapes, devtype)
-        if nat is not None:         # one native collective of the backend the table names
-            res = native_call.run(ctx, nat, req, prob, tiles, dt, tile, shapes, deadline, kind, stamp)
-            return res, None, kind, prob, self.bare, self.owned
-        src_devs = set(prob.src.mesh.device_ids)
-        shards = {d: prob.in_tile(v) for d, v in tiles.items() if d in src_devs}
-        loc = Local(kind=kind, devtype=devtype)
-        log_as = None if stamp is None else _log.collective_fields(
-            req.op, len(groups(req.mesh, req.axes)[0]), tile, [s for _, s in prob.out_shapes], dt[1])
-        call = PlannedCall(ctx, be, prob.src, prob.dst, shards, prob.shape, dt[0], loc, False, (self.fence,),
-                           stamp, log_as, compression=req.compression, strip=coded_dims(req, prob))
-        res, done, _ = call.run()
-        return res, done, kind, prob, self.bare, self.owned
+def _owned_tiles(ctx, req, x, owned):
+    """This process's tiles of the mesh, checked locally."""
+    ctx.ownership.check_mesh(req.mesh)
+    if owned:
+        return tiles_of(req, x, owned, f"rank {ctx.rank}")
+    if x is not None and not (isinstance(x, Mapping) and not x):
+        raise ValueError(f"{req.op}: rank {ctx.rank} owns no device of the mesh {req.mesh} but passed "
+                         "a tile; pass None (or an empty dict)")
+    return {}, not isinstance(x, Mapping)
 
 
 @dataclasses.dataclass(frozen=True)
 class Agreed:
-    """The facts of a collective every process agreed on (kept per call signature in
-    `ctx.agreed`, so a repeated call can be decided by the hashes alone)."""
-
-    tile: tuple | None
+    tile: tuple
     shapes: Mapping[int, tuple] | None      # every device's tile shape (gathers), else None
     dtype: tuple
-    kind: str
+    kind: str | None
     devtype: str
-    streak: int = 0                         # calls since that the hashes confirmed it as a guess
-
-    @property
-    def shapes_key(self):
-        return None if self.shapes is None else tuple(sorted(self.shapes.items()))
 
 
-def _key(req: Request, be):
-    """The call's signature in `ctx.agreed` (None when an argument is not hashable)."""
-    k = ("collective", req, getattr(be, "signature", be.name))
-    try:
-        hash(k)
-    except TypeError:
-        return None
-    return k
+class CollectiveKernel:
+    """A collective Program's run: this process's tiles checked against the agreed ones,
+    then its native calls (one per group it is in) or its plan."""
+
+    def __init__(self, ctx, be, req, a: Agreed, prob, pid, deadline):
+        self.ctx, self.be, self.req, self.a, self.prob = ctx, be, req, a, prob
+        self.owned = ctx.ownership.owned(req.mesh)
+        plan_only = req.compression is not None or settings.get("EMULATE_GBPS") is not None
+        nat = None if plan_only else native_call.choose(ctx, be, req, a.dtype, a.tile, a.shapes, a.devtype,
+                                                        pid=pid)
+        self.native = nat
+        self.posts = []
+        self.plan = None
+        if nat is not None:
+            self.posts = native_call.posters(ctx, nat, req, a.dtype, a.tile, a.shapes, a.kind or "numpy", deadline)
+        else:
+            self.plan = make_plan(prob.shape, a.dtype[0], prob.src, prob.dst)
+            comp = None if req.compression is None else codec_cost.resolve(
+                req.compression, self.plan, backend=be, world=ctx.world_size,
+                devices_per_process=ctx.devices_per_process, strip=coded_dims(req, prob))
+            self.runner = PlanRun(ctx, be, self.plan, comp, tags_of(pid, getattr(be, "tag_ub", 1 << 29)),
+                                  a.devtype, deadline)
+            self.src_devs = set(prob.src.mesh.device_ids)
+
+    def describe(self) -> str:
+        return f"{self.native.prim.name} native" if self.native is not None else "plan"
+
+    def facts(self, st) -> tuple:
+        return tuple(sorted((d, tuple(v.shape)) for d, v in st[0].items()))
+
+    def prepare(self, x, out):
+        tiles, bare = _owned_tiles(self.ctx, self.req, x, self.owned)
+        return self.check(tiles, bare, out)
+
+    def check(self, tiles, bare, out):
+        req, a = self.req, self.a
+        f = local_facts(req, tiles)
+        if f["dtype"] is not None and f["dtype"] != a.dtype:
+            raise TypeError(f"{req.op}: rank {self.ctx.rank}'s tiles have dtype {f['dtype'][0]}, the "
+                            f"Program's is {a.dtype[0]}")
+        if a.kind is not None and f["kind"] is not None and (f["kind"], f["devtype"]) != (a.kind, a.devtype):
+            raise TypeError(f"{req.op}: rank {self.ctx.rank}'s tiles are {f['kind']} on {f['devtype']}, the "
+                            f"Program was constructed for {a.kind} on {a.devtype}")
+        for d, v in tiles.items():
+            want = a.shapes.get(d) if a.shapes is not None else a.tile
+            if tuple(v.shape) != tuple(want):
+                raise ValueError(f"{req.op}: rank {self.ctx.rank}: the tile of device {d} has shape "
+                                 f"{tuple(v.shape)}, the Program's is {tuple(want)}")
+        kind = f["kind"] or a.kind or "numpy"
+        if kind == "jax":
+            tiles = {d: np.asarray(v) for d, v in tiles.items()}
+        return tiles, bare, kind, fences_of(tiles)
+
+    def run(self, st, deadline, stamp=None):
+        tiles, bare, kind, fences = st
+        if self.native is not None:
+            res = native_call.run(self.ctx, self.native, self.posts, self.req, self.prob, tiles, self.a.dtype,
+                                  self.a.tile, deadline, stamp)
+            return res, None, kind, bare
+        shards = {d: self.prob.in_tile(v) for d, v in tiles.items() if d in self.src_devs}
+        like = next(iter(shards.values())) if shards else empty_like(kind, self.a.dtype[0], self.a.devtype)
+        t_run = time.time() if stamp is not None else None
+        res, done = self.runner.run(shards, like, fences, deadline)
+        if stamp is not None:
+            req, a = self.req, self.a
+            log_as = _log.collective_fields(req.op, len(groups(req.mesh, req.axes)[0]), a.tile,
+                                            [s for _, s in self.prob.out_shapes], a.dtype[1])
+            _log.record_reshard(stamp, rank=self.ctx.rank, dpp=self.ctx.devices_per_process, backend=self.be.name,
+                                plan=self.plan, collective_reduce=False, shards=shards, out=res, t_run=t_run,
+                                **log_as)
+        return res, done, kind, bare
+
+    def finish(self, r):
+        res, done, kind, bare = r
+        if done is not None:
+            consume(res, done)
+        res = finish_tiles(self.req, self.prob, res, bare, self.owned)
+        if kind == "jax":
+            import jax
+            if bare:
+                return None if res is None else jax.device_put(res, arrays.jax_device(self.owned[0]))
+            res = arrays.to_jax_devices(res)
+        return res
 
 
-def _fields(req: Request, be, dt, kind, devtype, tile, shapes_key) -> tuple:
+def _fields(req, be, dt, kind, devtype, tile) -> tuple:
     return (("op", req.op), ("mesh", repr(req.mesh)), ("axes", req.axes), ("params", req.params),
             ("backend", getattr(be, "signature", be.name)), ("dtype", dt), ("kind", kind),
-            ("devtype", devtype), ("tile", tile), ("codec", codec_cost.agreement_key(req.compression))) + \
-        ((("shapes", shapes_key),) if req.op in GATHERS else ())
+            ("devtype", devtype), ("tile", tile), ("codec", codec_cost.agreement_key(req.compression)))
 
 
-def _guess(ctx, key, req: Request, err, facts: Mapping, own_shapes: Mapping) -> Agreed | None:
-    """What the last call with this signature agreed on, where this process's own facts fit
-    it (dtype, kind, device type, each own tile's shape); else None."""
-    g = ctx.agreed.get(key) if key is not None and err is None else None
-    if g is None:
-        return None
-    if facts["dtype"] is not None and (facts["dtype"], facts["kind"], facts["devtype"]) != (g.dtype, g.kind, g.devtype):
-        return None
-    for d, shape in own_shapes.items():
-        want = g.shapes.get(d) if g.shapes is not None else g.tile
-        if want is None or tuple(want) != shape:
-            return None
-    return g
+def _agreed(req, metas, kinded=True) -> Agreed:
+    shapes = {}
+    for m in metas:
+        shapes.update(m.extra.get("tiles", {}))
+    tile = None
+    for m in metas:
+        t = m.extra.get("tile")
+        if t is not None:
+            tile = tuple(t)
+            break
+    dt = value(metas, "dtype")
+    if dt is None or tile is None:
+        raise ValueError(f"{req.op}: no process passed a tile, so shape and dtype are unknown")
+    return Agreed(tile, shapes if req.op in GATHERS else None, dt,
+                  value(metas, "kind", "numpy") if kinded else None, value(metas, "devtype", "cpu"))
 
 
-def _remember(ctx, key, agreed: Agreed) -> None:
-    if key is None:
-        return
-    if len(ctx.agreed) > 256:
-        ctx.agreed.clear()
-    ctx.agreed[key] = agreed
+def _build(ctx, be, req, kinded=True):
+    def build(pid, metas, deadline):
+        a = _agreed(req, metas, kinded)
+        prob = build(req, a.tile, a.shapes)
+        k = CollectiveKernel(ctx, be, req, a, prob, pid, deadline)
+        return Program(ctx, pid, f"{req.op} over {req.axes} of {req.mesh} {a.tile} {a.dtype[0]}", k, k.plan)
+    return build
+
+
+def _describe(req):
+    return {"mesh": lambda v, m: v, "params": lambda v, m: _params_str(req.op, v)}
+
+
+def run(ctx, req: Request, x, *, backend=None, async_op=False):
+    """An eager collective under a launcher: its cached Program (SPMD: every process calls)."""
+    stamp = _log.stamp(async_op) if _log.ON else None
+    be, err = ctx.resolve_backend(backend)
+    owned = ctx.ownership.owned(req.mesh)
+    tiles, bare, f = {}, not isinstance(x, Mapping), {"dtype": None, "kind": None, "devtype": None, "tile": None}
+    try:
+        if err is not None:
+            raise err
+        tiles, bare = _owned_tiles(ctx, req, x, owned)
+        f = local_facts(req, tiles)
+        codec_cost.check(req.compression, (f["dtype"] or (None,))[0], f["devtype"], req.op)
+    except (ValueError, TypeError) as e:
+        err = e
+    own_shapes = {d: tuple(v.shape) for d, v in tiles.items()}
+    # a process decides alone where it has a tile of every device it owns (a gather: its own
+    # sizes; the others' travel with the agreement, and a change of them anywhere constructs)
+    complete = bool(owned) and len(tiles) == len(owned)
+    sig = ("collective", req, be.name)
+    local_key = (f["dtype"], f["kind"], f["devtype"], tuple(sorted(own_shapes.items()))) if complete else None
+    extra = {"tiles": own_shapes, "tile": f["tile"]}
+    fields = _fields(req, be, f["dtype"], f["kind"], f["devtype"], masked(req, f["tile"]))
+    if req.op not in GATHERS:
+        fields += (("shapes", None),)
+
+    def agreed_key(metas):
+        a = _agreed(req, metas)
+        return (a.tile, None if a.shapes is None else tuple(sorted(a.shapes.items())), a.dtype, a.kind, a.devtype)
+    prog = ctx.call(lambda: eager(ctx, sig, local_key, complete, req.op, fields, err, extra, _build(ctx, be, req),
+                                  agreed_key, _describe(req)))
+    try:
+        st = prog._kernel.check(tiles, bare, None)
+    except Exception as e:
+        prog._fail(control.current(), control.Call("run", prog.id, prog.label, prog.runs + 1), e)
+        raise
+    return prog.start(x, async_op, None, stamp, st)
+
+
+def program(req: Request, shape, dtype, backend=None, device="cpu") -> Program:
+    """`Program.all_reduce(mesh, axes, shape=, dtype=, ...)` and the others: `shape` is this
+    process's tile (None where it owns no device of the mesh, or, for broadcast and scatter,
+    is not a root: it learns the root's)."""
+    from ..layout import normalize_shape
+    from . import current
+    ctx = current()
+    name, itemsize = arrays.normalize_dtype(dtype)
+    tile = None if shape is None else normalize_shape(shape)
+    if ctx is None:
+        return local_collective(req, tile, dtype)
+    be, err = ctx.resolve_backend(backend)
+    owned = ctx.ownership.owned(req.mesh)
+    try:
+        ctx.ownership.check_mesh(req.mesh)
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        codec_cost.check(req.compression, name, device, req.op)
+    except (ValueError, TypeError) as e:
+        err = err or e
+    tiles = {d: tile for d in owned} if tile is not None else {}
+    fields = _fields(req, be, (name, itemsize), None, device, masked(req, tile))
+    extra = {"tiles": tiles, "tile": tile}
+    return ctx.call(lambda: construct(ctx, req.op, fields, err, extra, _build(ctx, be, req, kinded=False),
+                                      _describe(req)))
 
 
 def coded_dims(req: Request, prob) -> int:
@@ -398,3 +397,49 @@ def _params_str(op: str, v) -> str:
     if op == "broadcast":
         return f"root={root}"
     return f"split_dim={split_dim} concat_dim={concat_dim}"
+
+
+# -- one process (no launcher) ------------------------------------------------------------------
+
+def local_collective(req, tile, dtype) -> Program:
+    p = None
+    if tile is not None:
+        prob = build(req, tile, None)
+        p = plan(prob.shape, arrays.normalize_dtype(dtype)[0], prob.src, prob.dst)
+    return Program(None, 0, f"{req.op} over {req.axes} of {req.mesh}", LocalKernel(lambda x: collective_local(req, x), "plan"), p)
+
+
+def collective_local(req, x):
+    """Without a launcher: every device's tile is here; the plan runs in memory."""
+    from ..backends.local import LocalBackend
+    owned = tuple(req.mesh.device_ids)
+    where = "this process (without meshcomm.init it owns every device" + init_hint() + ")"
+    tiles, bare = tiles_of(req, x, owned, where)
+    facts = local_facts(req, tiles)
+    if facts["tile"] is None:
+        raise ValueError(f"{req.op}: no tile given, so shape and dtype are unknown")
+    prob = build(req, facts["tile"], {d: tuple(v.shape) for d, v in tiles.items()})
+    src_devs = set(prob.src.mesh.device_ids)
+    kind = facts["kind"]
+    shards = {d: prob.in_tile(np.asarray(v) if kind == "jax" else v)
+              for d, v in tiles.items() if d in src_devs}
+    p = plan(prob.shape, facts["dtype"][0], prob.src, prob.dst)
+    comp = None
+    if req.compression is not None:
+        from ..backends import codec_cost
+        codec_cost.check(req.compression, facts["dtype"][0], facts["devtype"], req.op)
+        comp = codec_cost.resolve(req.compression, p, local=True, strip=coded_dims(req, prob))
+    if comp is not None:                # the same round trips as under a launcher
+        from ..backends.compressed import execute_local
+        out = execute_local(p, shards, next(iter(shards.values())), comp)
+    else:
+        out = LocalBackend().execute(p, shards, like=next(iter(shards.values())))
+    res = finish_tiles(req, prob, out, bare, owned)
+    if kind == "jax":
+        import jax
+        if bare:
+            return None if res is None else jax.device_put(res, arrays.jax_device(owned[0]))
+        return arrays.to_jax_devices(res)
+    return res
+
+

@@ -110,6 +110,8 @@ def init(backend: str = "mpi", devices_per_process: int = 1, timeout: float | No
         backends["mixed"] = MixedBackend(backends["mpi"], backends["torch"])
     ctx = Context(backend, backends, int(devices_per_process), timeout)
     _set(ctx)
+    from . import control
+    control.install(ctx.channel)
     if not _EXIT_HOOK:
         atexit.register(_finalize_at_exit)
         _EXIT_HOOK.append(True)
@@ -166,8 +168,13 @@ class Context:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshcomm-comm")
         self._lock = threading.Lock()       # one communication at a time, in call order
         self._last: concurrent.futures.Future | None = None
-        self.agreed: dict = {}      # (src, dst, backend) -> last agreed call facts (reshard)
-        self.fast: dict = {}        # a repeated collective's compiled form (collective_call.Fast)
+        self.eager: dict = {}       # eager call signature -> its Programs (runtime/program.py)
+        self.programs = 0           # Programs constructed (the next one is number programs + 1)
+        self.attempts = 0           # agreements this process took part in (their nonces)
+        self.native_comms = 0       # native MPI Programs given communicators (native_call.choose)
+        from . import control
+        self.channel = control.Channel(self.backend, self.rank, self.world_size, timeout)
+
 
     def __repr__(self) -> str:
         return (f"Context(backend={self.backend_name!r}, rank={self.rank}/{self.world_size}, "
@@ -196,14 +203,6 @@ class Context:
             return self.get_backend(name), None
         except ValueError as e:
             return self.backend, e
-
-    def reset_started(self, names) -> None:
-        """After a disagreement: every process resets, in the same order, each backend on
-        which some process started a plan early (collective on each)."""
-        from meshcomm.backends import base
-        for name in sorted(set(names)):
-            self._backends[name].reset()
-            base.issued[("reset", name)] += 1
 
     def primitives(self, name: str | None = None):
         """A concrete backend (isend/irecv/bcast/reduce/wait_all) for code beside reshard
@@ -250,6 +249,14 @@ class Context:
 
     def close(self):
         self._pool.shutdown(wait=True)
+        from . import control
+        try:
+            self.channel.raise_pending()     # a peer failed in a run this process finished
+        finally:
+            control.install(None)
+            self._close_backends()
+
+    def _close_backends(self):
         for name in ("mixed", "torch", "mpi"):
             b = self._backends.get(name)
             if b is not None:

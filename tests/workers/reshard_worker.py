@@ -144,106 +144,82 @@ def run_checks(ctx, backends, stats):
         ref = mc.reshard({0: x}, one, dst, backend="local")
         check_result(ctx, y, ref, dst, False, f"after mismatches [{b}]")
         stats["no_src"] += 1
-        # processes without src tiles guess the last agreed shape/dtype for these layouts
-        # (MPI): right guesses, then a new shape and a new dtype (wrong guesses: reset, rerun)
+        # processes without src tiles learn shape and dtype in every call (the agreement)
         for k, z in enumerate([x, x + 1, np.arange(5 * n * 4, dtype=np.float32).reshape(5 * n, 4),
                                np.arange(5 * n * 4, dtype=np.int32).reshape(5 * n, 4)]):
             y = mc.reshard({0: z} if r == 0 else {}, one, dst, backend=b)
             ref = mc.reshard({0: z}, one, dst, backend="local")
             check_result(ctx, y, ref, dst, False, f"guess {k} [{b}]")
-            stats["guess_ok"] += 1
+            stats["no_src_ok"] += 1
 
 
-def signature_checks(ctx) -> bool:
-    """Whether repeated calls are checked by signature communicators (the allgather form)."""
-    from meshcomm import settings
-    from meshcomm.runtime.agreement import check_mode
-    return settings.get("SIGNATURE_CHECK") and check_mode(ctx.backend) == "allgather"
-
-
-def run_signature_checks(ctx, stats):
-    """A call repeated with agreed arguments is checked by a barrier on its signature
-    communicator (MPI): it must still catch every disagreement on every rank in the call
-    that disagrees, and a process checking by hashes alone beside the others must still
-    get exact results."""
+def run_program_checks(ctx, b, stats):
+    """Programs (meshcomm.runtime.program): a repeated eager call runs its Program without
+    agreeing again; a process that makes another call than the others, passes bad input to a
+    run, or runs Programs in another order makes every process raise (never a wrong value),
+    and the context goes on working afterwards."""
     r, n = ctx.rank, ctx.world_size * ctx.devices_per_process
     mesh = mc.Mesh(np.arange(n), ("x",))
     rev = mc.Mesh(np.arange(n)[::-1].copy(), ("x",))
     src, dst = mc.Layout(mesh, ("x",)), mc.Layout(rev, (None, "x"))
     x32 = np.arange(2 * n * 4, dtype=np.float32).reshape(2 * n, 4)
-    x64 = x32.astype(np.float64)
+    sh = mc.shard(x32, src)
+    mine = {d: sh[d] for d in ctx.owned_devices(src)}
+    ref = mc.reshard(sh, src, dst, backend="local")
 
     def call(x, what):      # shape= given: tiles of one process do not pin it down
-        sh = mc.shard(x, src)
-        y = mc.reshard({d: sh[d] for d in ctx.owned_devices(src)}, src, dst, backend="mpi", shape=x.shape)
-        check_result(ctx, y, mc.reshard(sh, src, dst, backend="local"), dst, False, what)
+        s = mc.shard(x, src)
+        y = mc.reshard({d: s[d] for d in ctx.owned_devices(src)}, src, dst, backend=b, shape=x.shape)
+        check_result(ctx, y, mc.reshard(s, src, dst, backend="local"), dst, False, what)
 
-    def establish():
-        for k in range(5):
-            before = base.issued[("signature_check", "mpi")]
-            call(x32, f"signature S {k}")
-            call(x64, f"signature T {k}")
-            if k >= 3:          # a communicator is kept once the hashes agreed twice
-                assert base.issued[("signature_check", "mpi")] == before + 2, \
-                    f"rank {r}: repeated call {k} was not checked by its signature communicator"
-        stats["signature_ok"] += 1
-
-    def both(x_me, what):
-        sh = mc.shard(x_me, src)
-        expect_error(ctx, lambda: mc.reshard({d: sh[d] for d in ctx.owned_devices(src)}, src, dst, backend="mpi",
-                                             shape=x_me.shape), ValueError, "disagree on the dtype", what, stats)
-
-    establish()
-    # rank 0 makes a new call (its hashes go out at once); the others wait on S's barrier
-    both(x32.astype(np.int32) if r == 0 else x32, "signature S vs a new call")
-    establish()
-    # the last rank makes T while the others make S: every process waits on a barrier that
-    # cannot complete, until its grace runs out and the hashes show the disagreement
-    both(x64 if r == ctx.world_size - 1 else x32, "signature S vs signature T")
-    establish()
-    def beside_hashes(what):
-        # rank 1 checks by hashes alone (a per-process setting) while the others post the
-        # barrier: the hashes agree, every process resets its communicators and the call goes on
-        resets = base.issued[("reset", "mpi")]
-        if r == 1:
-            os.environ["MESHCOMM_SIGNATURE_CHECK"] = "0"
+    def establish(what):
         call(x32, what)
-        os.environ.pop("MESHCOMM_SIGNATURE_CHECK", None)
-        assert base.issued[("reset", "mpi")] == resets + 1, f"rank {r}: {what}: a mixed check did not reset"
+        k = ctx.programs
+        for i in range(4):
+            call(x32, f"{what} {i}")
+        assert ctx.programs == k, f"rank {r}: {what}: repeated calls constructed {ctx.programs - k} Programs"
 
-    beside_hashes("signature check on some processes only")
-    establish()
-    stats["signature_ok"] += 1
-    from meshcomm import settings
-    if not settings.get("FAST_PATH"):
+    establish(f"eager repeat [{b}]")
+    errors = b == "mpi"         # gloo closes a connection whose given-up work times out (README)
+    # rank 0 makes a new call (it constructs) while the others repeat theirs (they run): all raise
+    if errors:
+        expect_error(ctx, lambda: call(x32.astype(np.int32) if r == 0 else x32, "new call beside a run"),
+                     ValueError, "rank", f"construct beside run [{b}]", stats)
+        establish(f"eager after a mismatch [{b}]")
+    # an explicit Program, run many times, with out= buffers and asynchronously
+    P = mc.Program.reshard(src, dst, shape=x32.shape, dtype=x32.dtype, backend=b)
+    for i in range(3):
+        check_result(ctx, P(mine), ref, dst, False, f"Program run {i} [{b}]")
+    bufs = {d: np.empty_like(ref[d]) for d in ctx.owned_devices(dst)}
+    got = P(mine, out=bufs)
+    assert all(got[d] is bufs[d] for d in bufs), f"rank {r}: out= buffers were not used"
+    check_result(ctx, got, ref, dst, False, f"Program out= [{b}]")
+    hs = [P(mine, async_op=True) for _ in range(3)]
+    for h in hs:
+        check_result(ctx, h.wait(), ref, dst, False, f"Program async [{b}]")
+    if not errors:
+        stats["program_ok"] += 1
         return
-
-    def repeat(x, what, compiled=4):
-        # the same call again and again: from the second, compiled (compiled_reshard.FastReshard)
-        c0 = base.issued[("compiled_reshard", "mpi")]
-        for k in range(5):
-            call(x, f"{what} {k}")
-        got = base.issued[("compiled_reshard", "mpi")] - c0
-        assert got == compiled, f"rank {r}: {what}: {got} of 5 calls ran compiled, not {compiled}"
-
-    repeat(x32, "compiled S")
-    # compiled calls catch a disagreement as the full path does: on every rank, in this call
-    both(x32.astype(np.int32) if r == 0 else x32, "compiled S vs a new call")
-    # after the error (communicators reset): a round of hashes (whose vector was seen
-    # before, so the communicator comes back at once), a signature check, then compiled
-    repeat(x32, "compiled S after an error", compiled=3)
-    # rank 0 turns the compiled form off: it checks on the full path beside the others'
-    # compiled calls (the same barrier), results exact
-    if r == 0:
-        os.environ["MESHCOMM_FAST_PATH"] = "0"
-    repeat(x32, "compiled beside full", compiled=0 if r == 0 else 5)
-    os.environ.pop("MESHCOMM_FAST_PATH", None)
-    beside_hashes("compiled beside hashes")
-    stats["compiled_reshard_ok"] += 1
+    # bad input in a run on rank 1: it raises its own error, the others one naming rank 1
+    bad = {d: (v[:-1] if r == 1 else v) for d, v in mine.items()}
+    expect_error(ctx, lambda: P(bad), ValueError, "shape" if r == 1 else "rank 1", f"bad run input [{b}]", stats)
+    # the Program failed everywhere (its messages may still travel): it runs no more
+    expect_error(ctx, lambda: P(mine), RuntimeError, "failed earlier", f"failed Program [{b}]", stats)
+    # Programs run in different orders: every process raises
+    P1 = mc.Program.reshard(src, dst, shape=x32.shape, dtype=x32.dtype, backend=b)
+    P2 = mc.Program.reshard(dst, src, shape=x32.shape, dtype=x32.dtype, backend=b)
+    y = P1(mine)
+    mine_y = {d: y[d] for d in ctx.owned_devices(dst)}
+    expect_error(ctx, lambda: (P2(mine_y) if r == 0 else P1(mine)), ValueError, "rank",
+                 f"Programs out of order [{b}]", stats)
+    P3 = mc.Program.reshard(src, dst, shape=x32.shape, dtype=x32.dtype, backend=b)
+    check_result(ctx, P3(mine), ref, dst, False, f"Program after errors [{b}]")
+    stats["program_ok"] += 1
 
 
 def run_timeouts(ctx, backends, stats, timeout):
-    """The last rank never calls reshard; the others must raise within the timeout naming it."""
+    """The last rank constructs the Programs but never runs them, nor constructs the next
+    ones; the others must raise within the timeout naming it."""
     lag = ctx.world_size - 1
     n = ctx.world_size * ctx.devices_per_process
     mesh = mc.Mesh(np.arange(n), ("x",))
@@ -251,25 +227,17 @@ def run_timeouts(ctx, backends, stats, timeout):
     x = np.arange(4 * n, dtype=np.float32)
     sh = mc.shard(x, src)
     mine = {d: sh[d] for d in ctx.owned_devices(src)}
-    phases = [("metadata", b) for b in backends] + [("data", b) for b in backends if b != "mixed"]
-    if "mpi" in backends and signature_checks(ctx):
-        # a call every process made before: checked by its signature communicator, where
-        # the missing peer must be named just the same
-        phases.append(("signature", "mpi"))
-        c0 = base.issued[("compiled_reshard", "mpi")]
-        for _ in range(5):
-            mc.reshard(mine, src, dst, backend="mpi", shape=x.shape)
-        from meshcomm import settings
-        # the last of them ran compiled, and so does the timed call below (no other call between)
-        assert base.issued[("compiled_reshard", "mpi")] > c0 or not settings.get("FAST_PATH"), ctx.rank
+    progs = {b: mc.Program.reshard(src, dst, shape=x.shape, dtype=x.dtype, backend=b) for b in backends}
     if ctx.rank == lag:
         return
+    phases = [("construct", b) for b in backends] + [("run", b) for b in backends if b != "mixed"]
     for phase, b in phases:
-        os.environ["MESHCOMM_CHECK"] = "0" if phase == "data" else "1"
-        kw = {"shape": x.shape, "dtype": x.dtype} if phase == "data" else ({"shape": x.shape} if phase == "signature" else {})
         t0 = time.monotonic()
         try:
-            mc.reshard(mine, src, dst, backend=b, **kw)
+            if phase == "construct":
+                mc.reshard(mine, src, dst, backend=b)
+            else:
+                progs[b](mine)
         except PeerTimeoutError as e:
             dt = time.monotonic() - t0
             assert lag in e.peers, f"timeout [{phase} {b}]: rank {ctx.rank}: {e} does not name {lag}"
@@ -280,7 +248,6 @@ def run_timeouts(ctx, backends, stats, timeout):
         else:
             raise AssertionError(f"timeout [{phase} {b}]: rank {ctx.rank}: reshard returned "
                                  f"although rank {lag} never called it")
-    os.environ["MESHCOMM_CHECK"] = "1"
 
 
 def report(args, result: dict) -> None:
@@ -305,12 +272,9 @@ def main():
     ap.add_argument("--checks", action="store_true")
     ap.add_argument("--timeout-test", action="store_true")
     ap.add_argument("--out", default="", help="a folder for one rank<r>.json result per process")
-    ap.add_argument("--odd-ranks-steps", action="store_true",
-                    help="odd ranks run every plan step by step (MESHCOMM_RANK_PROGRAM=0) beside even "
-                    "ranks running their rank programs")
+    ap.add_argument("--reduce", default="auto", help="backends.base.REDUCE_MODE (auto, ordered, collective)")
     args = ap.parse_args()
-    if args.odd_ranks_steps and int(os.environ.get("PMI_RANK", os.environ.get("RANK", "0"))) % 2:
-        os.environ["MESHCOMM_RANK_PROGRAM"] = "0"
+    base.REDUCE_MODE = args.reduce
     stats: Counter = Counter()
     t0 = time.time()
     inits = args.init.split(",")
@@ -320,8 +284,8 @@ def main():
         run_cases(ctx, args, backends, stats)
         if args.checks:
             run_checks(ctx, backends, stats)
-            if "mpi" in backends and signature_checks(ctx):
-                run_signature_checks(ctx, stats)
+            for b in backends:
+                run_program_checks(ctx, b, stats)
         if args.timeout_test and k == len(inits) - 1:
             # under mpiexec the last rank "never arrives" (it waits in a barrier until the
             # others are done); under torchrun it "dies" (exits at once)

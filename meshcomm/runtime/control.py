@@ -1,0 +1,298 @@
+"""The control channel: run errors reach every peer, stalled waits find out what each runs,
+and a flight recorder keeps the last calls of this process.
+
+Runs send only data (meshcomm.runtime.program), so a failure in one process must reach the
+others some other way. Every backend carries small control messages beside its data
+(`Backend.ctl_send` / `ctl_poll`: a communicator of their own over MPI, the rendezvous store
+over torch.distributed). Three kinds travel:
+
+* ERROR (rank, call, text, error type): a process whose run or construction failed tells
+  every other process. A process waiting in any call raises `PeerError` naming the sender
+  (or `PeerTimeoutError` when the sender timed out); a process not in a call raises at its
+  next meshcomm call or at `finalize()`.
+* STATUS (rank, call, peers it waits for): a wait that made no progress for `stall_after()`
+  seconds tells the peers it waits for what it is in. A process that waits for a peer which
+  waits for it in another call (another Program, another run of it, or a construction)
+  raises `PeerError`: the two are not in the same call, and neither can go on.
+* Timeouts stay local: a wait past its deadline raises `PeerTimeoutError` and sends ERROR.
+
+Every backend wait polls `watch` (installed in backends.base.WATCH at init): at most every
+`POLL_S` seconds it reads the channel, so a healthy run pays one clock read per poll.
+
+The flight recorder (`RECORDER`) keeps the last 256 calls of this process (sequence number,
+call, state, peers awaited, time) in a ring; `dump()` writes it as JSON lines when a call
+fails (to MESHCOMM_LOG's folder, else a temporary folder named in the error), for
+`meshcomm log summary DIR` to say who waited for whom.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import pickle
+import tempfile
+import time
+
+from ..errors import PeerError, PeerTimeoutError
+
+__all__ = ["Call", "Channel", "RECORDER", "current", "entering", "dump"]
+
+POLL_S = 0.002          # seconds between looks at the control channel while waiting
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What a process is in: `what` ("construct" or "run"), the Program's number and label,
+    the run's number (for a construction: the nonce its Meta travels with)."""
+
+    what: str
+    program: int
+    label: str
+    run: int = 0
+
+    @property
+    def key(self) -> tuple:
+        """The call itself, the same on every process (a construction's nonce is its own)."""
+        return (self.what, self.program, self.run if self.what == "run" else 0)
+
+    def __str__(self) -> str:
+        if self.what == "construct":
+            return f"the construction of Program #{self.program} ({self.label})"
+        return f"run {self.run} of Program #{self.program} ({self.label})"
+
+
+class Recorder:
+    """The flight recorder: a ring of the last `size` calls (always on; a call costs one
+    append and two field updates)."""
+
+    def __init__(self, size: int = 256):
+        self.ring: collections.deque = collections.deque(maxlen=size)
+        self.seq = 0
+
+    def start(self, call: Call) -> list:
+        self.seq += 1
+        e = [self.seq, call.what, call.program, call.label, call.run, "posted", [], time.time(), None]
+        self.ring.append(e)
+        return e
+
+    @staticmethod
+    def waiting(e: list, peers) -> None:
+        e[5], e[6] = "waiting", sorted(peers)
+
+    @staticmethod
+    def done(e: list, state: str = "done") -> None:
+        e[5], e[8] = state, time.time()
+        if state == "done":
+            e[6] = []
+
+    def records(self):
+        keys = ("seq", "what", "program", "label", "run", "state", "awaiting", "t_start", "t_end")
+        return [dict(zip(keys, e)) for e in self.ring]
+
+
+RECORDER = Recorder()
+
+
+class Channel:
+    """This process's end of the control channel over a backend (`ctl_send`/`ctl_poll`)."""
+
+    def __init__(self, backend, rank: int, world: int, timeout: float):
+        self.be, self.rank, self.world, self.timeout = backend, rank, world, timeout
+        self.call: Call | None = None        # what this process is in now
+        self.entry: list | None = None       # its flight-recorder entry
+        self.errors: list = []               # ERRORs received, not raised yet
+        self.status: dict = {}               # rank -> its last STATUS (call, peers)
+        self.failed: set = set()             # Program numbers a peer reported failed
+        self.retracted: set = set()          # (rank, nonce): Metas their senders gave up on
+        self.handled: set = set()            # (rank, call): peers' failures raised for already
+        self.mine: set = set()               # calls this process failed in (peers' errors in them: known)
+        self._next = 0.0
+        self._stall_sent: float | None = None
+        self._wait_start: float | None = None
+
+    # -- sending ---------------------------------------------------------------------------
+    def _send(self, peers, msg) -> None:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        for p in peers:
+            if p != self.rank:
+                try:
+                    self.be.ctl_send(p, data)
+                except Exception:  # noqa: BLE001 - a dead peer's channel: nothing more to tell it
+                    pass
+
+    def fail(self, err: BaseException, programs=None) -> None:
+        """Tell every other process that this process's current call failed with `err`;
+        `programs` (default: the call's) are failed everywhere: their messages may still be
+        in flight, so no process runs them again."""
+        call = self.call
+        if self.entry is not None:
+            Recorder.done(self.entry, "failed")
+        if programs is None:
+            programs = [call.program] if call is not None and call.what == "run" else []
+        self.failed.update(programs)
+        if call is not None:
+            self.mine.add(call.key)
+        if getattr(err, "shared", False):
+            return                          # every process raises it in this same agreement
+        # a peer's error relayed here: the peers know; only a Meta this process sent goes
+        # back (its agreement's nonce is the construction's `run`)
+        info = getattr(err, "relayed", False)
+        if info and (call is None or call.what != "construct"):
+            return
+        kind = "timeout" if isinstance(err, PeerTimeoutError) else type(err).__name__
+        peers = list(getattr(err, "peers", ()))
+        retract = call.run if call is not None and call.what == "construct" else None
+        self._send(range(self.world), ("ERROR", self.rank, call, f"{type(err).__name__}: {err}", kind, peers,
+                                       list(programs), retract, info))
+
+    # -- receiving -------------------------------------------------------------------------
+    def poll(self) -> None:
+        for src, data in self.be.ctl_poll():
+            msg = pickle.loads(data)
+            if msg[0] == "ERROR":
+                call = msg[2]
+                # known already: a peer's failure raised for here, a call this process failed in
+                # too, or a run of a Program already failed here (one incident, several reports)
+                known = call is not None and ((msg[1], call.key) in self.handled or call.key in self.mine or (
+                    call.what == "run" and call.program in self.failed and call != self.call))
+                self.failed.update(msg[6])
+                if msg[7] is not None:
+                    self.retracted.add((msg[1], msg[7]))
+                if not known and not msg[8]:
+                    self.errors.append(msg)
+            elif msg[0] == "STATUS":
+                self.status[msg[1]] = (msg[2], tuple(msg[3]), time.monotonic())
+
+    def raise_pending(self, now=None) -> None:
+        """Raise the first error a peer reported (at a call's start, at finalize; in a wait,
+        `now(msg)` picks the ones that concern it)."""
+        self.poll()
+        errs = self.errors if now is None else [m for m in self.errors if now(m)]
+        if not errs:
+            return
+        _, who, call, text, kind, peers, _, _, _ = errs[0]
+        self.errors.clear()
+        where = f" in {call}" if call is not None else ""
+        mine = f" (this process: {self.call})" if self.call is not None and self.call != call else ""
+        msg = f"rank {who} failed{where}{mine}: {text}"
+        if kind == "timeout":
+            e = PeerTimeoutError(msg, tuple(peers) or (who,), str(call))
+        else:
+            e = PeerError(msg, who)
+        e.relayed = True
+        raise e
+
+    def watch(self, peers, deadline) -> None:
+        """Called by every backend wait between polls (at most every POLL_S seconds):
+        raise a peer's error, detect two processes waiting for each other in different
+        calls, tell the peers waited for what this process is in once it stalls."""
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + POLL_S
+        call = self.call
+        if self._wait_start is None:
+            self._wait_start = now
+        stalled = now - self._wait_start >= stall_after(self.timeout)
+        # a peer's failure in this very call raises at once; in another call, once this wait
+        # stalls on that peer (it may have done its part here before it failed), else at the
+        # next call
+        self.raise_pending(lambda m: (m[2] is not None and call is not None and m[2].key == call.key)
+                           or (stalled and m[1] in peers))
+        if call is None:
+            return
+        if self.entry is not None and self.entry[5] != "waiting":
+            Recorder.waiting(self.entry, peers)
+        if not stalled:
+            return
+        for p in peers:
+            st = self.status.get(p)
+            if st is not None and st[2] >= self._wait_start and st[0] != call and self.rank in st[1]:
+                self.handled.add((p, st[0].key))
+                if st[0].what == "construct":       # its Meta answers no later agreement
+                    self.retracted.add((p, st[0].run))
+                # both calls' Programs are done for: the peer posted messages of its own
+                self.failed.update(c.program for c in (call, st[0]) if c.what == "run")
+                raise PeerError(f"rank {self.rank} is in {call} and waits for rank {p}, which is in "
+                                f"{st[0]} and waits for rank {self.rank}: the processes are not in the "
+                                "same call (every process must construct and run the same Programs, "
+                                "and make the same eager calls, in the same order)", p)
+        if self._stall_sent is None or now - self._stall_sent > 1.0:
+            self._stall_sent = now
+            self._send(peers, ("STATUS", self.rank, call, list(peers)))
+
+
+def stall_after(timeout: float) -> float:
+    """Seconds without progress after which a wait tells its peers what it is in."""
+    return min(0.5, timeout / 8)
+
+
+_CHANNEL: Channel | None = None
+
+
+def current() -> Channel | None:
+    return _CHANNEL
+
+
+def install(ch: Channel | None) -> None:
+    """Make `ch` the channel every backend wait polls (None: no context)."""
+    global _CHANNEL
+    from ..backends import base
+    _CHANNEL = ch
+    base.WATCH = ch.watch if ch is not None else None
+
+
+class entering:
+    """`with entering(ch, call):` around a construction or a run: raises what peers
+    reported first; records the call; on an error tells every peer and dumps the recorder."""
+
+    __slots__ = ("ch", "call", "prev", "entry")
+
+    def __init__(self, ch: Channel | None, call: Call):
+        self.ch, self.call = ch, call
+
+    def __enter__(self):
+        ch = self.ch
+        if ch is None:
+            return self
+        if ch.errors:
+            ch.raise_pending()
+        self.prev = (ch.call, ch.entry, ch._wait_start, ch._stall_sent)
+        ch.call = self.call
+        ch.entry = self.entry = RECORDER.start(self.call)
+        ch._wait_start = ch._stall_sent = None
+        return self
+
+    def __exit__(self, et, ev, tb):
+        ch = self.ch
+        if ch is None:
+            return False
+        try:
+            if ev is not None and isinstance(ev, Exception):
+                ch.fail(ev)
+                path = dump(ch.rank)
+                if path is not None and isinstance(ev, (PeerError, PeerTimeoutError)) \
+                        and "flight recorder" not in str(ev):
+                    ev.args = (f"{ev.args[0] if ev.args else ev} [flight recorder: {path}]",) + ev.args[1:]
+            else:
+                Recorder.done(self.entry)
+        finally:
+            ch.call, ch.entry, ch._wait_start, ch._stall_sent = self.prev
+        return False
+
+
+def dump(rank: int) -> str | None:
+    """Write the flight recorder to `<dir>/flight_rank<r>.jsonl` (MESHCOMM_LOG's folder, else
+    a temporary one); the path, or None where it could not be written."""
+    from .. import settings
+    folder = settings.get("LOG") or os.path.join(tempfile.gettempdir(), f"meshcomm-flight-{os.getppid()}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"flight_rank{rank}.jsonl")
+        with open(path, "w") as f:
+            for r in RECORDER.records():
+                f.write(json.dumps(dict(r, rank=rank)) + "\n")
+        return path
+    except OSError:
+        return None

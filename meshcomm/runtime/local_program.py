@@ -1,0 +1,115 @@
+"""Programs without a launcher: one process owns every device, so nothing is agreed and the
+plan runs in memory (backends/local.py). The same Program API as under `meshcomm.init`; the
+eager calls without a context use the functions here too."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import arrays
+from .. import log as _log
+from ..planning import plan
+from ..validate import check_tile_shapes, normalize_input, resolve_shape_dtype
+from .context import init_hint
+from .program import Program
+
+__all__ = ["one_process", "reshard_local", "local_reshard", "local_all_to_all_v", "LocalKernel"]
+
+
+class LocalKernel:
+    """A Program's kernel in one process: `fn(x)` per run."""
+
+    def __init__(self, fn, what):
+        self.fn, self.what = fn, what
+
+    def describe(self) -> str:
+        return self.what
+
+    def prepare(self, x, out=None):
+        if out is not None:
+            raise ValueError("out= is taken under a launcher only (one process allocates its results)")
+        return x
+
+    def run(self, st, deadline, stamp=None):
+        return self.fn(st)
+
+    def finish(self, r):
+        return r
+
+
+def local_reshard(src, dst, shape, dtype, compression) -> Program:
+    p = plan(shape, arrays.normalize_dtype(dtype)[0], src, dst)
+    return Program(None, 0, f"reshard {src} -> {dst} {shape}", LocalKernel(
+        lambda x: _bare(one_process(x, src, dst, shape, dtype, compression=compression), dst), "plan"), p)
+
+
+def _bare(res, dst):
+    out, bare = res
+    if bare:
+        devs = dst.mesh.device_ids
+        if len(devs) != 1:
+            raise ValueError("a bare array in gives a bare array out only when the dst mesh has one "
+                             f"device; dst mesh has {len(devs)}; pass a dict {{device: tile}}")
+        return out[devs[0]]
+    return out
+
+
+def local_all_to_all_v(mesh, axis, rows, dtype, topology, algorithm) -> Program:
+    from .alltoall_call import A2AProgram, axis_groups, local
+    groups = axis_groups(mesh, axis)
+    return A2AProgram(None, 0, f"all_to_all_v along {axis!r}", LocalKernel(
+        lambda a: local(a[0], a[1], mesh, axis, a[2], False, topology, algorithm, groups), "rows"))
+
+
+def one_process(x, src, dst, shape, dtype, async_op=False, compression=None, commit=True):
+    """reshard without a launcher: (the dst tiles, whether x was a bare array). With
+    `commit=False`, JAX tiles come back as host arrays for the caller to commit."""
+    stamp = _log.stamp(async_op) if _log.ON else None
+    shards, bare = normalize_input(x, src)
+    owned_src = list(src.mesh.device_ids)
+    missing = [d for d in owned_src if d not in shards]
+    if missing:
+        raise ValueError(f"without meshcomm.init this process owns every device, so x must hold a "
+                         f"tile for each src device; missing device(s) {missing[:8]}{init_hint()}")
+    return reshard_local(shards, src, dst, shape, dtype, stamp, compression, commit), bare
+
+
+def _on_cpu(shards) -> bool:
+    """Whether every JAX tile lives on a CPU device (host memory JAX adopts without a copy)."""
+    return all(d.platform == "cpu" for v in shards.values() for d in v.devices())
+
+
+def reshard_local(shards, src, dst, shape, dtype, stamp=None, compression=None, commit=True):
+    shape, name, itemsize = resolve_shape_dtype(shards, src, shape, dtype)
+    if shape is None:
+        raise ValueError("cannot infer the global shape from the shards; pass shape=")
+    p = plan(shape, name, src, dst)
+    check_tile_shapes({d: v.shape for d, v in shards.items()}, src.tiles(shape), "src")
+    first = next(iter(shards.values()))
+    kind = arrays.kind_of(first)
+    from ..backends.local import LocalBackend
+    comp = None
+    if compression is not None:
+        from ..backends import codec_cost
+        dev = getattr(first, "device", None)
+        codec_cost.check(compression, name, getattr(dev, "type", "cpu") if kind == "torch" else "cpu", "reshard")
+        comp = codec_cost.resolve(compression, p, local=True)
+    if comp is not None:                # the same round trips as under a launcher
+        from ..backends.compressed import execute_local
+        host = {d: np.asarray(v) for d, v in shards.items()} if kind == "jax" else shards
+        out = execute_local(p, host, next(iter(host.values())), comp)
+        if kind == "jax" and commit:
+            out = arrays.to_jax_devices(out)
+    elif kind == "jax":
+        # one copy per piece into 64-byte-aligned NumPy tiles, which jax.device_put adopts
+        # on CPU devices without a copy; replicas share one (JAX arrays are immutable)
+        np_shards = {d: np.asarray(v) for d, v in shards.items()}
+        out = LocalBackend().execute(p, np_shards, like=next(iter(np_shards.values())), share=True,
+                                     alias=_on_cpu(shards))
+        if commit:
+            out = arrays.to_jax_devices(out)
+    else:
+        out = LocalBackend().execute(p, shards, like=first)
+    if stamp is not None:       # one process: nothing on the wire (meshcomm.log)
+        _log.record_reshard(stamp, rank=None, dpp=None, backend="local", plan=p, collective_reduce=False,
+                            shards=shards, out=out)
+    return out

@@ -1,0 +1,336 @@
+"""Programs: agreed and planned once, then run with nothing but data (docs/runtime.md).
+
+Construction (every process, same arguments, same order):
+  1. validate this process's arguments locally (an error is kept, to be shared);
+  2. `agreement.agree`: one allgather of every process's Meta; on an error or a mismatch
+     every process raises, naming who differs;
+  3. plan (cached), choose native call or plan (the tuning table), create what a run needs
+     (groups, a communicator of its own for native MPI calls) within the deadline;
+  4. the Program gets the next number: its point-to-point tags are its own
+     (`tags`), so two Programs never match each other's messages.
+Run (`prog(x)`): validate this process's input against what was agreed (locally), post,
+wait. Every wait polls the control channel (runtime/control.py): a peer's error, or a peer
+waiting in another call, raises within milliseconds; a missing peer within the timeout. A
+run that failed anywhere marks its Program failed on every process (its messages may still
+be in flight): the next run raises; eager calls construct a new Program.
+
+Eager calls (`reshard`, the collectives) are cached Programs: the first call with given
+arguments constructs one (`eager`). A process that can decide its Program alone (it knows
+shape and dtype) looks it up by its own facts on later calls; where some process could not
+(no tile and no shape=/dtype=), every call of that signature agrees first (the metadata
+exchange), then runs the Program of the agreed facts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import numpy as np
+
+from .. import arrays, settings
+from .. import log as _log
+from ..backends import base, streams
+from ..caches import memo
+from ..handle import Handle
+from . import agreement, control
+from .agreement import Meta
+
+__all__ = ["Program", "construct", "eager", "tags_of", "empty_like"]
+
+TAG_SPAN = 1 << 18          # tags per Program: a step's tag is first + index % TAG_SPAN
+
+
+def tags_of(pid: int, tag_ub: int) -> tuple[int, int]:
+    """(first tag, span) of Program `pid`: slot 0 is left to messages outside Programs."""
+    span = TAG_SPAN if tag_ub >= (1 << 24) else 2048
+    slots = (tag_ub + 1) // span - 1
+    return (1 + pid % slots) * span, span
+
+
+class Program:
+    """A communication program with fixed layouts, shapes, dtypes, backend and options.
+
+    Construct it on every process with the same arguments (`Program.reshard`,
+    `Program.all_reduce`, ...): that agrees and plans once. `prog(x)` runs it, sending only
+    data; `prog(x, async_op=True)` gives a Handle; `out=` takes result buffers.
+    """
+
+    def __init__(self, ctx, pid: int, label: str, kernel, plan=None):
+        self.ctx, self.id, self.label, self._kernel = ctx, pid, label, kernel
+        self.plan = plan
+        self.runs = 0
+        self.failed: str | None = None
+
+    def __repr__(self) -> str:
+        return f"Program(#{self.id} {self.label}, runs={self.runs})"
+
+    # -- constructors -------------------------------------------------------------------
+    @classmethod
+    def reshard(cls, src, dst, *, shape, dtype, backend=None, compression=None) -> "Program":
+        from .reshard_call import program
+        return program(src, dst, shape, dtype, backend, compression)
+
+    @classmethod
+    def reshard_many(cls, src, dst, *, shapes, dtypes, backend=None, bucket_mb=None, compression=None):
+        from .batch_call import program
+        return program(src, dst, shapes, dtypes, backend, bucket_mb, compression)
+
+    @classmethod
+    def all_to_all_v(cls, mesh, axis, *, rows=(), dtype, backend=None, topology=None, algorithm="auto"):
+        """Runs take (x, send_counts, recv_counts=None): counts are data, exchanged per run."""
+        from .alltoall_call import program
+        return program(mesh, axis, rows, dtype, backend, topology, algorithm)
+
+    # collectives: `shape` is this process's tile (None where it owns no device of the mesh,
+    # or is not the root of a broadcast/scatter); `device` "cpu" or "cuda"
+    @classmethod
+    def all_reduce(cls, mesh, axes, *, shape, dtype, op="sum", backend=None, compression=None, device="cpu"):
+        return _collective("all_reduce", mesh, axes, shape, dtype, backend, device, reduce_op=op,
+                           compression=compression)
+
+    @classmethod
+    def all_gather(cls, mesh, axes, *, shape, dtype, dim=0, backend=None, compression=None, device="cpu"):
+        return _collective("all_gather", mesh, axes, shape, dtype, backend, device, dim=dim, compression=compression)
+
+    @classmethod
+    def reduce_scatter(cls, mesh, axes, *, shape, dtype, dim=0, op="sum", backend=None, compression=None,
+                       device="cpu"):
+        return _collective("reduce_scatter", mesh, axes, shape, dtype, backend, device, dim=dim, reduce_op=op,
+                           compression=compression)
+
+    @classmethod
+    def broadcast(cls, mesh, axes, *, shape, dtype, root=0, backend=None, device="cpu"):
+        return _collective("broadcast", mesh, axes, shape, dtype, backend, device, root=root)
+
+    @classmethod
+    def reduce(cls, mesh, axes, *, shape, dtype, root=0, op="sum", backend=None, device="cpu"):
+        return _collective("reduce", mesh, axes, shape, dtype, backend, device, root=root, reduce_op=op)
+
+    @classmethod
+    def all_to_all(cls, mesh, axes, *, shape, dtype, split_dim=0, concat_dim=0, backend=None, device="cpu"):
+        return _collective("all_to_all", mesh, axes, shape, dtype, backend, device, split_dim=split_dim,
+                           concat_dim=concat_dim)
+
+    @classmethod
+    def gather(cls, mesh, axes, *, shape, dtype, root=0, dim=0, backend=None, device="cpu"):
+        return _collective("gather", mesh, axes, shape, dtype, backend, device, root=root, dim=dim)
+
+    @classmethod
+    def scatter(cls, mesh, axes, *, shape, dtype, root=0, dim=0, backend=None, device="cpu"):
+        return _collective("scatter", mesh, axes, shape, dtype, backend, device, root=root, dim=dim)
+
+    # -- running --------------------------------------------------------------------------
+    def __call__(self, x=None, *, async_op: bool = False, out=None):
+        return self.start(x, async_op, out, _log.stamp(async_op) if _log.ON else None)
+
+    def start(self, x, async_op, out, stamp, st=None):
+        """A run: `st` is the kernel's prepared input where the caller checked it already."""
+        ctx, k = self.ctx, self._kernel
+        if ctx is None:                             # one process owns every device
+            res = k.finish(k.run(k.prepare(x, out) if st is None else st, None, stamp))
+            return Handle(result=res) if async_op else res
+        self.runs += 1
+        call = control.Call("run", self.id, self.label, self.runs)
+        ch = control.current()
+        try:
+            if ch is not None and ch.errors:
+                ch.raise_pending()              # a peer's failure: raised naming it
+            if self.failed is None and ch is not None and self.id in ch.failed:
+                self.failed = "a process failed in one of its runs"
+            if self.failed is not None:
+                raise RuntimeError(f"{self} failed earlier ({self.failed}); its messages may still be in "
+                                   "flight, so it runs no more: construct a new Program")
+            if st is None:
+                st = k.prepare(x, out)
+        except Exception as e:
+            self._fail(ch, call, e)
+            raise
+
+        def go():
+            with control.entering(ch, call):
+                try:
+                    if settings.get("CHECK") == "every":
+                        self._agree_run(st)
+                    return k.run(st, time.monotonic() + ctx.timeout, stamp)
+                except Exception as e:
+                    self.failed = f"run {call.run}: {type(e).__name__}"
+                    raise
+        result = ctx.run(go, async_op)
+        if async_op:
+            return Handle(lambda: k.finish(result()))
+        return k.finish(result())
+
+    def _fail(self, ch, call, e) -> None:
+        """A run that failed before it communicated: peers are told, and the Program is done."""
+        self.failed = f"run {call.run}: {type(e).__name__}"
+        if ch is not None:
+            prev, ch.call = ch.call, call
+            try:
+                ch.fail(e)
+            finally:
+                ch.call = prev
+
+    def _agree_run(self, st) -> None:
+        """MESHCOMM_CHECK=every: the run's own agreement (debugging)."""
+        ctx = self.ctx
+        ctx.attempts += 1
+        agreement.agree(ctx, -self.id, ctx.attempts, Meta(self.label, (("program", self.id), ("run", self.runs),
+                                                         ("input", self._kernel.facts(st)))))
+
+    # -- what it does -----------------------------------------------------------------------
+    def explain(self) -> str:
+        if self.plan is None:
+            return f"{self.label}: one native collective call per group ({self._kernel.describe()})"
+        return self.plan.explain()
+
+    def simulate(self, topology=None):
+        if self.plan is None:
+            raise ValueError(f"{self.label} runs as one native collective call; it has no plan to simulate")
+        return self.plan.simulate(topology)
+
+
+def _collective(op, mesh, axes, shape, dtype, backend, device, **kw) -> Program:
+    from .collective_call import program, request
+    return program(request(op, mesh, axes, **kw), shape, dtype, backend, device)
+
+
+# -- construction --------------------------------------------------------------------------
+
+def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable, describe=None):
+    """The one construction path: agree on `fields` (+ the Program's number), then
+    `build(pid, metas, deadline)` -> Program. Every process raises together on a mismatch."""
+    pid = ctx.programs + 1              # counted once constructed: a failed attempt leaves no gap
+    ctx.attempts += 1                   # this process's agreements: its Meta's nonce
+    ch = control.current()
+    with control.entering(ch, control.Call("construct", pid, label, ctx.attempts)):
+        deadline = time.monotonic() + ctx.timeout
+        metas = agreement.agree(ctx, pid, ctx.attempts, Meta(label, fields, agreement.error_of(err), extra),
+                                err, describe, deadline)
+        prog = build(pid, metas, deadline)
+        ctx.programs = pid
+        return prog
+
+
+@dataclasses.dataclass
+class Entry:
+    """An eager call signature's Programs: by this process's own facts, or (`exchange`) by
+    the facts agreed on in each call."""
+
+    exchange: bool
+    programs: dict
+
+
+def eager(ctx, sig, local_key, complete: bool, label: str, fields, err, extra, build, agreed_key,
+          describe=None) -> Program:
+    """The Program of an eager call: found by `local_key` when every process decided alone
+    last time, else constructed (or, in exchange mode, looked up after the agreement)."""
+    entry = ctx.eager.get(sig)
+    ch = control.current()
+    if ch is not None:
+        ch.poll()                   # Programs a peer reported failed are constructed again
+    if entry is not None and not entry.exchange:
+        if err is not None:
+            # the others run this signature's Program without agreeing again: raise here, tell
+            # them (they raise within milliseconds), and fail its Programs everywhere
+            for p in entry.programs.values():
+                p.failed = f"rank {ctx.rank}: {type(err).__name__}"
+            if ch is not None:
+                ch.fail(err, [p.id for p in entry.programs.values()])
+            raise err
+        prog = entry.programs.get(local_key)
+        if prog is not None and prog.failed is None and (ch is None or prog.id not in ch.failed):
+            ctx.eager[sig] = ctx.eager.pop(sig)         # most recently used last
+            return prog
+    extra = dict(extra, complete=complete and err is None)
+    found = []
+
+    def build_or_find(pid, metas, deadline):
+        exchange = not all(m.extra.get("complete") for m in metas)
+        e = ctx.eager.get(sig)
+        if e is None or e.exchange != exchange:
+            e = ctx.eager[sig] = Entry(exchange, {})
+        key = agreed_key(metas) if exchange else local_key
+        prog = e.programs.get(key)
+        if prog is None or prog.failed is not None or (ch is not None and prog.id in ch.failed):
+            prog = build(pid, metas, deadline)
+            if len(e.programs) >= 16:
+                e.programs.pop(next(iter(e.programs)))
+            e.programs[key] = prog
+        found.append(prog)
+        return prog
+    construct(ctx, label, fields, err, extra, build_or_find, describe)
+    if len(ctx.eager) > 256:
+        ctx.eager.pop(next(iter(ctx.eager)))
+    return found[0]
+
+
+# -- shared helpers ----------------------------------------------------------------------------
+
+def empty_like(kind, name, devtype):
+    """An empty array of the agreed kind, dtype and device (a process without tiles)."""
+    if kind == "torch":
+        import torch
+        dev = "cpu"
+        if devtype == "cuda":
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return torch.empty(0, dtype=getattr(torch, name), device=dev)
+    return np.empty(0, dtype=arrays.numpy_dtype(name))
+
+
+def fences_of(tiles) -> tuple:
+    """compute -> comm: one fence per CUDA device of the inputs (a no-op on the host)."""
+    fences = {}
+    for v in tiles.values():
+        dev = streams.device_of(v)
+        if streams.is_cuda(dev) and dev not in fences:
+            fences[dev] = streams.fence_from_current(dev)
+    if not fences:
+        fences[None] = streams.fence_from_current(None)
+    return tuple(fences.values())
+
+
+def facts_of(tiles) -> tuple:
+    """(dtype (name, itemsize), kind, device type) of a process's tiles, or Nones."""
+    if not tiles:
+        return None, None, None
+    first = next(iter(tiles.values()))
+    dev = streams.device_of(first)
+    return arrays.dtype_of(first), arrays.kind_of(first), dev.type if dev is not None else "cpu"
+
+
+def consume(out, done):
+    """comm -> compute: the consumer's stream waits for the communication stream."""
+    for v in out.values():
+        done.wait_on(streams.current_stream(streams.device_of(v)))
+        break
+
+
+class PlanRun:
+    """The executor of one plan for one Program: groups created at construction; a run
+    builds the Execution over this run's tiles with the Program's tags."""
+
+    def __init__(self, ctx, be, p, comp, tags, device_kind, deadline):
+        self.ctx, self.be, self.plan, self.comp, self.tags = ctx, be, p, comp, tags
+        self.device_kind = device_kind
+        if comp is None:
+            coll = base.collective_reduce_ok(p.dtype, be)
+            need = base.groups_needed(p, ctx.devices_per_process, coll,
+                                      lambda s: be.choose(s.table_op, s.nbytes, len(s.ranks), device_kind))
+            for b in be.members():
+                b.prepare_groups(need.get(b.name, []), deadline)
+
+    def run(self, shards, like, fences, deadline, out=None):
+        ctx = self.ctx
+        ex = base.Execution(self.plan, shards, like, rank=ctx.rank, devices_per_process=ctx.devices_per_process,
+                            backend=self.be, device_kind=self.device_kind, producer_fences=fences,
+                            compression=self.comp, tags=self.tags, out=out)
+        ex.start()
+        return ex.finish(deadline)
+
+
+@memo(maxsize=1024)
+def layouts_fp(src, dst) -> str:
+    import hashlib
+    return hashlib.sha1(repr((src, dst)).encode()).hexdigest()[:16]
+
