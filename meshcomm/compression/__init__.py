@@ -43,8 +43,8 @@ marked raw too, and `tail_bytes(head, shape, dtype)` says from the head how many
 follow; tolerance and precision append a section (payload length 4 mod 8). A cast keeps NaN
 and Inf (NaN payloads: bf16 canonical, fp16 the top 10 bits) and sends exact, after its
 2-byte values, the finite values it would turn into Inf (fp16 |x| >= 65520; bf16 |x| >=
-3.3961776e38, float32's top sliver and larger float64). Tiles of finite values pay one pass
-of a sum (ZFP) or a max over the wire bits (casts) and travel as before, byte for byte;
+3.3961776e38, float32's top sliver and larger float64). Tiles of finite values pay one sum
+(ZFP) or two max reductions over the wire bits (casts) and travel as before, byte for byte;
 `max_payload_bytes` bounds a payload whatever its values.
 
 dtypes. ZFP: float32 and float64; its int32/int64 modes are refused (measured with zfpy

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from ..arrays import numpy_dtype
+from . import nonfinite
 from .base import Codec, Encoded, as_dtype, as_shape, host_array
 
 __all__ = ["Cast", "CAST_NAMES"]
@@ -87,13 +88,13 @@ class Cast(Codec):
     def tail_bytes(self, head, shape, dtype) -> int:
         """The bytes after the 2-per-element head: 0 unless its element 0 is the reserved
         mark (a value overflowed the wire dtype), else the exact values of the marked elements."""
+        mark = _MARK[self.to]
+        if head.size < 2 or int(head[:2].view(np.uint16)[0]) != mark:
+            return 0
         dt = as_dtype(dtype)
-        if dt.name in _HALF or math.prod(as_shape(shape)) == 0:
+        if dt.name in _HALF:                    # passed through: no mark
             return 0
-        bits, mark = head.view(np.uint16), _MARK[self.to]
-        if int(bits[0]) != mark:
-            return 0
-        return int(np.count_nonzero(bits == mark)) * dt.itemsize
+        return int(np.count_nonzero(head.view(np.uint16) == mark)) * dt.itemsize
 
     def _encode(self, a: np.ndarray) -> np.ndarray:
         wd = self._wire_dtype(a.dtype)
@@ -103,7 +104,7 @@ class Cast(Codec):
             y = a.astype(wd)
         bits = y.reshape(-1).view(np.uint16)
         exp = _EXP[self.to]
-        if int(np.max(bits & np.uint16(0x7FFF))) < exp:     # no NaN or Inf on the wire
+        if nonfinite.wire_finite(bits, exp):     # no NaN or Inf on the wire
             return bits.view(np.uint8)
         # NaN and Inf stay; NaN written as the mark becomes the canonical NaN; finite values
         # the cast made Inf are marked and travel exact after the 2-byte values

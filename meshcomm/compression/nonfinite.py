@@ -5,8 +5,9 @@ turns finite values beyond its range into Inf. Every codec therefore sends such 
 beside its stream, with no byte more for tiles that hold none:
 
 * The check: one pass over the tile (`all_finite`: a sum, finite exactly when every addend
-  is; only a non-finite sum, or an overflowing one, looks at the values one by one). The
-  payload of a finite tile is the plain one (ZFP's stream, bit for bit zfpy's).
+  is; only a non-finite sum, or an overflowing one, looks at the values one by one), or over
+  a cast's 16-bit output (`wire_finite`: two max reductions). The payload of a finite tile
+  is the plain one (ZFP's stream, bit for bit zfpy's; the cast's 2-byte values).
 * ZFP: a block (4**d values) holding a non-finite value is "special": its values are zeroed
   before ZFP codes the tile, so ZFP codes it as an all-zero block, and its values travel
   raw (the tile's dtype) after the stream, in block order, each block's values in C order.
@@ -36,7 +37,7 @@ import math
 
 import numpy as np
 
-__all__ = ["all_finite", "special_blocks", "block_elements", "mark", "marked", "section", "unsection",
+__all__ = ["all_finite", "wire_finite", "special_blocks", "block_elements", "mark", "marked", "section", "unsection",
            "SECTION_MAGIC", "FOOTER_BYTES"]
 
 SECTION_MAGIC = 0x4E4F4E46          # the footer's last 4 bytes (little-endian)
@@ -51,6 +52,13 @@ def all_finite(a: np.ndarray) -> bool:
         if math.isfinite(np.add.reduce(a, axis=None)):
             return True
     return bool(np.isfinite(a).all())
+
+
+def wire_finite(bits: np.ndarray, exp: int) -> bool:
+    """Whether the 16-bit floats `bits` (1-d uint16; `exp` their exponent mask: 0x7F80 bf16,
+    0x7C00 fp16) are all finite: two max reductions, no temporary (a negative NaN or Inf is
+    at least 0x8000 | exp as uint16, a positive one at least exp as int16, finite values below)."""
+    return int(bits.max()) < (0x8000 | exp) and int(bits.view(np.int16).max()) < exp
 
 
 def special_blocks(a: np.ndarray) -> np.ndarray:

@@ -165,9 +165,9 @@ class ZFP(Codec):
         """Fixed rate: the bytes following the `wire_bytes` head `head` (1-d uint8): 0 unless
         the head's block 0 is marked (the tile held NaN or Inf), else the raw values of the
         marked blocks. 0 in the data-dependent modes (their payload is whole)."""
+        if self.rate is None or head.size < 8 or int(head[:8].view("=u8")[0]) & 3 != 2:
+            return 0                            # block 0's first two bits: no tail
         shape, dt = as_shape(shape), as_dtype(dtype)
-        if self.rate is None or math.prod(shape) == 0:
-            return 0
         zs = zfp_shape(shape)
         bits, nb = self.block_bits(zs, dt), _blocks(zs)
         if not nonfinite.marked(head, nb, bits, first_only=True):
