@@ -203,8 +203,10 @@ def check_nonfinite(ctx, backend, counts):
     mesh = mc.Mesh(list(range(n)), ("x",))
     gathers = [((37, 13), "float32", ZFP(rate=8)), ((37, 13), "float32", ZFP(tolerance=1e-3)),
                ((9, 6, 5), "float64", ZFP(rate=16)), ((37, 13), "float32", ZFP(precision=14)),
-               ((37, 13), "float32", "bf16"), ((37, 13), "float64", "fp16")]
-    for k, (shape, dt, codec) in enumerate(gathers):
+               ((37, 13), "float32", "bf16"), ((37, 13), "float64", "fp16"),
+               ((37, 13), "float32", ZFP(rate=8), "per-hop"), ((37, 13), "float32", "fp16", "per-hop")]
+    for k, (shape, dt, codec, *per_hop) in enumerate(gathers):
+        os.environ["MESHCOMM_COMPRESSION_PER_HOP"] = "1" if per_hop else "0"     # relays decode, re-encode
         xs = nonfinite_tiles(shape, n, dt, 1100 + 10 * k)
         if not isinstance(codec, ZFP):           # finite values the cast overflows, sent exact
             xs[n - 1][1, 2] = 7e4 if codec == "fp16" else 3.4e38
@@ -220,6 +222,7 @@ def check_nonfinite(ctx, backend, counts):
             if not isinstance(codec, ZFP):
                 assert res[d][-shape[0]:][1, 2] == xs[n - 1][1, 2] and res[d][-shape[0]:][0, 0] == xs[n - 1][0, 0]
         counts["nf_all_gather"] += 1
+    os.environ.pop("MESHCOMM_COMPRESSION_PER_HOP")
     for k, (algo, codec) in enumerate([(a, c) for a in ("oneshot", "ring")
                                        for c in (ZFP(rate=8), ZFP(tolerance=1e-3), "bf16")]):
         os.environ["MESHCOMM_COMPRESSION_REDUCE"] = algo
