@@ -15,9 +15,13 @@ this module moves the bytes:
   network between tasks. So chunk k+1 encodes while chunk k is on the wire and chunk k-1
   is decoded at the far end, and a relay forwards a chunk as soon as it arrives.
 * Fixed-size codecs (ZFP rate, casts): the receiver knows every payload's size and posts
-  all receives at once. Data-dependent ones (tolerance, precision): each message is
-  preceded by a small header of its units' sizes (tag + 1), and its payload is received
-  once the header is in.
+  all receives at once. A unit holding NaN or Inf (ZFP) or values its cast overflows is
+  the head of that size plus a tail of exact values (meshcomm/compression/nonfinite.py):
+  the heads travel as always, the message's tails after it on tag + 1, and the receiver,
+  reading from the heads that tails follow and how long they are (`codec.tail_bytes`),
+  receives them in message order; a tile of finite values sends nothing more.
+  Data-dependent codecs (tolerance, precision): each message is preceded by a small header
+  of its units' sizes (tag + 1), and its payload is received once the header is in.
 * Tags: each hop between two processes in a stage gets its own even tag, in plan order,
   so messages of different hops never match each other; messages of one hop match in order.
 
@@ -93,6 +97,7 @@ class _Program:
             idx = by_stage[stage]
             self.tags = self._tags(idx)
             self.cache: dict = {}
+            self.msgs: dict = {}
             self.after: list = []
             self.eng = Engine(self.backend, self.rank, self.deadline)
             for i in idx:
@@ -164,7 +169,15 @@ class _Program:
         tag, peer = self.tags[(i, u, v)], self.rank_of(v)
         if not self.fixed:
             self.eng.send(np.array([p.size for p in parts], "<i8").view(np.uint8), peer, tag + 1)
+        tails = None
+        if self.fixed:                      # heads of the fixed size; tails (NaN, Inf) after
+            wire = [x.wire for x in self.msgs[i][m]]
+            if any(p.size > w for p, w in zip(parts, wire)):
+                tails = [p[w:] for p, w in zip(parts, wire)]
+                parts = [p[:w] for p, w in zip(parts, wire)]
         self.eng.send(parts[0] if len(parts) == 1 else np.concatenate(parts), peer, tag)
+        if tails is not None:
+            self.eng.send(np.concatenate(tails), peer, tag + 1)
 
     def _listen(self, i: int, u: int, v: int, msgs, arrive) -> None:
         """Post the receives of every message of hop u -> v (v is this process's)."""
@@ -178,13 +191,42 @@ class _Program:
                 parts.append(buf[at:at + n])
                 at += n
             return parts
-        if self.fixed:
-            for m, msg in enumerate(msgs):
-                sizes = [x.wire for x in msg]
-                self.eng.recv(sum(sizes), peer, tag, lambda buf, m=m, s=sizes: arrive(m, split(buf, s)))
-            return
         heads: dict = {}
         nxt = [0]
+        if self.fixed:
+            # a message's tails (NaN, Inf) follow on tag + 1: their receives are posted in
+            # message order, and messages arrive in order (a relay forwards them as they come,
+            # and the next hop's receives match in order)
+            done: dict = {}
+            nxt.append(0)
+
+            def flush():
+                while nxt[1] in done:
+                    k = nxt[1]
+                    nxt[1] += 1
+                    arrive(k, done.pop(k))
+
+            def with_tails(k, parts, tails, buf):
+                done[k] = [np.concatenate([p, t]) for p, t in zip(parts, split(buf, tails))]
+                flush()
+
+            def on_fixed(m, parts):
+                heads[m] = parts
+                while nxt[0] in heads:
+                    k = nxt[0]
+                    nxt[0] += 1
+                    got = heads.pop(k)
+                    tails = [self.codec.tail_bytes(p, x.shape, self.dtype) for p, x in zip(got, msgs[k])]
+                    if any(tails):
+                        self.eng.recv(sum(tails), peer, tag + 1,
+                                      lambda b, k=k, g=got, t=tails: with_tails(k, g, t, b))
+                    else:
+                        done[k] = got
+                flush()
+            for m, msg in enumerate(msgs):
+                sizes = [x.wire for x in msg]
+                self.eng.recv(sum(sizes), peer, tag, lambda buf, m=m, s=sizes: on_fixed(m, split(buf, s)))
+            return
 
         def on_head(m, buf):            # payload receives are posted in message order
             heads[m] = [int(x) for x in buf.view("<i8")]
@@ -199,7 +241,7 @@ class _Program:
     # -- transfers ---------------------------------------------------------------------------
     def _setup(self, i: int) -> None:
         t, comp, eng = self.plan.transfers[i], self.comp, self.eng
-        msgs = messages(self.plan, i, comp)
+        msgs = self.msgs[i] = messages(self.plan, i, comp)
         if t.kind == "copy":
             d = t.srcs[0]
             if self._mine(d):

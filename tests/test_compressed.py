@@ -108,6 +108,68 @@ def test_reshard_within_tolerance_and_replicas_agree():
     assert np.allclose(mc.unshard(out, dst), g, rtol=2.0 ** -8, atol=0)
 
 
+def _with_nonfinite(xs, seed):
+    """NaN, +Inf, -Inf in every tile; at some positions in several (sums NaN or Inf)."""
+    rng = np.random.default_rng(seed)
+    n, size = len(xs), next(iter(xs.values())).size
+    pos = rng.choice(size, 3 * n + 3, replace=False)
+    for q, d in enumerate(sorted(xs)):
+        for j, v in enumerate((np.nan, np.inf, -np.inf)):
+            xs[d].reshape(-1)[pos[3 * q + j]] = v
+    a, b, c = pos[3 * n:]
+    first, last = min(xs), max(xs)
+    xs[first].reshape(-1)[a], xs[last].reshape(-1)[a] = np.inf, -np.inf        # NaN
+    xs[first].reshape(-1)[b], xs[last].reshape(-1)[b] = np.inf, np.inf         # +Inf
+    xs[last].reshape(-1)[c] = np.nan
+    return xs
+
+
+def _same_nonfinite(got, want):
+    nan, inf = np.isnan(want), np.isinf(want)
+    return (np.isnan(got) == nan).all() and (np.isinf(got) == inf).all() and (got[inf] == want[inf]).all()
+
+
+@pytest.mark.parametrize("codec", [ZFP(rate=8), ZFP(tolerance=1e-3), ZFP(precision=12), "bf16", "fp16"])
+def test_nan_and_inf_through_collectives_and_reshard(monkeypatch, codec):
+    # ZFP gave a NaN back as -3.97 and an Inf as -2.0; bf16/fp16 turned overflows into Inf
+    monkeypatch.setenv("MESHCOMM_COMPRESSION_CHUNK", "512")       # several chunks per tile
+    mesh = mc.Mesh(list(range(4)), ("x",))
+    xs = _with_nonfinite(_tiles(mesh, (40, 9), seed=11), 5)
+    if not isinstance(codec, ZFP):                                  # finite, beyond fp16 / bf16
+        xs[2][3, 3], xs[2][7, 1] = 7e4, -3.4e38
+    out = mc.all_gather(xs, mesh, "x", compression=codec)
+    ref = np.concatenate([xs[d] for d in range(4)])
+    bad = ~np.isfinite(ref)
+    for d in range(4):
+        assert _bits_equal(out[d][bad], ref[bad]), (codec, d)
+        assert np.isfinite(out[d][~bad]).all()
+        assert np.array_equal(out[d], out[0], equal_nan=True)
+    if not isinstance(codec, ZFP):
+        assert out[0][87, 1] == np.float32(-3.4e38)                 # exact, not -Inf
+        assert out[0][83, 3] == 7e4 if codec == "fp16" else abs(out[0][83, 3] - 7e4) <= 2.0 ** -8 * 7e4
+    with np.errstate(invalid="ignore"):
+        exact = np.sum(np.stack([xs[d].astype(np.float64) for d in range(4)]), axis=0)
+    for algo in ("oneshot", "ring"):
+        monkeypatch.setenv("MESHCOMM_COMPRESSION_REDUCE", algo)
+        with np.errstate(invalid="ignore"):
+            ar = mc.all_reduce(xs, mesh, "x", compression=codec)
+            rs = mc.reduce_scatter(xs, mesh, "x", compression=codec)
+        for d in range(4):
+            assert _same_nonfinite(ar[d], exact), (algo, codec, d)
+        assert _same_nonfinite(np.concatenate([rs[d] for d in range(4)]), exact), (algo, codec)
+    src, dst = mc.Layout(mesh, ("x", None)), mc.Layout(mc.Mesh([[4, 5], [6, 7]], ("p", "q")), (None, "q"))
+    g = ref
+    out = mc.reshard(mc.shard(g, src), src, dst, compression=codec)
+    got = mc.unshard(out, dst)
+    assert _bits_equal(got[bad], g[bad]) and np.isfinite(got[~bad]).all(), codec
+
+
+def _bits_equal(a, b):
+    """Bit for bit, except NaN payloads where a cast makes them canonical (bf16)."""
+    return a.tobytes() == b.tobytes() or (np.array_equal(a, b, equal_nan=True)
+                                          and (np.signbit(a) == np.signbit(b)).all())
+
+
 def test_bad_codecs_and_dtypes_are_named():
     mesh = mc.Mesh([0, 1], ("x",))
     with pytest.raises(ValueError, match="all_gather: unknown compression 'zstd'"):
@@ -191,3 +253,14 @@ def test_mpiexec_4_mpi_and_torch(tmp_path):
 def test_mpiexec_2_processes_2_devices_each(tmp_path):
     res = _launch(tmp_path, 2, "--init", "mpi", "--dpp", "2", "--backends", "mpi")
     assert [(r["all_gather"], r["reduce_scatter"], r["disagree_raised"]) for r in res] == [(5, 2, 1)] * 2
+
+
+@pytest.mark.mpi
+def test_mpiexec_4_nan_and_inf(tmp_path):
+    # NaN and Inf came back finite (a NaN as -3.97, an Inf as -2.0) through ZFP
+    res = _launch(tmp_path, 4, "--init", "mixed", "--backends", "mpi,torch", "--nonfinite")
+    assert [r["rank"] for r in res] == [0, 1, 2, 3]
+    assert all((r["nf_all_gather"], r["nf_all_reduce"]) == (16, 12) for r in res), res
+    # 2 processes x 2 devices: hops in memory and over the network in one chain
+    res = _launch(tmp_path / "dpp", 2, "--init", "mpi", "--dpp", "2", "--backends", "mpi", "--nonfinite")
+    assert [(r["nf_all_gather"], r["nf_all_reduce"]) for r in res] == [(8, 6)] * 2

@@ -200,13 +200,163 @@ def test_cast_relative_error_and_pass_through():
     np.testing.assert_array_equal(_bits(Cast("fp16").decode(Cast("fp16").encode(b))), _bits(b))
 
 
-def test_fp16_overflow_is_an_error_bf16_range_is_not():
-    a = np.array([1.0, 7e4, 3.0], np.float32)
-    with pytest.raises(ValueError, match=r"fp16 cannot hold 70000.0 at index \(1,\)"):
-        Cast("fp16").encode(a)
-    assert Cast("fp16").decode(Cast("fp16").encode(np.array([65504.0, np.inf, -np.inf]))).tolist() \
-        == [65504.0, np.inf, -np.inf]
-    assert np.isfinite(Cast("bf16").decode(Cast("bf16").encode(np.array([3e38, -1e30], np.float32)))).all()
+def _nonfinite(shape, dtype, seed, k=3):
+    """_data with NaN (one with a payload), +Inf and -Inf at k random positions each."""
+    a = _data(shape, dtype, seed)
+    rng = np.random.default_rng(seed + 7)
+    flat = a.reshape(-1)
+    pos = rng.choice(flat.size, size=min(flat.size, 3 * k), replace=False)
+    nan = np.array([0x7FC12345 if dtype == "float32" else 0x7FF8000012345678],
+                   np.uint32 if dtype == "float32" else np.uint64).view(dtype)[0]
+    vals = [np.nan, nan, np.inf, -np.inf]
+    for j, p in enumerate(pos):
+        flat[p] = vals[j % 4]
+    return a
+
+
+def _block_hits(zshape, mask):
+    """Which 4**d blocks (the block grid, C order: ZFP's) of a ZFP-shaped mask hold a True."""
+    grid = [-(-n // 4) for n in zshape]
+    m = np.pad(mask, [(0, 4 * g - n) for g, n in zip(grid, zshape)])
+    return m.reshape([x for g in grid for x in (g, 4)]).any(axis=tuple(range(1, 2 * len(grid), 2)))
+
+
+def _per_value(zshape, hits):
+    """A per-value mask of the blocks `hits` marks."""
+    return hits[tuple(np.indices(zshape) // 4)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_nan_and_inf_come_back_bit_for_bit_in_every_mode(dtype):
+    # ZFP has no NaN or Inf: a NaN came back as -3.97, an Inf as -2.0
+    checked = 0
+    for mode in MODES:
+        c = ZFP(**mode)
+        for shape in SHAPES + [s for s, _ in MERGED] + [(8, 8), (64,)]:
+            for seed in range(2):
+                a = _nonfinite(shape, dtype, seed, k=1 + seed)
+                zs = C.zfp_shape(shape)
+                az = a.reshape(zs)
+                bad = ~np.isfinite(az)
+                hits = _block_hits(zs, bad)
+                if c.fixed_size:                     # block 0 is marked raw too
+                    hits.reshape(-1)[0] = True
+                special = _per_value(zs, hits)
+                e = c.encode(a)
+                y = c.decode(e)
+                assert y.shape == shape and y.dtype == a.dtype
+                yz = y.reshape(zs)
+                # the blocks holding NaN/Inf raw: bit for bit, NaN payloads included
+                np.testing.assert_array_equal(_bits(yz[special]), _bits(az[special]), err_msg=f"{c} {shape}")
+                # the other blocks: zfpy's own round trip of the tile, bit for bit
+                with np.errstate(invalid="ignore", over="ignore"):
+                    ref = _reference(az, **mode)
+                np.testing.assert_array_equal(_bits(yz[~special]), _bits(ref[~special]), err_msg=f"{c} {shape}")
+                if c.tolerance is not None:
+                    fin = ~bad
+                    assert np.abs(yz[fin].astype(np.float64) - az[fin]).max(initial=0) <= c.tolerance
+                raw = int(special.sum()) * a.dtype.itemsize
+                if c.fixed_size:                     # the head's size, then the raw values
+                    head = c.wire_bytes(shape, dtype)
+                    assert e.nbytes == head + raw == head + c.tail_bytes(e.payload[:head], shape, dtype)
+                else:
+                    assert e.nbytes % 8 == 4
+                assert e.nbytes <= c.max_payload_bytes(shape, dtype)
+                out = np.full(shape, 5.0, dtype)
+                c.decode(e, out=out)
+                np.testing.assert_array_equal(_bits(out), _bits(y))
+                strided = np.zeros(shape[:-1] + (2 * shape[-1],), dtype)[..., ::2]
+                c.decode(e, out=strided)
+                np.testing.assert_array_equal(_bits(strided), _bits(y))
+                checked += 1
+    assert checked == len(MODES) * (len(SHAPES) + len(MERGED) + 2) * 2
+
+
+def test_nonfinite_edge_cases():
+    for c in (ZFP(rate=8), ZFP(rate=2.125), ZFP(tolerance=1e-3), ZFP(precision=10)):
+        for a in (np.full((5, 6), np.nan, np.float32), np.array(np.inf, np.float32),
+                  np.array([-np.inf], np.float32),
+                  np.array([1.0, 2.0, 3.0, 4.0, np.nan], np.float32)):
+            y = c.decode(c.encode(a))
+            np.testing.assert_array_equal(_bits(y), _bits(a), err_msg=f"{c} {a}")
+        # the only non-finite value in block 0; in the last, partial block
+        for at in (0, 102):
+            a = _data((103,), "float32")
+            a[at] = -np.inf
+            y = c.decode(c.encode(a))
+            assert y[at] == -np.inf and np.isfinite(np.delete(y, at)).all()
+    # finite values whose sum overflows are finite: the plain stream
+    big = np.full(64, 3e38, np.float32)
+    assert C.nonfinite.all_finite(big) and not C.nonfinite.all_finite(np.array([1.0, np.nan]))
+    assert ZFP(rate=8).encode(big).payload.tobytes() == zfpy.compress_numpy(big, rate=8, write_header=False)
+
+
+def test_nonfinite_payloads_cut_short_or_damaged_are_refused():
+    a = _nonfinite((16, 8), "float32", 0)
+    e = ZFP(rate=8).encode(a)
+    head = ZFP(rate=8).wire_bytes(a.shape, a.dtype)
+    assert e.nbytes > head
+    with pytest.raises(ValueError, match=f"tile has {head} bytes, expected {e.nbytes}"):
+        ZFP(rate=8).decode(Encoded(e.payload[:head], e.codec, e.dtype, e.shape))
+    with pytest.raises(ValueError, match=f"expected {e.nbytes}"):
+        ZFP(rate=8).decode(Encoded(e.payload[:-4], e.codec, e.dtype, e.shape))
+    t = ZFP(tolerance=1e-3)
+    e = t.encode(a)
+    bad = e.payload.copy()
+    bad[-1] ^= 1                                            # the footer's magic
+    with pytest.raises(ValueError, match="no valid non-finite section"):
+        t.decode(Encoded(bad, t, e.dtype, e.shape))
+    with pytest.raises(ValueError, match="4 mod 8"):
+        t.decode(Encoded(e.payload[:20], t, e.dtype, e.shape))
+    c = Cast("fp16")
+    e = c.encode(np.array([1.0, 7e4, 2.0], np.float32))
+    assert e.nbytes == 6 + 2 * 4 and c.tail_bytes(e.payload[:6], (3,), "float32") == 8
+    with pytest.raises(ValueError, match="tile has 6 bytes, expected 14"):
+        c.decode(Encoded(e.payload[:6], c, "float32", (3,)))
+
+
+@pytest.mark.parametrize("to", ["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_casts_keep_nan_and_inf_and_send_overflows_exact(to, dtype):
+    # fp16 raised on 7e4, bf16 turned 3.4e38 (float32) and 1e39 (float64) into Inf silently
+    c = Cast(to)
+    over = 7e4 if to == "fp16" else 3.397e38
+    a = _nonfinite((40, 7), dtype, 3)
+    a[5, 1], a[9, 6], a[0, 3] = over, -over, -2 * over if dtype == "float64" or to == "fp16" else -over
+    y = c.decode(c.encode(a))
+    bad = ~np.isfinite(a)
+    assert (np.isnan(y) == np.isnan(a)).all() and (y[np.isinf(a)] == a[np.isinf(a)]).all()
+    big = np.isfinite(a) & (np.abs(a) >= over)
+    assert big.sum() == 3 and (y[big] == a[big]).all()             # exact
+    fine = ~bad & ~big
+    fine.reshape(-1)[0] = False                                     # element 0: marked, exact
+    assert y.reshape(-1)[0] == a.reshape(-1)[0]
+    rel = np.abs(y[fine].astype(np.float64) - a[fine]) / np.maximum(np.abs(a[fine]), 2.0 ** -126)
+    assert rel.max() <= c.relative_error
+    e = c.encode(a)
+    assert e.nbytes == 2 * a.size + 4 * a.dtype.itemsize <= c.max_payload_bytes(a.shape, dtype)
+    out = np.empty((40, 14), dtype)[:, ::2]
+    c.decode(e, out=out)
+    np.testing.assert_array_equal(_bits(out), _bits(y))
+    # finite tiles, NaN and Inf alone: 2 bytes a value, no tail
+    f = _data((40, 7), dtype)
+    assert c.encode(f).nbytes == 2 * f.size
+    n = _nonfinite((40, 7), dtype, 4)
+    assert c.encode(n).nbytes == 2 * n.size and np.array_equal(np.isnan(c.decode(c.encode(n))), np.isnan(n))
+    # an input NaN whose cast reads as the mark (fp16 keeps a NaN's top payload bits; bf16
+    # makes every NaN canonical): still NaN, no tail
+    if to == "fp16":
+        mark = 0x7C6D
+        nan = (np.array([0x7F800000 | (mark & 0x3FF) << 13], np.uint32).view(np.float32) if dtype == "float32"
+               else np.array([0x7FF0000000000000 | (mark & 0x3FF) << 42], np.uint64).view(np.float64))
+        m = np.concatenate([nan, nan, np.ones(1, dtype)])
+        with np.errstate(invalid="ignore"):
+            assert int(m.astype(np.float16).view(np.uint16)[0]) == mark
+        e = c.encode(m)
+        assert e.nbytes == 6 and np.isnan(c.decode(e)[:2]).all() and c.decode(e)[2] == 1.0
+    # 0-d
+    z = np.array(-over, dtype)
+    assert c.decode(c.encode(z)) == z and c.decode(c.encode(z)).shape == ()
 
 
 @pytest.mark.parametrize("mode", [dict(rate=8), dict(rate=2.25), dict(tolerance=1e-3), dict(precision=12)])

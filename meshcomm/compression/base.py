@@ -127,12 +127,26 @@ class Codec:
             return out
         return _torch_from(res) if is_torch(like) else res
 
+    def tail_bytes(self, head, shape, dtype) -> int:
+        """Fixed sizes: the bytes that follow the `wire_bytes` head `head` (1-d uint8) of a
+        payload, read from the head: 0 for a tile of finite values; the exact values of a
+        tile's NaN/Inf (ZFP) or overflows (casts) otherwise (compression/nonfinite.py)."""
+        return 0
+
+    def max_payload_bytes(self, shape, dtype) -> int:
+        """An upper bound of the payload's bytes whatever the values (NaN and Inf included);
+        `max_wire_bytes` bounds those of finite tiles."""
+        return self.max_wire_bytes(shape, dtype)
+
     def check_payload(self, encoded: Encoded) -> None:
         """ValueError unless the payload has the size this codec gives such a tile: exact for
-        fixed sizes; for data-dependent ones whole 64-bit words up to `max_wire_bytes`."""
+        fixed sizes (the head, plus the tail the head announces); for data-dependent ones
+        whole 64-bit words up to `max_wire_bytes` (or a non-finite section: ZFP)."""
         shape, dt, n = encoded.shape, encoded.dtype, encoded.nbytes
         exact = self.wire_bytes(shape, dt)
         if exact is not None:
+            if n >= exact:                      # a tile holding NaN or Inf: a tail after the head
+                exact += self.tail_bytes(encoded.payload[:exact], shape, dt)
             if n != exact:
                 raise ValueError(f"{self} payload of a {dt.name}{list(shape)} tile has {n} bytes, "
                                  f"expected {exact}")

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from . import nonfinite
 from .base import Codec, Encoded, as_dtype, as_shape
 
 __all__ = ["ZFP", "zfp_shape"]
@@ -146,19 +147,85 @@ class ZFP(Codec):
         rate and precision, which bound the size, not the error."""
         return self.tolerance
 
+    def max_payload_bytes(self, shape, dtype) -> int:
+        """An upper bound of the payload's bytes whatever the values: `max_wire_bytes` plus,
+        for a tile holding NaN or Inf, every value raw (and, in the data-dependent modes, the
+        non-finite section's block indices and footer)."""
+        shape, dt = as_shape(shape), as_dtype(dtype)
+        n = self.max_wire_bytes(shape, dt)
+        if math.prod(shape) == 0:
+            return n
+        raw = math.prod(shape) * dt.itemsize
+        if self.rate is not None:
+            return n + raw
+        body = 8 + 8 * _blocks(zfp_shape(shape)) + raw
+        return n + -(-body // 8) * 8 + nonfinite.FOOTER_BYTES
+
+    def tail_bytes(self, head, shape, dtype) -> int:
+        """Fixed rate: the bytes following the `wire_bytes` head `head` (1-d uint8): 0 unless
+        the head's block 0 is marked (the tile held NaN or Inf), else the raw values of the
+        marked blocks. 0 in the data-dependent modes (their payload is whole)."""
+        if self.rate is None or head.size < 8 or int(head[:8].view("=u8")[0]) & 3 != 2:
+            return 0                            # block 0's first two bits: no tail
+        shape, dt = as_shape(shape), as_dtype(dtype)
+        zs = zfp_shape(shape)
+        bits, nb = self.block_bits(zs, dt), _blocks(zs)
+        if not nonfinite.marked(head, nb, bits, first_only=True):
+            return 0
+        return nonfinite.block_elements(zs, nonfinite.marked(head, nb, bits)).size * dt.itemsize
+
+    def check_payload(self, encoded: Encoded) -> None:
+        if self.rate is not None or encoded.nbytes % 8 != 4:
+            return super().check_payload(encoded)
+        limit = self.max_payload_bytes(encoded.shape, encoded.dtype)
+        if encoded.nbytes > limit:
+            raise ValueError(f"{self} payload of a {encoded.dtype.name}{list(encoded.shape)} tile has "
+                             f"{encoded.nbytes} bytes, expected at most {limit}")
+        nonfinite.unsection(encoded.payload, zfp_shape(encoded.shape), encoded.dtype)
+
     def _encode(self, a: np.ndarray) -> np.ndarray:
         zfpy = _zfpy()
         a = a.reshape(zfp_shape(a.shape))
         if self.rate is not None:
             self.block_bits(a.shape, a.dtype)
-        return np.frombuffer(zfpy.compress_numpy(a, write_header=False, **self._kw()), np.uint8)
+        if nonfinite.all_finite(a):
+            return np.frombuffer(zfpy.compress_numpy(a, write_header=False, **self._kw()), np.uint8)
+        # blocks holding NaN or Inf: zeroed for ZFP, their values raw after the stream
+        blocks = nonfinite.special_blocks(a)
+        if self.rate is not None and blocks[0] != 0:
+            blocks = np.concatenate([[0], blocks])          # block 0 marked: "a tail follows"
+        el = nonfinite.block_elements(a.shape, blocks)
+        raw = a.reshape(-1)[el]
+        z = a.copy()
+        z.reshape(-1)[el] = 0
+        head = np.frombuffer(bytearray(zfpy.compress_numpy(z, write_header=False, **self._kw())), np.uint8)
+        if self.rate is None:
+            return np.concatenate([head, nonfinite.section(blocks, raw)])
+        nonfinite.mark(head, blocks, self.block_bits(a.shape, a.dtype))
+        return np.concatenate([head, raw.view(np.uint8)])
 
     def _decode(self, e: Encoded, dst: np.ndarray | None) -> np.ndarray:
         zfpy = _zfpy()
         zs = zfp_shape(e.shape)
+        payload, fix = e.payload, None
+        if self.rate is not None:
+            n = self.wire_bytes(e.shape, e.dtype)
+            if payload.size > n:                # check_payload: the marks account for the tail
+                head = payload[:n]
+                blocks = nonfinite.marked(head, _blocks(zs), self.block_bits(zs, e.dtype))
+                el = nonfinite.block_elements(zs, blocks)
+                fix = (el, payload[n:n + el.size * e.dtype.itemsize].view(e.dtype))
+                payload = head
+        elif payload.size % 8 == 4:
+            payload, _, el, raw = nonfinite.unsection(payload, zs, e.dtype)
+            fix = (el, raw)
         direct = dst is not None and dst.flags.c_contiguous
-        res = zfpy._decompress(e.payload, zfpy.dtype_to_ztype(e.dtype), list(zs),
+        res = zfpy._decompress(payload, zfpy.dtype_to_ztype(e.dtype), list(zs),
                                out=dst.reshape(zs) if direct else None, **self._kw())
+        if direct:
+            res = dst
+        if fix is not None:                     # the special blocks' values, raw
+            res.reshape(-1)[fix[0]] = fix[1]
         if direct:
             return dst
         res = res.reshape(e.shape)

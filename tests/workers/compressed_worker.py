@@ -9,7 +9,9 @@ dim 1, groups of a 2-d mesh, async); reduce_scatter one-shot and ring within
 (k-1)·tolerance plus rounding; all_reduce with bf16 within the cast's bound; reshard
 between meshes within the tolerance with identical replicas; the bytes each process sends
 (`meshcomm.backends.compressed.stats`); a codec disagreement raises on every process and
-the next call works; with --pace, a 1 MiB message at 0.08 Gb/s takes >= 0.1 s.
+the next call works; with --pace, a 1 MiB message at 0.08 Gb/s takes >= 0.1 s. With
+--nonfinite, only NaN/Inf through all_gather (bit for bit, every codec) and all_reduce and
+reduce_scatter (one-shot and ring: IEEE's sums of non-finite addends).
 """
 from __future__ import annotations
 
@@ -160,18 +162,103 @@ def check_pacing(ctx, backend, counts):
         counts[f"pace_end_{backend}"] = t1
 
 
+def nonfinite_tiles(shape, n, dtype, seed):
+    """Standard normal tiles with NaN, +Inf and -Inf at seeded positions (the same on every
+    process), some where several tiles are non-finite at once: a sum there is NaN (NaN or
+    +Inf + -Inf) or keeps the Inf's sign."""
+    xs = tiles(shape, n, dtype, seed)
+    rng = np.random.default_rng(seed + 1000)
+    pos = rng.choice(int(np.prod(shape)), size=3 * n + 4, replace=False)
+    for q in range(n):
+        for j, v in enumerate((np.nan, np.inf, -np.inf)):
+            xs[q].reshape(-1)[pos[3 * q + j]] = v
+    a, b, c, d = pos[3 * n:]
+    xs[0].reshape(-1)[a], xs[n - 1].reshape(-1)[a] = np.inf, -np.inf         # NaN
+    xs[0].reshape(-1)[b], xs[1].reshape(-1)[b] = np.inf, np.inf              # +Inf
+    xs[1].reshape(-1)[c], xs[2].reshape(-1)[c] = -np.inf, np.nan             # NaN
+    xs[n - 1].reshape(-1)[d] = -np.inf                                       # -Inf
+    return xs
+
+
+def same_nonfinite(got, want):
+    """NaN where `want` is NaN (any payload), the same Inf where it is Inf."""
+    nan, inf = np.isnan(want), np.isinf(want)
+    return bool((np.isnan(got) == nan).all() and (np.isinf(got) == inf).all() and (got[inf] == want[inf]).all())
+
+
+def finite_bound(codec, x):
+    """What the codec may change a finite value by: the tolerance, a quarter of max|x| for
+    rate 8 and precision 14 (within the documented 2**-3 on normal tiles), casts' rounding."""
+    if isinstance(codec, ZFP):
+        return codec.tolerance if codec.tolerance is not None else 0.25 * np.abs(x[np.isfinite(x)]).max()
+    return (2.0 ** -8 if str(codec) == "bf16" else 2.0 ** -11) * np.abs(x)
+
+
+def check_nonfinite(ctx, backend, counts):
+    """NaN, +Inf and -Inf through compressed all_gather (arriving bit for bit, in place, in
+    every codec; casts also carry finite values they overflow exact) and all_reduce and
+    reduce_scatter, one-shot and ring (a sum with a NaN addend, or +Inf and -Inf, is NaN;
+    with Infs of one sign, that Inf)."""
+    n = ctx.world_size * ctx.devices_per_process
+    mesh = mc.Mesh(list(range(n)), ("x",))
+    gathers = [((37, 13), "float32", ZFP(rate=8)), ((37, 13), "float32", ZFP(tolerance=1e-3)),
+               ((9, 6, 5), "float64", ZFP(rate=16)), ((37, 13), "float32", ZFP(precision=14)),
+               ((37, 13), "float32", "bf16"), ((37, 13), "float64", "fp16"),
+               ((37, 13), "float32", ZFP(rate=8), "per-hop"), ((37, 13), "float32", "fp16", "per-hop")]
+    for k, (shape, dt, codec, *per_hop) in enumerate(gathers):
+        os.environ["MESHCOMM_COMPRESSION_PER_HOP"] = "1" if per_hop else "0"     # relays decode, re-encode
+        xs = nonfinite_tiles(shape, n, dt, 1100 + 10 * k)
+        if not isinstance(codec, ZFP):           # finite values the cast overflows, sent exact
+            xs[n - 1][1, 2] = 7e4 if codec == "fp16" else 3.4e38
+            xs[n - 1][0, 0] = -1e39 if dt == "float64" else -7e4
+        own, x = mine(ctx, mesh, xs)
+        res = each(mc.all_gather(x, mesh, "x", backend=backend, compression=codec), own)
+        ref = np.concatenate(xs)
+        bad = ~np.isfinite(ref)
+        for d in own:
+            assert res[d].dtype == ref.dtype and res[d][bad].tobytes() == ref[bad].tobytes(), (k, d, codec)
+            err, bound = np.abs(res[d][~bad] - ref[~bad]), finite_bound(codec, ref)
+            assert (err <= (bound if np.ndim(bound) == 0 else bound[~bad])).all(), (k, d, codec, err.max())
+            if not isinstance(codec, ZFP):
+                assert res[d][-shape[0]:][1, 2] == xs[n - 1][1, 2] and res[d][-shape[0]:][0, 0] == xs[n - 1][0, 0]
+        counts["nf_all_gather"] += 1
+    os.environ.pop("MESHCOMM_COMPRESSION_PER_HOP")
+    for k, (algo, codec) in enumerate([(a, c) for a in ("oneshot", "ring")
+                                       for c in (ZFP(rate=8), ZFP(tolerance=1e-3), "bf16")]):
+        os.environ["MESHCOMM_COMPRESSION_REDUCE"] = algo
+        xs = nonfinite_tiles((8 * n, 5), n, "float32", 1300 + k)
+        own, x = mine(ctx, mesh, xs)
+        with np.errstate(invalid="ignore"):
+            exact = np.sum(np.stack([a.astype(np.float64) for a in xs]), axis=0)
+            ar = each(mc.all_reduce(x, mesh, "x", backend=backend, compression=codec), own)
+            rs = each(mc.reduce_scatter(x, mesh, "x", backend=backend, compression=codec), own)
+        parts = np.array_split(exact, n)
+        fin = np.isfinite(exact)
+        for d in own:
+            assert same_nonfinite(ar[d], exact), (algo, codec, d, ar[d][~fin], exact[~fin])
+            assert same_nonfinite(rs[d], parts[d]), (algo, codec, d)
+            assert np.isfinite(ar[d][fin]).all() and np.isfinite(rs[d][np.isfinite(parts[d])]).all()
+        counts["nf_all_reduce"] += 1
+    os.environ.pop("MESHCOMM_COMPRESSION_REDUCE")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--init", default="mpi")
     ap.add_argument("--backends", default="mpi")
     ap.add_argument("--dpp", type=int, default=1)
     ap.add_argument("--pace", action="store_true")
+    ap.add_argument("--nonfinite", action="store_true", help="only the NaN/Inf checks")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     os.environ["MESHCOMM_COMPRESSION_CHUNK"] = "1024"       # several chunks per tile
     ctx = mc.init(backend=args.init, devices_per_process=args.dpp)
-    counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "reshard": 0, "disagree_raised": 0}
+    counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "reshard": 0, "disagree_raised": 0,
+              "nf_all_gather": 0, "nf_all_reduce": 0}
     for b in args.backends.split(","):
+        if args.nonfinite:
+            check_nonfinite(ctx, b, counts)
+            continue
         check_all_gather(ctx, b, counts)
         check_reduce_scatter(ctx, b, counts)
         check_reshard(ctx, b, counts)
