@@ -166,8 +166,8 @@ def resolve(arg, plan, *, backend=None, world: int = 1, devices_per_process: int
     c = coerce(arg)
     if c is None or (c is AUTO and local):
         return None
-    env = (PER_HOP, REDUCE_ALGORITHM) + tuple(settings.get(k) for k in (
-        "COMPRESSION_CHUNK", "EMULATE_GBPS", "EMULATE_NODE_SIZE", "TUNING"))
+    env = (PER_HOP, settings.get("COMPRESSION_CHUNK"), REDUCE_ALGORITHM) + tuple(
+        settings.get(k) for k in ("EMULATE_GBPS", "EMULATE_NODE_SIZE", "TUNING"))
     return _resolve(c, plan, _host_processes(backend, world), devices_per_process, strip, env)
 
 

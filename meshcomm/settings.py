@@ -95,53 +95,26 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}
 def get(name: str):
     """The value of MESHCOMM_<name>: parsed from the environment, or its default. Read on
     every call (a test or a user may change the environment between calls); the parse of
-    each value seen is kept, so a hot path pays a dict lookup or two."""
-    key = _KEY.get(name)
-    if key is None:
-        key = _KEY[name] = _encode(SETTINGS[name].var)
-    v = _DATA.get(key) if _DATA is not None else os.environ.get(key)
-    if v is None:
-        return SETTINGS[name].default
-    hit = _PARSED.get((name, v))
+    each value seen is kept."""
+    s = SETTINGS[name]
+    text = os.environ.get(s.var)
+    if text is None or text == "":
+        return s.default
+    hit = _PARSED.get((name, text))
     if hit is not None:
         return hit[0]
-    s = SETTINGS[name]
-    text = os.environ.get(s.var, "")
-    if text == "":
-        value = s.default
-    else:
-        try:
-            value = s.parse(text.strip().lower() if s.parse is _bool else text.strip())
-        except ValueError as e:
-            raise ValueError(f"{s.var}={text!r} is not valid: {e}") from None
+    try:
+        value = s.parse(text.strip().lower() if s.parse is _bool else text.strip())
+    except ValueError as e:
+        raise ValueError(f"{s.var}={text!r} is not valid: {e}") from None
     if len(_PARSED) > 4096:
         _PARSED.clear()
-    _PARSED[(name, v)] = (value,)
+    _PARSED[(name, text)] = (value,)
     return value
 
 
-# os.environ's own mapping (bytes keys on POSIX), read directly on hot paths; changes
-# through os.environ / monkeypatch land in it
-_DATA = getattr(os.environ, "_data", None)
-_encode = getattr(os.environ, "encodekey", None) if _DATA is not None else None
-_encode = _encode or (lambda k: k)
-_KEY: dict = {}
 _PARSED: dict = {}      # (name, raw value) -> (parsed value,): pure, so never stale
 
-
-def raw(names: tuple) -> tuple:
-    """The environment's MESHCOMM_<name> values for `names` (None where unset): a cheap
-    snapshot, for what must notice when a setting changes (read from the mapping behind
-    os.environ where it has one: a few dict lookups per call)."""
-    if _DATA is None:
-        return tuple(os.environ.get(SETTINGS[n].var) for n in names)
-    keys = _RAW_KEYS.get(names)
-    if keys is None:
-        keys = _RAW_KEYS[names] = tuple(_encode(SETTINGS[n].var) for n in names)
-    return tuple(map(_DATA.get, keys))
-
-
-_RAW_KEYS: dict = {}
 
 def markdown_table() -> str:
     """The README's table of environment variables."""

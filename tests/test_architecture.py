@@ -170,10 +170,14 @@ def test_settings_read_once_typed(monkeypatch):
     monkeypatch.setenv("MESHCOMM_TIMEOUT", "abc")
     with pytest.raises(ValueError, match="MESHCOMM_TIMEOUT='abc' is not valid"):
         settings.get("TIMEOUT")
+    monkeypatch.setenv("MESHCOMM_CHECK", "every")
+    assert settings.get("CHECK") == "every"
     monkeypatch.setenv("MESHCOMM_CHECK", "0")
-    assert settings.get("CHECK") is False
+    with pytest.raises(ValueError, match="MESHCOMM_CHECK='0' is not valid: expected one of construct, every"):
+        settings.get("CHECK")
     monkeypatch.delenv("MESHCOMM_TIMEOUT")
     assert settings.get("TIMEOUT") == 300.0
+    assert len(settings.SETTINGS) <= 8, sorted(settings.SETTINGS)
 
 
 def test_clear_caches_empties_every_cache():

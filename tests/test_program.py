@@ -72,9 +72,9 @@ def test_pieces_that_are_not_one_run_are_staged_and_broadcasts_kept_in_plan_orde
     steps = base.issue_steps(plan, 0, 1, False)
     assert [s.prim for s in steps] == ["bcast", "local"]
     (bc,) = root.stages[0].bcasts
-    assert bc[3].whole is not None and len(root.stages[0].copies) == 1   # a view; its own replica a copy
+    assert bc[4].whole is not None and len(root.stages[0].copies) == 1   # a view; its own replica a copy
     (member,) = _program((64,), one, rep, 2)[1].stages[0].bcasts
-    assert member[3] is None and member[5] is not None      # received straight into its tile
+    assert member[4] is None and member[6] is not None      # received straight into its tile
 
 
 def test_reductions_take_the_general_path():
