@@ -13,13 +13,19 @@
    unicast from distinct senders where senders are plentiful, else one pipelined chain
    broadcast through the lacking nodes; both are solved and the lower busiest link wins.
 5. Partial sums. With the same number of addends (and the same op) on both sides the
-   pending sum is kept (addend a goes to dst replica group a); otherwise each piece is
+   pending sum is kept (addend a goes to dst replica group a); otherwise each value is
    reduced once, along a chain ending at one needer on the node holding most addends, then
-   fanned out. Other ops (prod, min, max: `Plan.reduce_op`) take the same routes.
+   fanned out along the ring onward from that root. A piece needed on several nodes (or by
+   several devices of one node) may instead be split into parts reduced at different
+   needers (a reduce-scatter; the fan-outs then make an all-gather): both plans are built
+   and the cost model keeps the faster. Other ops (prod, min, max: `Plan.reduce_op`) take
+   the same routes.
 6. Coalescing and order. Everything between the same route in the same stage is one
    message. Transfers get rounds by list scheduling and one deterministic global order.
 7. Best of. The plan is simulated beside the baselines' plans for the same layouts
-   (send_recv, alpa_broadcast) and the fastest under the cost model is kept.
+   (send_recv, alpa_broadcast) and the fastest under the cost model is kept, except a
+   baseline plan that breaks this planner's rules (a box fetched into a node holding it, a
+   value reduced twice).
 """
 from __future__ import annotations
 
