@@ -117,7 +117,9 @@ class _Builder:
 
     def chain_order(self, root: int, needers: list[int]) -> tuple[int, ...]:
         """Needers grouped by node: the root's node first, then nodes by rising NIC out-load
-        (the last node relays nothing, so the busiest goes last)."""
+        (the last node relays nothing, so the busiest goes last); inside a node round the
+        ring onward from the root (chains from different roots then share no link more than
+        a ring does)."""
         if len(needers) == 1:
             return (needers[0],)
         node = self.topo.node_of
@@ -126,7 +128,8 @@ class _Builder:
             by_node[node(d)].append(d)
         rn = node(root)
         nodes = sorted(by_node, key=lambda n: (n != rn, self.loads.nic_out[n], n))
-        return tuple(d for n in nodes for d in sorted(by_node[n]))
+        ring = 1 << 40
+        return tuple(d for n in nodes for d in sorted(by_node[n], key=lambda d: (d - root - 1) % ring))
 
 
 # Pieces at least this large are split among receiving nodes (reductions) or pending-sum

@@ -96,3 +96,19 @@ def test_two_addends_may_be_reduced_on_both_sides():
     p = mc.plan(pr.shape, "float32", pr.src, pr.dst, topology="flat")
     assert p.bytes_moved == optimal_bytes("all_reduce", M24, ("dp",), 4 << 18)
     assert {t.stage for t in p.transfers} == {0}
+
+
+@pytest.mark.parametrize("mesh,axes,topo", CASES, ids=lambda v: str(getattr(v, "shape", v)))
+@pytest.mark.parametrize("n", [1024, 1 << 18, 1 << 22])
+def test_collective_plans_at_or_below_the_ring_under_the_cost_model(mesh, axes, topo, n):
+    """The ring algorithm as a plan of the same transfers (baselines.ring_collective) is
+    never faster under the flow model than meshcomm's plan."""
+    gs = groups(mesh, axes)
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        tile = (n // len(gs[0]),) if op == "all_gather" else (n,)
+        pr = problem(op, mesh, axes, tile)
+        p = mc.plan(pr.shape, "float32", pr.src, pr.dst, topology=topo)
+        ring = baselines.ring_collective(op, pr.shape, "float32", pr.src, pr.dst, gs, topo)
+        mc.verify(ring)
+        assert ring.bytes_moved == p.bytes_moved, op
+        assert p.simulate(topo) <= ring.simulate(topo) * (1 + 1e-9), (op, p.simulate(topo), ring.simulate(topo))
