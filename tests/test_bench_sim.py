@@ -292,3 +292,36 @@ def test_ring_collective_plans_verify_and_move_a_rings_bytes(op, axes):
     verify(p)
     cost = B.collective_cost(op, "ring", gs, 14 if op != "all_gather" else 3 * k * 2, 4, P3)
     assert p.bytes_moved == cost.bytes_moved
+
+
+def test_bench_sim_collectives_move_a_rings_bytes_on_two_and_four_nodes():
+    topo = mc.Topology.preset("dgx-a100")
+    cs = sim.collective_cases(topo)
+    assert len(cs) == 3 * 2 * 2 * 2 and len({c.name for c in cs}) == len(cs)
+    for c in cs:
+        r = sim.collective_row(c, topo, verify=True)
+        k = r["group_size"]
+        f = 2 if c.op == "all_reduce" else 1
+        opt = f * (k - 1) * r["bytes"] / k
+        assert r["meshcomm"]["bytes_per_member"] == r["ring"]["bytes_per_member"] == opt, c.name
+        assert r["ring_plan"]["bytes_per_member"] == opt, c.name
+        assert r["meshcomm"]["seconds"] <= r["ring_plan"]["seconds"] * (1 + 1e-9), c.name
+        assert r["tree"]["steps"] == (2 if c.op == "all_reduce" else 1) * (k - 1).bit_length()
+
+
+def test_cli_bench_sim_collectives(tmp_path, capsys):
+    from meshcomm.tools.cli import main
+    out = tmp_path / "sim.json"
+    assert main(["bench", "sim", "--topology", "dgx-a100", "--only", "coll-all_reduce-2x8",
+                 "--json", str(out), "--quiet"]) == 0
+    data = json.loads(out.read_text())
+    assert data["rows"] == []
+    names = [r["case"] for r in data["collectives"]]
+    assert names == ["coll-all_reduce-2x8-node+gpu-64KiB", "coll-all_reduce-2x8-node+gpu-64MiB",
+                     "coll-all_reduce-2x8-node-64KiB", "coll-all_reduce-2x8-node-64MiB"]
+    r = data["collectives"][0]
+    assert (r["groups"], r["group_size"], r["devices"]) == (1, 16, 16)
+    assert set(r) >= {"meshcomm", "ring_plan", "ring", "tree"}
+    text = capsys.readouterr().out
+    assert "collectives on dgx-a100" in text and "all_reduce-2x8-node+gpu-64KiB" in text
+    assert "geomean speedup" not in text                  # no resharding case selected
