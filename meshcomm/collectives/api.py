@@ -11,7 +11,7 @@ from ..handle import Handle
 from ..planning import plan
 from ..runtime.collective_call import Request, build, coded_dims, finish_tiles, run
 from ..runtime.collective_input import local_facts, tiles_of
-from .layouts import REDUCE_OPS, group_axes
+from .layouts import REDUCE_OPS, gather_sizes, group_axes, problem
 from .p2p import recv, send
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather",
@@ -88,6 +88,17 @@ def _call(req: Request, x, backend, async_op):
     return Handle(result=result) if async_op else result
 
 
+def _problem(req: Request, tile: tuple, tile_shapes):
+    """The Problem of a call whose every tile is here: a gather's groups each gather their
+    own tiles' sizes (layouts.gather_sizes; they may differ between groups); the rest as
+    under a launcher (collective_call.build)."""
+    if req.op not in ("all_gather", "gather"):
+        return build(req, tile, tile_shapes)
+    d = req.dim % len(tile)
+    return problem(req.op, req.mesh, req.axes, tile[:d] + (0,) + tile[d + 1:],
+                   sizes=gather_sizes(req.mesh, req.axes, d, tile_shapes), dim=req.dim, root=req.root)
+
+
 def _local(req: Request, x):
     """Without a launcher: every device's tile is here; the plan runs in memory."""
     from ..backends.local import LocalBackend
@@ -97,7 +108,7 @@ def _local(req: Request, x):
     facts = local_facts(req, tiles)
     if facts["tile"] is None:
         raise ValueError(f"{req.op}: no tile given, so shape and dtype are unknown")
-    prob = build(req, facts["tile"], {d: tuple(v.shape) for d, v in tiles.items()})
+    prob = _problem(req, facts["tile"], {d: tuple(v.shape) for d, v in tiles.items()})
     src_devs = set(prob.src.mesh.device_ids)
     kind = facts["kind"]
     shards = {d: prob.in_tile(np.asarray(v) if kind == "jax" else v)
@@ -131,7 +142,8 @@ def all_reduce(x, mesh, axes, op: str = "sum", *, backend=None, async_op: bool =
 
 def all_gather(x, mesh, axes, dim: int = 0, *, backend=None, async_op: bool = False, compression=None):
     """Every device gets its group's tiles concatenated along `dim` in group order (the tiles'
-    sizes along `dim` may differ; every group must have the same sizes). With `compression`
+    sizes along `dim` may differ, within a group and, without a launcher, between groups;
+    under a launcher every group must have the same sizes). With `compression`
     each tile is coded once by its owner: every device gets the codec's round trip of every
     tile, its own included."""
     req = _request("all_gather", mesh, axes, dim=dim, compression=compression)
@@ -196,15 +208,16 @@ def barrier(mesh, axes=None, *, backend=None, async_op: bool = False):
 
 def collective_plan(op: str, tile_shape, dtype, mesh, axes, *, sizes=None, dim: int = 0, root: int = 0,
                     reduce_op: str = "sum", split_dim: int = 0, concat_dim: int = 0, topology=None):
-    """The Plan a collective runs (printable with `.explain()`, checked by `meshcomm.verify`)."""
+    """The Plan a collective runs (printable with `.explain()`, checked by `meshcomm.verify`).
+    `sizes` (all_gather, gather): the tiles' sizes along `dim`, one tuple in group order for
+    every group, or one tuple per group (layouts.groups order) where they differ."""
     from ..layout import normalize_shape
-    from .layouts import problem
     axes = group_axes(mesh, axes)
     tile = normalize_shape(tile_shape)
     if sizes is not None:
         d = dim % len(tile)
         tile = tile[:d] + (0,) + tile[d + 1:]
-        sizes = tuple(int(s) for s in sizes)
+        sizes = tuple(tuple(int(x) for x in s) if isinstance(s, (tuple, list)) else int(s) for s in sizes)
     prob = problem(op, mesh, axes, tile, sizes=sizes, dim=dim, root=root, reduce_op=reduce_op,
                    split_dim=split_dim, concat_dim=concat_dim)
     return plan(prob.shape, dtype, prob.src, prob.dst, topology)
