@@ -38,7 +38,8 @@ from .schedule import Plan, Transfer, coalesce, transfer_kind
 from .topology import Topology
 
 __all__ = ["send_recv", "alpa_broadcast", "allgather_slice", "dtensor_style", "Steps",
-           "BASELINES", "dtensor_transforms"]
+           "BASELINES", "dtensor_transforms", "COLLECTIVE_ALGORITHMS", "AlgoCost", "collective_cost",
+           "ring_collective"]
 
 
 # -- shared machinery -----------------------------------------------------------------------
@@ -430,3 +431,144 @@ BASELINES: dict[str, Callable] = {
     "allgather_slice": allgather_slice,
     "dtensor_style": dtensor_style,
 }
+
+
+# -- collective algorithms: ring and tree, as plans and under the alpha-beta model ----------
+#
+# A collective on groups of devices (meshcomm.collectives.layouts: every group runs it at
+# once, each group's members in group order) by a textbook algorithm: a sequence of steps,
+# each member sending at most one message and receiving at most one per step.
+#
+# * ring: all_gather and reduce_scatter in n-1 steps of one chunk (1/n of the data) to the
+#   next member; all_reduce = reduce_scatter then all_gather, 2(n-1) steps.
+# * tree (the log-depth forms MPI picks for short messages): all_reduce = a binomial-tree
+#   reduce to member 0 then a binomial-tree broadcast, 2*ceil(log2 n) steps of the whole
+#   data; all_gather = Bruck's doubling (recursive doubling for powers of two): step s sends
+#   min(2^s, n-2^s) chunks to member i-2^s; reduce_scatter = the same steps reversed
+#   (recursive halving): step s sends that many chunks of partial sums to member i+2^s.
+#
+# Alpha-beta time: a step costs the latency of its slowest link class (inter-node if any of
+# its messages crosses nodes) plus its busiest link's bytes over that link's bandwidth
+# (links as in planners/simulate.py: a device's intra-node link each way, a node's NIC each
+# way, shared by every message of the step that crosses it); the steps run one after the
+# other. Chunks are the row-major split of the data into n nearly equal parts.
+
+COLLECTIVE_ALGORITHMS = ("ring", "tree")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgoCost:
+    """One collective by one algorithm: steps, bytes all members send together, seconds."""
+
+    op: str
+    algorithm: str
+    steps: int
+    bytes_moved: int
+    seconds: float
+
+
+def _chunks(nelems: int, n: int) -> list[int]:
+    return [nelems * (j + 1) // n - nelems * j // n for j in range(n)]
+
+
+def _ring_steps(op: str, n: int, chunk: list[int]) -> list[list[tuple[int, int, int]]]:
+    """Steps of (member, member, elements) messages of one group."""
+    gather = [[(i, (i + 1) % n, chunk[(i - s) % n]) for i in range(n)] for s in range(n - 1)]
+    scatter = [[(i, (i + 1) % n, chunk[(i - s - 1) % n]) for i in range(n)] for s in range(n - 1)]
+    if op == "all_gather":
+        return gather
+    if op == "reduce_scatter":
+        return scatter
+    return scatter + gather
+
+
+def _tree_steps(op: str, n: int, chunk: list[int], total: int) -> list[list[tuple[int, int, int]]]:
+    levels = max(0, (n - 1).bit_length())
+    if op == "all_reduce":
+        up = [[(i, i - (1 << s), total) for i in range(n) if i % (2 << s) == 1 << s]
+              for s in range(levels)]
+        down = [[(j, i, m) for i, j, m in step] for step in reversed(up)]
+        return up + down
+    # Bruck: at step s member i holds chunks i .. i+2^s-1 (mod n) and sends the first
+    # min(2^s, n-2^s) of them to member i-2^s
+    steps = []
+    for s in range(levels):
+        w = 1 << s
+        cnt = min(w, n - w)
+        steps.append([(i, (i - w) % n, sum(chunk[(i + c) % n] for c in range(cnt))) for i in range(n)])
+    if op == "all_gather":
+        return steps
+    return [[(j, i, m) for i, j, m in step] for step in reversed(steps)]
+
+
+def collective_cost(op: str, algorithm: str, groups, nelems: int, itemsize: int,
+                    topology=None) -> AlgoCost:
+    """`op` (all_reduce, all_gather, reduce_scatter) by `algorithm` (ring, tree) on every
+    group of `groups` (tuples of devices in group order) at once, each member holding
+    `nelems` elements of `itemsize` bytes (all_gather: its result; the others: its input),
+    under the alpha-beta model above."""
+    if op not in ("all_reduce", "all_gather", "reduce_scatter"):
+        raise ValueError(f"no {algorithm} algorithm for {op!r}")
+    if algorithm not in COLLECTIVE_ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; one of {COLLECTIVE_ALGORITHMS}")
+    topo = Topology.coerce(topology)
+    node = topo.node_of
+    groups = [tuple(g) for g in groups]
+    n = len(groups[0])
+    chunk = _chunks(nelems, n)
+    steps = _ring_steps(op, n, chunk) if algorithm == "ring" else _tree_steps(op, n, chunk, nelems)
+    seconds, moved = 0.0, 0
+    for step in steps:
+        load: dict[tuple[str, int], int] = defaultdict(int)
+        inter = False
+        for g in groups:
+            for i, j, m in step:
+                u, v = g[i], g[j]
+                b = m * itemsize
+                moved += b
+                if node(u) != node(v):
+                    inter = True
+                    load[("nic_out", node(u))] += b
+                    load[("nic_in", node(v))] += b
+                else:
+                    load[("dev_out", u)] += b
+                    load[("dev_in", v)] += b
+        lat = topo.inter_node_latency_s if inter else topo.intra_node_latency_s
+        beta = max((b / (topo.inter_bytes_per_s if k.startswith("nic") else topo.intra_bytes_per_s)
+                    for (k, _), b in load.items()), default=0.0)
+        seconds += lat + beta
+    return AlgoCost(op, algorithm, len(steps), moved, seconds)
+
+
+def ring_collective(op: str, shape, dtype, src, dst, groups, topology=None) -> Plan:
+    """The ring algorithm of a collective as a Plan of meshcomm's own transfers (pipelined
+    chains, as dtensor_style's collectives), for the layouts meshcomm.collectives.layouts
+    gives `op` on `groups`: all_gather one chain per member's tile round the ring;
+    reduce_scatter one reduction per member's chunk along the ring ending at that member;
+    all_reduce the data split into one part per member, each reduced at its member along
+    the ring, then (stage 1) sent on round the ring."""
+    shape = _check(shape, src, dst)
+    name, itemsize = _itemsize(dtype)
+    topo = Topology.coerce(topology)
+    st, dt = src.tiles(shape), dst.tiles(shape)
+    em = _Emitter()
+    for g in groups:
+        k = len(g)
+        ring = lambda j: tuple(g[(j + s) % k] for s in range(1, k))   # noqa: E731
+        for j, d in enumerate(g):
+            if op not in ("all_gather", "reduce_scatter", "all_reduce"):
+                raise ValueError(f"no ring plan for {op!r}")
+            if k == 1:
+                em.emit((d,), (d,), dt.boxes[d])
+            elif op == "all_gather":
+                em.emit((d,), (d,), st.boxes[d])
+                em.emit((d,), ring(j), st.boxes[d])
+            elif op == "reduce_scatter":
+                em.emit(ring(j) + (d,), (d,), dt.boxes[d], reduce=True)
+            else:
+                box = dt.boxes[g[0]]
+                n = box_size(box)
+                for sub in row_major_range(box, n * j // k, n * (j + 1) // k):
+                    em.emit(ring(j) + (d,), (d,), sub, reduce=True)
+                    em.emit((d,), ring(j), sub, stage=1, src_buf="dst")
+    return _make_plan("ring", shape, name, itemsize, src, dst, topo, em)

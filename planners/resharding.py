@@ -13,13 +13,19 @@
    unicast from distinct senders where senders are plentiful, else one pipelined chain
    broadcast through the lacking nodes; both are solved and the lower busiest link wins.
 5. Partial sums. With the same number of addends (and the same op) on both sides the
-   pending sum is kept (addend a goes to dst replica group a); otherwise each piece is
+   pending sum is kept (addend a goes to dst replica group a); otherwise each value is
    reduced once, along a chain ending at one needer on the node holding most addends, then
-   fanned out. Other ops (prod, min, max: `Plan.reduce_op`) take the same routes.
+   fanned out along the ring onward from that root. A piece needed on several nodes (or by
+   several devices of one node) may instead be split into parts reduced at different
+   needers (a reduce-scatter; the fan-outs then make an all-gather): both plans are built
+   and the cost model keeps the faster. Other ops (prod, min, max: `Plan.reduce_op`) take
+   the same routes.
 6. Coalescing and order. Everything between the same route in the same stage is one
    message. Transfers get rounds by list scheduling and one deterministic global order.
 7. Best of. The plan is simulated beside the baselines' plans for the same layouts
-   (send_recv, alpa_broadcast) and the fastest under the cost model is kept.
+   (send_recv, alpa_broadcast) and the fastest under the cost model is kept, except a
+   baseline plan that breaks this planner's rules (a box fetched into a node holding it, a
+   value reduced twice).
 """
 from __future__ import annotations
 
@@ -111,7 +117,9 @@ class _Builder:
 
     def chain_order(self, root: int, needers: list[int]) -> tuple[int, ...]:
         """Needers grouped by node: the root's node first, then nodes by rising NIC out-load
-        (the last node relays nothing, so the busiest goes last)."""
+        (the last node relays nothing, so the busiest goes last); inside a node round the
+        ring onward from the root (chains from different roots then share no link more than
+        a ring does)."""
         if len(needers) == 1:
             return (needers[0],)
         node = self.topo.node_of
@@ -120,7 +128,8 @@ class _Builder:
             by_node[node(d)].append(d)
         rn = node(root)
         nodes = sorted(by_node, key=lambda n: (n != rn, self.loads.nic_out[n], n))
-        return tuple(d for n in nodes for d in sorted(by_node[n]))
+        ring = 1 << 40
+        return tuple(d for n in nodes for d in sorted(by_node[n], key=lambda d: (d - root - 1) % ring))
 
 
 # Pieces at least this large are split among receiving nodes (reductions) or pending-sum
@@ -161,14 +170,42 @@ def plan_reshard(shape: tuple[int, ...], dtype: str, itemsize: int, src, dst,
                 deliveries.append((part, sgroups[0], needers))
             else:
                 reductions.append((part, sgroups, needers))
-    for box, sgroups, needers in reductions:
-        _plan_reduction(b, box, sgroups, needers, itemsize)
-    _plan_deliveries(b, deliveries)
-    transfers = _finish(b, itemsize)
-    p = Plan(shape=shape, dtype=dtype, itemsize=itemsize, src=src, dst=dst, topology=topology,
-             transfers=transfers, zero_fill=tuple(sorted(zero_fill)))
+    def make(split: str) -> Plan:
+        rb = _Builder(topology)
+        for box, sgroups, needers in reductions:
+            _plan_reduction(rb, box, sgroups, needers, itemsize, split)
+        return Plan(shape=shape, dtype=dtype, itemsize=itemsize, src=src, dst=dst, topology=topology,
+                    transfers=_finish(rb, itemsize), zero_fill=tuple(sorted(zero_fill)))
+
+    if reductions:
+        # a partial src not passed through: every piece is a reduction (no deliveries). Each
+        # piece is reduced at one root, or split into parts reduced at different roots (a
+        # reduce-scatter; the fan-out is then an all-gather): the cost model decides
+        p = make("size")
+        if any(_splittable(topology, needers) for _, _, needers in reductions):
+            p = _fastest([p, make("never"), make("always")], topology)
+    else:
+        _plan_deliveries(b, deliveries)
+        p = Plan(shape=shape, dtype=dtype, itemsize=itemsize, src=src, dst=dst, topology=topology,
+                 transfers=_finish(b, itemsize), zero_fill=tuple(sorted(zero_fill)))
     p = _best_of(p, shape, dtype, src, dst, topology)
     return dataclasses.replace(p, plan_seconds=time.perf_counter() - t0)
+
+
+def _fastest(plans: list[Plan], topology: Topology) -> Plan:
+    """The first of the fastest plans under the cost model (plans with the same transfers
+    are simulated once); beyond COMPARE_MAX_TRANSFERS the first plan."""
+    if any(len(q.transfers) > COMPARE_MAX_TRANSFERS for q in plans):
+        return plans[0]
+    best, best_s, seen = plans[0], None, set()
+    for q in plans:
+        if q.transfers in seen:
+            continue
+        seen.add(q.transfers)
+        s = q.simulate(topology)
+        if best_s is None or s < best_s:
+            best, best_s = q, s
+    return best
 
 
 # Plans of up to this many transfers are compared with the baselines' under the cost model;
@@ -183,7 +220,14 @@ def _best_of(p: Plan, shape, dtype, src, dst, topology: Topology) -> Plan:
     plan should never lose to a baseline under its own cost model. Ties keep this plan, and
     a baseline plan that fetches a box over the network into a node already holding it is
     not taken (this planner's own rule; for a pending sum a node holding another addend of
-    the box does not hold its value, so there the rule does not apply)."""
+    the box does not hold its value, so there the rule does not apply). Nor is one that
+    reduces some value more than once (send_recv reduces a pending sum once per dst
+    replica), unless it moves no more bytes than this plan and every reduction combines
+    two addends by sum or prod: otherwise the extra reductions move more bytes, and the
+    replicas would hold the value combined in different orders, so floats could differ
+    between them (a + b and b + a are the same bits; (a + b) + c and (b + c) + a may not be,
+    nor min(-0.0, 0.0) and min(0.0, -0.0)). This planner reduces every value once and
+    copies the result to its replicas."""
     from . import baselines         # baselines import this module: import at call time
     if len(p.transfers) > COMPARE_MAX_TRANSFERS:
         return p
@@ -193,12 +237,29 @@ def _best_of(p: Plan, shape, dtype, src, dst, topology: Topology) -> Plan:
     for make in (baselines.send_recv, baselines.alpa_broadcast):
         c = make(shape, dtype, src, dst, topology)
         if c is None or len(c.transfers) > COMPARE_MAX_TRANSFERS or \
-                (src.num_addends == 1 and _fetches_held(c, src, shape, topology)):
+                (src.num_addends == 1 and _fetches_held(c, src, shape, topology)) or \
+                _reduces_again(c, p):
             continue
         s = c.simulate(topology)
         if s < best_s:
             best, best_s = c, s
     return best if best is p else dataclasses.replace(best, planner="meshcomm")
+
+
+def _reduced_elements(p: Plan) -> int:
+    return sum(box_size(b) for t in p.transfers if t.kind == "reduce" for b in t.boxes)
+
+
+def _reduces_again(c: Plan, p: Plan) -> bool:
+    """Whether plan `c` reduces some value more than once where this planner's plan `p`
+    (the same layouts) reduces it once, other than by two addends under sum or prod moving
+    no more bytes than `p` (then every replica gets the same bits). `p` reduces every value
+    a dst needs exactly once and every plan reduces each at least once, so more reduced
+    elements in `c` mean a value reduced twice."""
+    if _reduced_elements(c) <= _reduced_elements(p):
+        return False
+    src = p.src
+    return not (src.num_addends == 2 and src.partial_op in ("sum", "prod") and c.bytes_moved <= p.bytes_moved)
 
 
 def _split_among_groups(box: Box, dgroups: dict, index: int, itemsize: int):
@@ -234,19 +295,30 @@ def _inside(box: Box, outer: Box) -> bool:
 
 # -- partial sums ---------------------------------------------------------------------
 
+def _units(topo: Topology, needers: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Where the parts of a split reduction are rooted: the needers' nodes (each part's
+    fan-out enters every other node once), or the needers themselves inside one node."""
+    node = topo.node_of
+    nodes = sorted({node(d) for d in needers})
+    if len(nodes) > 1:
+        return [tuple(d for d in needers if node(d) == nd) for nd in nodes]
+    return [(d,) for d in needers]
+
+
+def _splittable(topo: Topology, needers: tuple[int, ...]) -> bool:
+    return len(_units(topo, needers)) > 1
+
+
 def _plan_reduction(b: _Builder, box: Box, sgroups: dict[int, tuple[int, ...]],
-                    needers: tuple[int, ...], itemsize: int) -> None:
-    """Reduce a piece once and fan it out. A large piece needed on several nodes is split
+                    needers: tuple[int, ...], itemsize: int, split: str = "size") -> None:
+    """Reduce a piece once and fan it out. A piece needed on several nodes may be split
     among those nodes (inside one node: among the needers), each part reduced onto a
     different one (reduce-scatter, then the fan-out plays allgather), so both directions
-    of every link work in both stages."""
-    node = b.topo.node_of
-    nodes = sorted({node(d) for d in needers})
-    # split over the needers' nodes, or over the needers themselves inside one node
-    units = [tuple(d for d in needers if node(d) == nd) for nd in nodes] if len(nodes) > 1 \
-        else [(d,) for d in needers]
+    of every link work in both stages. `split`: "size" splits pieces of at least
+    SPLIT_BYTES, "always" every piece (of at least one element per part), "never" none."""
+    units = _units(b.topo, needers)
     n = box_size(box)
-    if len(units) == 1 or n * itemsize < SPLIT_BYTES:
+    if len(units) == 1 or split == "never" or (split == "size" and n * itemsize < SPLIT_BYTES):
         _reduce_piece(b, box, sgroups, needers, needers)
         return
     k = min(len(units), n)
@@ -290,7 +362,11 @@ def _reduce_piece(b: _Builder, box: Box, sgroups: dict[int, tuple[int, ...]],
     b.emit(tuple(chain), (root,), box, reduce=True)
     rest = [d for d in needers if d != root]
     if rest:
-        b.emit((root,), b.chain_order(root, rest), box, stage=1, src_buf="dst")
+        # the fan-out runs the same ring onward from the root: its node first, then the other
+        # nodes in ring order, so the fan-outs of parts rooted on different devices (an
+        # all-gather) load every link equally
+        fan = sorted(rest, key=lambda d: (node(d) != rn, (node(d) - rn) % ring, (d - root - 1) % ring))
+        b.emit((root,), tuple(fan), box, stage=1, src_buf="dst")
 
 
 # -- plain deliveries -------------------------------------------------------------------

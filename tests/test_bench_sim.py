@@ -236,3 +236,92 @@ def test_bench_run_on_real_processes(tmp_path):
     assert "dtensor_redistribute" in rows["same-transpose"]["methods"]
     assert "dtensor_redistribute" not in rows["alpa1"]["methods"]
     assert rows["alpa1"]["methods"]["allgather_slice"]["bytes"] > rows["alpa1"]["bytes_moved"]
+
+
+# -- collectives: ring and tree under the alpha-beta model, the ring as a plan ---------------
+
+FLAT = mc.Topology.preset("flat")
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
+def test_ring_and_tree_costs_are_the_textbook_ones(n):
+    a, beta = FLAT.inter_node_latency_s, 1 / FLAT.inter_bytes_per_s
+    g = [tuple(range(n))]
+    N = 4 * 3 * 5 * 7 << 10                      # bytes per member (4-byte elements), n | N / 4
+    L = (n - 1).bit_length()
+    for op in ("all_gather", "reduce_scatter", "all_reduce"):
+        f = 2 if op == "all_reduce" else 1
+        ring = B.collective_cost(op, "ring", g, N // 4, 4, FLAT)
+        assert ring.steps == f * (n - 1)
+        assert ring.bytes_moved == f * (n - 1) * N                 # 2(n-1)/n or (n-1)/n per member
+        assert ring.seconds == pytest.approx(f * (n - 1) * (a + N / n * beta), rel=1e-6)
+        tree = B.collective_cost(op, "tree", g, N // 4, 4, FLAT)
+        if op == "all_reduce":                  # binomial reduce, then binomial broadcast
+            assert tree.steps == 2 * L and tree.bytes_moved == 2 * (n - 1) * N
+            assert tree.seconds == pytest.approx(2 * L * (a + N * beta), rel=1e-6)
+        else:                                   # Bruck / recursive doubling or halving
+            assert tree.steps == L and tree.bytes_moved == (n - 1) * N
+            sizes = [min(1 << s, n - (1 << s)) * N / n for s in range(L)]
+            assert tree.seconds == pytest.approx(sum(a + s * beta for s in sizes), rel=1e-6)
+
+
+def test_collective_cost_counts_shared_links():
+    """Two groups of two, each pair across the same two nodes: their messages share the NICs."""
+    topo = mc.Topology(2, inter_node_gbps=8.0, intra_node_gbps=800.0, inter_node_latency_s=0.0,
+                       intra_node_latency_s=0.0)
+    one = B.collective_cost("all_gather", "ring", [(0, 2)], 1000, 1, topo)
+    two = B.collective_cost("all_gather", "ring", [(0, 2), (1, 3)], 1000, 1, topo)
+    assert one.seconds == pytest.approx(500 / 1e9)
+    assert two.seconds == pytest.approx(2 * one.seconds)
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        B.collective_cost("all_gather", "butterfly", [(0, 1)], 8, 4)
+    with pytest.raises(ValueError, match="no ring algorithm for 'broadcast'"):
+        B.collective_cost("broadcast", "ring", [(0, 1)], 8, 4)
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("axes", [("tp",), ("dp", "tp"), ("dp",)])
+def test_ring_collective_plans_verify_and_move_a_rings_bytes(op, axes):
+    from meshcomm.collectives.layouts import groups, problem
+    m = mc.Mesh([[0, 1, 2], [3, 4, 5]], ("dp", "tp"))
+    gs = groups(m, axes)
+    k = len(gs[0])
+    tile = (7, 2) if op != "all_gather" else (3, 2)
+    pr = problem(op, m, axes, tile)
+    p = B.ring_collective(op, pr.shape, "float32", pr.src, pr.dst, gs, P3)
+    verify(p)
+    cost = B.collective_cost(op, "ring", gs, 14 if op != "all_gather" else 3 * k * 2, 4, P3)
+    assert p.bytes_moved == cost.bytes_moved
+
+
+def test_bench_sim_collectives_move_a_rings_bytes_on_two_and_four_nodes():
+    topo = mc.Topology.preset("dgx-a100")
+    cs = sim.collective_cases(topo)
+    assert len(cs) == 3 * 2 * 2 * 2 and len({c.name for c in cs}) == len(cs)
+    for c in cs:
+        r = sim.collective_row(c, topo, verify=True)
+        k = r["group_size"]
+        f = 2 if c.op == "all_reduce" else 1
+        opt = f * (k - 1) * r["bytes"] / k
+        assert r["meshcomm"]["bytes_per_member"] == r["ring"]["bytes_per_member"] == opt, c.name
+        assert r["ring_plan"]["bytes_per_member"] == opt, c.name
+        assert r["meshcomm"]["seconds"] <= r["ring_plan"]["seconds"] * (1 + 1e-9), c.name
+        assert r["tree"]["steps"] == (2 if c.op == "all_reduce" else 1) * (k - 1).bit_length()
+
+
+def test_cli_bench_sim_collectives(tmp_path, capsys):
+    from meshcomm.tools.cli import main
+    out = tmp_path / "sim.json"
+    assert main(["bench", "sim", "--topology", "dgx-a100", "--only", "coll-all_reduce-2x8",
+                 "--json", str(out), "--quiet"]) == 0
+    data = json.loads(out.read_text())
+    assert data["rows"] == []
+    names = [r["case"] for r in data["collectives"]]
+    assert names == ["coll-all_reduce-2x8-node+gpu-64KiB", "coll-all_reduce-2x8-node+gpu-64MiB",
+                     "coll-all_reduce-2x8-node-64KiB", "coll-all_reduce-2x8-node-64MiB"]
+    r = data["collectives"][0]
+    assert (r["groups"], r["group_size"], r["devices"]) == (1, 16, 16)
+    assert set(r) >= {"meshcomm", "ring_plan", "ring", "tree"}
+    text = capsys.readouterr().out
+    assert "collectives on dgx-a100" in text and "all_reduce-2x8-node+gpu-64KiB" in text
+    assert "geomean speedup" not in text                  # no resharding case selected

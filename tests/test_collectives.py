@@ -77,11 +77,56 @@ def test_bad_input_names_the_problem(call, err, pattern):
         call(m, x)
 
 
-def test_uneven_gather_sizes_must_match_across_groups():
+@pytest.mark.parametrize("shape,names,axes,dim", [
+    ((2, 2), ("a", "b"), ("b",), 0),
+    ((2, 2), ("a", "b"), ("a",), 1),
+    ((2, 3), ("a", "b"), ("b",), -1),
+    ((2, 3), ("a", "b"), ("a",), 0),
+    ((2, 2, 2), ("a", "b", "c"), ("c", "a"), 1),        # one outer axis, a group of 4 (c major)
+    ((3, 2, 2), ("a", "b", "c"), ("b",), 0),            # two outer axes
+])
+def test_all_gather_and_gather_with_different_sizes_per_group_in_one_process(shape, names, axes, dim):
+    """Each group gathers its own tiles, whatever the other groups' sizes (zero included)."""
+    from meshcomm.collectives import layouts
+    m = mc.Mesh(np.arange(int(np.prod(shape))).reshape(shape), names)
+    rng = np.random.default_rng(len(shape) * 10 + dim)
+    x = {}
+    for d in m.device_ids:
+        t = [3, 2]
+        t.insert(dim % 3, int(rng.integers(0, 4)))
+        x[d] = rng.standard_normal(t).astype(np.float32)
+    gs = layouts.groups(m, axes)
+    assert len({tuple(x[d].shape[dim] for d in g) for g in gs}) > 1     # the groups' sizes differ
+    out = mc.all_gather(x, m, axes, dim=dim)
+    for g in gs:
+        ref = np.concatenate([x[d] for d in g], axis=dim)
+        for d in g:
+            assert out[d].shape == ref.shape and np.array_equal(out[d], ref), (g, d)
+    out = mc.gather(x, m, axes, root=1, dim=dim)
+    for g in gs:
+        assert np.array_equal(out[g[1]], np.concatenate([x[d] for d in g], axis=dim))
+        assert all(out.get(d) is None for d in g if d != g[1])
+    sizes = layouts.gather_sizes(m, axes, dim, {d: v.shape for d, v in x.items()})
+    assert sizes == tuple(tuple(x[d].shape[dim] for d in g) for g in gs)
+    p = mc.collectives.collective_plan("all_gather", x[0].shape, "float32", m, axes, dim=dim, sizes=sizes)
+    mc.verify(p)
+
+
+def test_gather_sizes_and_per_group_sizes():
+    from meshcomm.collectives import layouts
     m = mc.Mesh(np.arange(4).reshape(2, 2), ("a", "b"))
-    x = {0: np.zeros(1), 1: np.zeros(2), 2: np.zeros(2), 3: np.zeros(2)}
-    with pytest.raises(ValueError, match=r"same in every group.*\[1, 2\].*\[2, 2\]"):
-        mc.all_gather(x, m, "b")
+    shapes = {0: (1, 5), 1: (2, 5), 2: (3, 5), 3: (4, 5)}
+    assert layouts.gather_sizes(m, "b", 0, shapes) == ((1, 2), (3, 4))
+    assert layouts.gather_sizes(m, ("a",), -2, shapes) == ((1, 3), (2, 4))
+    with pytest.raises(ValueError, match="no tile shape for device 3"):
+        layouts.gather_sizes(m, "b", 0, {0: (1,), 1: (1,), 2: (1,)})
+    # the same sizes in every group: the Problem of one shared tuple
+    same = layouts.problem("all_gather", m, ("b",), (0, 5), sizes=((1, 2), (1, 2)))
+    assert same == layouts.problem("all_gather", m, ("b",), (0, 5), sizes=(1, 2))
+    uneven = layouts.problem("all_gather", m, ("b",), (0, 5), sizes=((1, 2), (3, 4)))
+    assert uneven.shape == (10, 5) and uneven.out_shape(0) == (3, 5) and uneven.out_shape(3) == (7, 5)
+    with pytest.raises(ValueError, match=r"sizes must hold 2 group\(s\) of 2 sizes"):
+        layouts.problem("all_gather", m, ("b",), (0, 5), sizes=((1, 2), (3,)))
 
 
 def test_send_recv_in_one_process():

@@ -57,6 +57,15 @@ def _cases():
         # src and dst meshes share devices 2..5; uneven split of 7 rows
         "overlapping": ((7, 8), "float32", mc.Layout(m([[0, 1, 2], [3, 4, 5]]), (("x", "y"), None)),
                         mc.Layout(m([[2, 3], [4, 5], [6, 7]]), ("x", "y")), "dgx-a100"),
+        # all_reduce over y on a 2x4 mesh (meshcomm.collectives' layouts): 4 KiB per member,
+        # one root per group (reduce, then a broadcast round the ring); 4 MiB, a reduce-
+        # scatter (part j reduced at member j), then an all-gather round the ring
+        "all_reduce_4k": ((2, 1024), "float32", mc.Layout(m([[0, 1, 2, 3], [4, 5, 6, 7]]), ("x", None),
+                                                          partial=("y",)),
+                          mc.Layout(m([[0, 1, 2, 3], [4, 5, 6, 7]]), ("x", None)), "flat"),
+        "all_reduce_4m": ((2, 1 << 20), "float32", mc.Layout(m([[0, 1, 2, 3], [4, 5, 6, 7]]), ("x", None),
+                                                             partial=("y",)),
+                          mc.Layout(m([[0, 1, 2, 3], [4, 5, 6, 7]]), ("x", None)), "flat"),
     }
 
 

@@ -34,7 +34,7 @@ def all_reduce(x, mesh, axes, op: str = "sum", *, backend=None, async_op: bool =
 
 def all_gather(x, mesh, axes, dim: int = 0, *, backend=None, async_op: bool = False, compression=None):
     """Every device gets its group's tiles concatenated along `dim` in group order (the tiles'
-    sizes along `dim` may differ; every group must have the same sizes). With `compression`
+    sizes along `dim` may differ, within a group and between groups). With `compression`
     each tile is coded once by its owner: every device gets the codec's round trip of every
     tile, its own included."""
     req = _request("all_gather", mesh, axes, dim=dim, compression=compression)
@@ -99,7 +99,9 @@ def barrier(mesh, axes=None, *, backend=None, async_op: bool = False):
 
 def collective_plan(op: str, tile_shape, dtype, mesh, axes, *, sizes=None, dim: int = 0, root: int = 0,
                     reduce_op: str = "sum", split_dim: int = 0, concat_dim: int = 0, topology=None):
-    """The Plan a collective runs (printable with `.explain()`, checked by `meshcomm.verify`)."""
+    """The Plan a collective runs (printable with `.explain()`, checked by `meshcomm.verify`).
+    `sizes` (all_gather, gather): the tiles' sizes along `dim`, one tuple in group order for
+    every group, or one tuple per group (layouts.groups order) where they differ."""
     from ..layout import normalize_shape
     from .layouts import problem
     axes = group_axes(mesh, axes)
@@ -107,7 +109,7 @@ def collective_plan(op: str, tile_shape, dtype, mesh, axes, *, sizes=None, dim: 
     if sizes is not None:
         d = dim % len(tile)
         tile = tile[:d] + (0,) + tile[d + 1:]
-        sizes = tuple(int(s) for s in sizes)
+        sizes = tuple(tuple(int(x) for x in s) if isinstance(s, (tuple, list)) else int(s) for s in sizes)
     prob = problem(op, mesh, axes, tile, sizes=sizes, dim=dim, root=root, reduce_op=reduce_op,
                    split_dim=split_dim, concat_dim=concat_dim)
     return plan(prob.shape, dtype, prob.src, prob.dst, topology)

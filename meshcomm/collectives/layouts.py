@@ -11,6 +11,14 @@ axis: different groups hold different data), then the tile's own dimensions:
 * reduce_scatter(dim):   partial over the group         -> dim split over the group (torch.chunk)
 * all_gather(dim):       dim split (Blocks: the tiles' sizes, group order) -> replicated
 * gather(root, dim):     dim split (Blocks)             -> the roots' mesh
+
+Gathers whose groups have different sizes (`problem(sizes=...)` with one tuple per group,
+`gather_sizes`) cannot keep a leading dimension per group: a Layout's blocks along one
+dimension are the same for every coordinate of another. Their logical tensor has the
+tile's dimensions alone, dim holding every group's gathered result one after the other
+(groups in `groups` order): the src splits dim over the outer axes then the group's axes
+(Blocks of every tile's size), the dst over the outer axes alone (Blocks of every group's
+total), replicated over the group (all_gather) or on the roots' mesh (gather).
 * broadcast(root):       the roots' mesh                -> replicated over the group
 * scatter(root, dim):    the roots' mesh                -> dim split over the group (torch.chunk)
 * all_to_all(split_dim, concat_dim): the tiles side by side along concat_dim, split over the
@@ -30,7 +38,7 @@ from ..caches import memo
 from ..layout import Blocks, Layout
 from ..mesh import Mesh
 
-__all__ = ["OPS", "REDUCE_OPS", "Problem", "group_axes", "groups", "problem"]
+__all__ = ["OPS", "REDUCE_OPS", "Problem", "group_axes", "groups", "gather_sizes", "problem"]
 
 OPS = ("all_reduce", "reduce", "reduce_scatter", "all_gather", "gather", "broadcast", "scatter",
        "all_to_all")
@@ -68,6 +76,48 @@ def groups(mesh: Mesh, axes: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
     k = math.prod(mesh.axis_size(a) for a in axes)
     devs = np.transpose(mesh.devices, order).reshape(-1, k)
     return tuple(tuple(int(d) for d in row) for row in devs)
+
+
+def gather_sizes(mesh: Mesh, axes, dim: int, tile_shapes) -> tuple[tuple[int, ...], ...]:
+    """The tiles' sizes along `dim` for a gather: one tuple per group (`groups` order), the
+    sizes of its members' tiles in group order. `tile_shapes` maps every device of the mesh
+    to its tile's shape; `dim` may count from the end. `problem(sizes=...)` takes the result
+    as it is."""
+    axes = group_axes(mesh, axes)
+    out = []
+    for g in groups(mesh, axes):
+        row = []
+        for d in g:
+            try:
+                shape = tuple(tile_shapes[d])
+            except KeyError:
+                raise ValueError(f"gather_sizes: no tile shape for device {d}") from None
+            if not -len(shape) <= dim < len(shape):
+                raise ValueError(f"gather_sizes: dim={dim} is out of range for device {d}'s tile "
+                                 f"of shape {shape}")
+            row.append(int(shape[dim]))
+        out.append(tuple(row))
+    return tuple(out)
+
+
+def _gather_sizes_arg(sizes, tile: tuple[int, ...], dim: int, gs, op: str):
+    """`sizes` as (the sizes every group shares, None) or (None, one tuple per group) when
+    the groups' sizes differ."""
+    k = len(gs[0])
+    if sizes is None:
+        return (tile[dim],) * k, None
+    sizes = tuple(sizes)
+    if sizes and all(isinstance(s, (tuple, list)) for s in sizes):
+        per = tuple(tuple(int(x) for x in s) for s in sizes)
+        if len(per) != len(gs) or any(len(s) != k for s in per):
+            raise ValueError(f"{op}: sizes must hold {len(gs)} group(s) of {k} sizes, got "
+                             f"{[list(s) for s in per]}")
+        if any(x < 0 for s in per for x in s):
+            raise ValueError(f"{op}: sizes must be non-negative, got {[list(s) for s in per]}")
+        if all(s == per[0] for s in per):
+            return per[0], None
+        return None, per
+    return tuple(int(x) for x in sizes), None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +176,9 @@ def problem(op: str, mesh: Mesh, axes: tuple[str, ...], tile: tuple[int, ...], *
             dim: int = 0, root: int = 0, reduce_op: str = "sum", split_dim: int = 0,
             concat_dim: int = 0) -> Problem:
     """The reshard that performs collective `op` on tiles of shape `tile` (for all_gather and
-    gather, `sizes` are the tiles' sizes along `dim` in group order)."""
+    gather, `sizes` are the tiles' sizes along `dim`: one tuple in group order that every
+    group shares, or one such tuple per group in `groups` order, as `gather_sizes` gives;
+    `tile[dim]` is then not used)."""
     if op not in OPS:
         raise ValueError(f"unknown collective {op!r}; one of {OPS}")
     other = tuple(a for a in mesh.axis_names if a not in axes)
@@ -165,7 +217,9 @@ def problem(op: str, mesh: Mesh, axes: tuple[str, ...], tile: tuple[int, ...], *
                        tuple((d, tuple(b - a for a, b in t.boxes[d])[len(lead):]) for d in devices), scale)
     if op in ("all_gather", "gather"):
         dim = _check_dim(dim, n, "dim", op)
-        sizes = tuple(sizes) if sizes is not None else (tile[dim],) * k
+        sizes, per_group = _gather_sizes_arg(sizes, tile, dim, groups(mesh, axes), op)
+        if per_group is not None:
+            return _uneven_gather(op, mesh, axes, tile, dim, root, k, per_group)
         spec = list(rep)
         spec[dim] = Blocks(axes, sizes)
         src = layout(mesh, lead_spec, spec)
@@ -215,3 +269,29 @@ def problem(op: str, mesh: Mesh, axes: tuple[str, ...], tile: tuple[int, ...], *
     dspec = list(rep[:s]) + [None, axes, None] + list(rep[s + 1:])
     return Problem(shape, layout(mesh, lead_spec, sspec), layout(mesh, lead_spec, dspec),
                    ones + tile[:s] + (1, k, q) + tile[s + 1:], tuple((d, tile) for d in devices))
+
+
+def _uneven_gather(op: str, mesh: Mesh, axes: tuple[str, ...], tile: tuple[int, ...], dim: int,
+                   root: int, k: int, per_group: tuple[tuple[int, ...], ...]) -> Problem:
+    """A gather whose groups have different sizes: dim holds every group's result one after
+    the other (the module docstring)."""
+    other = tuple(a for a in mesh.axis_names if a not in axes)
+    totals = tuple(sum(s) for s in per_group)
+    shape = tile[:dim] + (sum(totals),) + tile[dim + 1:]
+    rep = [None] * len(tile)
+    sspec, dspec = list(rep), list(rep)
+    sspec[dim] = Blocks(other + axes, tuple(x for s in per_group for x in s))
+    dspec[dim] = Blocks(other, totals)
+    src = Layout(mesh, tuple(sspec))
+
+    def out(t):
+        return tile[:dim] + (t,) + tile[dim + 1:]
+    if op == "all_gather":
+        dst = Layout(mesh, tuple(dspec))
+        return Problem(shape, src, dst, None,
+                       tuple((d, out(t)) for g, t in zip(groups(mesh, axes), totals) for d in g))
+    root = _check_root(root, k, op)
+    rm, _ = _roots_mesh(mesh, axes, root)
+    dst = Layout(rm, tuple(dspec))
+    return Problem(shape, src, dst, None,
+                   tuple((g[root], out(t)) for g, t in zip(groups(mesh, axes), totals)))

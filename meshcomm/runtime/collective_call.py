@@ -20,7 +20,7 @@ from .. import arrays, settings
 from .. import log as _log
 from ..backends import codec_cost
 from ..caches import memo
-from ..collectives.layouts import REDUCE_OPS, group_axes, groups, problem
+from ..collectives.layouts import REDUCE_OPS, gather_sizes, group_axes, groups, problem
 from ..planning import plan as make_plan
 from ..planning import plan
 from . import control, native_call
@@ -125,22 +125,15 @@ def _build_request(op, mesh, axes, dim, root, reduce_op, split_dim, concat_dim, 
 
 
 def build(req: Request, tile: tuple, tile_shapes: Mapping[int, tuple] | None):
-    """The Problem, from the agreed tile shape (and every device's, for a gather)."""
+    """The Problem, from the agreed tile shape (and every device's, for a gather: each group
+    gathers its own tiles' sizes, which may differ between groups: layouts.gather_sizes)."""
     sizes = None
     if req.op in GATHERS:
         d = req.dim % len(tile)
-        per_group = []
-        for g in groups(req.mesh, req.axes):
-            if tile_shapes is None:
-                per_group.append((tile[d],) * len(g))
-            else:
-                per_group.append(tuple(tile_shapes[m][d] for m in g))
-        sizes = per_group[0]
-        for g, s in zip(groups(req.mesh, req.axes), per_group):
-            if s != sizes:
-                raise ValueError(f"{req.op}: the tiles' sizes along dim {d} must be the same in every "
-                                 f"group of axes {req.axes}: group {groups(req.mesh, req.axes)[0]} has "
-                                 f"{list(sizes)}, group {g} has {list(s)}")
+        if tile_shapes is None:
+            sizes = (tile[d],) * len(groups(req.mesh, req.axes)[0])
+        else:
+            sizes = gather_sizes(req.mesh, req.axes, d, tile_shapes)
         tile = tile[:d] + (0,) + tile[d + 1:]
     return problem(req.op, req.mesh, req.axes, tile, sizes=sizes, dim=req.dim, root=req.root,
                    reduce_op=req.reduce_op, split_dim=req.split_dim, concat_dim=req.concat_dim)

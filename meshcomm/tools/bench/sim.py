@@ -3,9 +3,18 @@
 Every case (meshcomm.tools.cases.all_cases) is planned by meshcomm and by each baseline
 (meshcomm.planners.baselines), every plan is verified, and the flow-level simulator gives
 seconds on the topology beside the bandwidth lower bound. `--plot` needs matplotlib.
+
+Then the collectives (cases named coll-...): all_reduce, all_gather and reduce_scatter on
+meshes of 2 and 4 nodes of the topology (axes node x gpu), over the whole mesh and over
+the nodes (one group per GPU slot, the groups sharing every NIC), for 64 KiB and 64 MiB of
+data per member (all_gather: its result). Each row gives the bytes every member moves on
+average and the time: meshcomm's plan and the ring algorithm as a plan of the same
+transfers (baselines.ring_collective), both under the flow model; the ring and tree
+algorithms under the alpha-beta model (baselines.collective_cost).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 
@@ -16,7 +25,8 @@ from .. import common
 from ..common import check_output, geomean, require, write_json
 
 __all__ = ["BASELINE_NAMES", "sim_row", "sim_rows", "sim_summary", "format_sim_table", "plot_sim",
-           "cmd_sim"]
+           "cmd_sim", "COLLECTIVE_OPS", "CollectiveCase", "collective_cases", "collective_row",
+           "format_collective_table"]
 
 BASELINE_NAMES = ("send_recv", "alpa_broadcast", "allgather_slice", "dtensor_style")
 
@@ -140,6 +150,92 @@ def plot_sim(rows, path: str, topology_name: str) -> None:
     plt.close(fig)
 
 
+# -- collectives against ring and tree ----------------------------------------------------------
+
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+COLLECTIVE_NODES = (2, 4)
+COLLECTIVE_BYTES = (64 << 10, 64 << 20)
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveCase:
+    name: str
+    op: str
+    nodes: int
+    axes: tuple[str, ...]
+    nbytes: int                 # data per member (all_gather: its result), float32
+
+
+def _size_str(n: int) -> str:
+    return f"{n >> 20}MiB" if n >= 1 << 20 else f"{n >> 10}KiB"
+
+
+def collective_cases(topology) -> list[CollectiveCase]:
+    """all_reduce, all_gather, reduce_scatter on 2 and 4 nodes of `topology`, over the whole
+    mesh and over the nodes, 64 KiB and 64 MiB per member."""
+    from meshcomm.planners.topology import Topology
+    dpn = Topology.coerce(topology).devices_per_node
+    out = []
+    for nodes in COLLECTIVE_NODES:
+        for axes in (("node", "gpu"), ("node",)):
+            for nbytes in COLLECTIVE_BYTES:
+                for op in COLLECTIVE_OPS:
+                    name = f"coll-{op}-{nodes}x{dpn}-{'+'.join(axes)}-{_size_str(nbytes)}"
+                    out.append(CollectiveCase(name, op, nodes, axes, nbytes))
+    return out
+
+
+def collective_row(case: CollectiveCase, topology, verify: bool = True) -> dict:
+    """meshcomm's plan and the ring plan (flow model), ring and tree (alpha-beta): bytes each
+    member moves on average, and seconds."""
+    import meshcomm as mc
+    from meshcomm.collectives.layouts import groups, problem
+    from meshcomm.planners import baselines
+    from meshcomm.planners.topology import Topology
+    topo = Topology.coerce(topology)
+    mesh = mc.Mesh(np.arange(case.nodes * topo.devices_per_node).reshape(case.nodes, -1), ("node", "gpu"))
+    gs = groups(mesh, case.axes)
+    k = len(gs[0])
+    n = case.nbytes // 4
+    tile = (n // k,) if case.op == "all_gather" else (n,)
+    nelems = tile[0] * k if case.op == "all_gather" else n
+    pr = problem(case.op, mesh, case.axes, tile)
+    p = mc.plan(pr.shape, "float32", pr.src, pr.dst, topology=topo)
+    ring_plan = baselines.ring_collective(case.op, pr.shape, "float32", pr.src, pr.dst, gs, topo)
+    if verify:
+        _check_plan(p)
+        _check_plan(ring_plan)
+    members = mesh.size
+    row = {"case": case.name, "op": case.op, "nodes": case.nodes, "devices": members,
+           "axes": list(case.axes), "group_size": k, "groups": len(gs), "bytes": nelems * 4,
+           "topology": topo.name,
+           "meshcomm": {"bytes_per_member": p.bytes_moved / members, "seconds": p.simulate(topo),
+                        "messages": p.messages},
+           "ring_plan": {"bytes_per_member": ring_plan.bytes_moved / members,
+                         "seconds": ring_plan.simulate(topo), "messages": ring_plan.messages}}
+    for algo in baselines.COLLECTIVE_ALGORITHMS:
+        c = baselines.collective_cost(case.op, algo, gs, nelems, 4, topo)
+        row[algo] = {"bytes_per_member": c.bytes_moved / members, "seconds": c.seconds, "steps": c.steps}
+    return row
+
+
+def _us(x: float) -> str:
+    return f"{x * 1e6:,.1f}"
+
+
+def format_collective_table(rows) -> str:
+    head = (f"{'collective':38} {'groups':>7} {'data':>6}  {'meshcomm KiB':>12} {'us':>9}  "
+            f"{'ring plan us':>12}  {'ring KiB':>9} {'us':>9}  {'tree KiB':>9} {'us':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        m, rp, ring, tree = r["meshcomm"], r["ring_plan"], r["ring"], r["tree"]
+        lines.append(f"{r['case'].removeprefix('coll-'):38} {str(r['groups']) + 'x' + str(r['group_size']):>7} "
+                     f"{_size_str(r['bytes']):>6}  {m['bytes_per_member'] / 1024:>12,.1f} {_us(m['seconds']):>9}  "
+                     f"{_us(rp['seconds']):>12}  {ring['bytes_per_member'] / 1024:>9,.1f} {_us(ring['seconds']):>9}  "
+                     f"{tree['bytes_per_member'] / 1024:>9,.1f} {_us(tree['seconds']):>9}")
+    return "\n".join(lines)
+
+
 def cmd_sim(args) -> int:
     from meshcomm.planners.topology import Topology
     topo = Topology.coerce(args.topology)
@@ -151,11 +247,18 @@ def cmd_sim(args) -> int:
     cases = all_cases()
     if args.only:
         cases = [c for c in cases if any(s in c.name for s in args.only.split(","))]
+    colls = collective_cases(topo)
+    if args.only:
+        colls = [c for c in colls if any(s in c.name for s in args.only.split(","))]
     rows = sim_rows(cases, topo, verify=not args.no_verify, progress=not args.quiet)
+    crows = [collective_row(c, topo, verify=not args.no_verify)
+             for c in common.progress(colls, desc="bench sim collectives", unit="case",
+                                      disable=args.quiet, file=sys.stderr)]
     summary = sim_summary(rows)
-    print(f"simulated on {topo}  (times in ms; /bound = meshcomm / lower bound; "
-          f"x<name> = baseline time / meshcomm time)")
-    print(format_sim_table(rows))
+    if rows or not crows:
+        print(f"simulated on {topo}  (times in ms; /bound = meshcomm / lower bound; "
+              f"x<name> = baseline time / meshcomm time)")
+        print(format_sim_table(rows))
     for label, s in summary.items():
         if not s["cases"]:
             continue
@@ -164,8 +267,14 @@ def cmd_sim(args) -> int:
               f"{s['geomean_speedup_over_alpa_broadcast']:.2f}x, over allgather_slice "
               f"{s['geomean_speedup_over_allgather_slice']:.2f}x; worst meshcomm/bound "
               f"{s['worst_meshcomm_over_bound']:.4f}")
+    if crows:
+        print(f"{chr(10) if rows else ''}collectives on {topo}, float32 (groups: how many x members; data per member, "
+              f"all_gather: its result; KiB: bytes each member moves on average; meshcomm and "
+              f"ring plan: flow model; ring, tree: alpha-beta model)")
+        print(format_collective_table(crows))
     if args.json:
-        write_json(args.json, {"topology": str(topo), "rows": rows, "summary": summary})
+        write_json(args.json, {"topology": str(topo), "rows": rows, "summary": summary,
+                               "collectives": crows})
     if args.plot:
         plot_sim(rows, args.plot, topo.name)
         print(f"wrote {args.plot}")
