@@ -20,6 +20,7 @@ import torch
 import meshcomm as mc
 
 _LAUNCHER_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "WORLD_SIZE")
+_LAUNCHER_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK")
 
 
 def launched_size() -> int:
@@ -29,12 +30,34 @@ def launched_size() -> int:
     return 1
 
 
-def base_parser(doc: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+def launched_rank() -> int:
+    """This process's rank as the launcher set it (0 without a launcher), before any init."""
+    for v in _LAUNCHER_RANK_VARS:
+        if os.environ.get(v, "").isdigit():
+            return int(os.environ[v])
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """Under a launcher every process parses the same flags: only rank 0 prints (--help, a bad
+    flag's message), every process exits the same way."""
+
+    def _print_message(self, message, file=None):
+        if launched_rank() == 0:
+            super()._print_message(message, file)
+
+
+def base_parser(doc: str, backend_help: str = "mpi | torch | mixed (default: torch on GPU, else mpi)"
+                ) -> argparse.ArgumentParser:
+    """The flags every example takes. The description is the docstring's first paragraph, the
+    epilog its second (the command lines that run the example)."""
+    paras = doc.strip().split("\n\n")
+    p = _Parser(description=paras[0], epilog="examples:\n" + paras[1] if len(paras) > 1 else None,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=5, help="training steps")
     p.add_argument("--check", action="store_true",
                    help="compare loss and gradients with a single-process run of the same model")
-    p.add_argument("--backend", default=None, help="mpi | torch | mixed (default: torch on GPU, else mpi)")
+    p.add_argument("--backend", default=None, help=backend_help)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tol", type=float, default=1e-4, help="largest allowed difference in --check")
     p.add_argument("--log", metavar="DIR", default=None,

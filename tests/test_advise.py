@@ -47,7 +47,7 @@ def test_good_shape_exits_0_and_prints_the_communication(capsys):
     assert "no violation" in out
     # rank 0 of tp 2, pp 2, 2 micro-batches: 2*12+1 forward all-reduces per micro-batch of 4*2048*1024*2 bytes
     row = next(line for line in out.splitlines() if line.startswith("tp.fwd"))
-    assert row.split()[1:6] == ["all_reduce", "all_reduce", "2", str(2 * 25), "16"]
+    assert row.split()[1:5] == ["all_reduce", "2", str(2 * 25), "16"]       # no "via" column: it is the op
     assert "by message size:" in out and ">=16MiB" in out
     assert "stage 0:" in out and "stage 1:" in out
     assert "wave efficiency" in out
@@ -71,14 +71,65 @@ def test_each_guideline(capsys, over, expect):
     assert expect in out, out
 
 
+def test_sequence_parallel_needs_seq_divisible_by_tp(capsys):
+    sp = flags(GOOD, hidden=1152, heads=12, seq=1000, micro_batch=1, tp=3, pp=4, vocab=50304 * 3) + ["--sp"]
+    code, out, _ = run(capsys, sp)
+    assert code == 1
+    assert "seq 1000: not divisible by tp 3 (sequence parallelism) -> 960 or 1152" in out
+    assert "seq 1000: micro-batch*seq = 1000 is not a multiple of 64 (GEMM tiles) -> 960 or 1152" in out
+    assert "1024" not in out.split("suggested:")[0]                  # a multiple of 64, not of 3
+    assert " --seq 960 " in out
+    code, out, _ = run(capsys, sp[:-1])                               # without --sp seq/tp does not matter
+    assert "not divisible by tp" not in out and "-> 960 or 1024" in out
+    assert advise.check_shape(1152, 12, 50304 * 3, 960, 1, 24, tp=3, sp=True) == []
+    assert [v.what for v in advise.check_shape(1152, 12, 50304 * 3, 1024, 1, 24, tp=3, sp=True)] == ["seq"]
+
+
+def suggested(out: str) -> list[str]:
+    line = next(x for x in out.splitlines() if x.startswith("suggested: "))
+    return line[len("suggested: "):].split("  (")[0].split()
+
+
+@pytest.mark.parametrize("extra", [[], ["--dp", "4", "--dtype", "fp32", "--micro-batches", "8", "--zero", "1",
+                                        "--sp", "--sms", "132"]])
+def test_the_suggested_line_pasted_back_analyses_the_same_set_up(capsys, extra):
+    argv = flags(GOOD, hidden=1000, heads=12, vocab=50257, seq=100, micro_batch=3, layers=25, tp=4, pp=3) + extra
+    code, out, _ = run(capsys, argv)
+    assert code == 1
+    again = suggested(out)
+    for flag in ["--tp", "--pp", "--dp", "--dtype"] + [f for f in extra if f.startswith("--")]:
+        assert flag in again, flag
+    code2, out2, _ = run(capsys, again)
+    assert code2 == 0, out2
+    tail = out.split("; tp ")[1].splitlines()[0]                      # tp, pp, dp, dtype of the shape line
+    assert out2.split("; tp ")[1].splitlines()[0] == tail
+    head = next(x for x in out.splitlines() if x.startswith("communication per iteration"))
+    assert head in out2                                               # micro-batches, zero, sp, dtype
+
+
+def test_bubble_warning_and_plurals(capsys):
+    code, out, _ = run(capsys, flags(GOOD, micro_batches=1))           # pp 2
+    assert "warning: 1 micro-batch on 2 pipeline stages: the bubble (pp-1)/(m+pp-1) idles 50% of the step" in out
+    assert "(1 micro-batch, zero 0" in out and "micro-batches," not in out
+    code, out, _ = run(capsys, GOOD)                                  # micro-batches = pp by default
+    assert "warning" not in out and "(2 micro-batches, zero 0" in out
+    code, out, _ = run(capsys, flags(GOOD, layers=25))
+    assert "\n1 violation:\n" in out and "(s)" not in out
+    assert "= 1 wave," in run(capsys, flags(GOOD, seq=64, micro_batch=1))[1]
+    assert [advise.plural(n, w) for n, w in ((1, "micro-batch"), (2, "micro-batch"), (3, "wave"))] \
+        == ["1 micro-batch", "2 micro-batches", "3 waves"]
+
+
 def test_check_shape_and_suggestion_agree():
     shapes = [dict(hidden=1000, heads=12, vocab=50257, seq=100, micro_batch=3, layers=10, tp=8, pp=4, ffn=3000),
               dict(hidden=5120, heads=40, vocab=32000, seq=4096, micro_batch=1, layers=40, tp=4, pp=3),
-              dict(hidden=2560, heads=20, vocab=50257, seq=2048, micro_batch=1, layers=32, tp=8, pp=1)]
+              dict(hidden=2560, heads=20, vocab=50257, seq=2048, micro_batch=1, layers=32, tp=8, pp=1),
+              dict(hidden=1152, heads=12, vocab=50304, seq=1000, micro_batch=1, layers=24, tp=3, pp=1, sp=True),
+              dict(hidden=1536, heads=12, vocab=50304, seq=2050, micro_batch=2, layers=24, tp=6, pp=1, sp=True)]
     for s in shapes:
         assert advise.check_shape(**s)
         good = advise.suggest(**s)
-        assert advise.check_shape(**{**good, "tp": s["tp"], "pp": s["pp"]}) == [], good
+        assert advise.check_shape(**{**good, "tp": s["tp"], "pp": s["pp"], "sp": s.get("sp", False)}) == [], good
     assert advise.check_shape(hidden=4096, heads=32, vocab=50304, seq=2048, micro_batch=1, layers=32,
                               tp=8, pp=4) == [v for v in advise.check_shape(
                                   hidden=4096, heads=32, vocab=50304, seq=2048, micro_batch=1, layers=32,

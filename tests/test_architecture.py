@@ -199,4 +199,40 @@ def test_one_cache_mechanism():
     assert not bad, f"caches outside meshcomm.caches: {bad}"
 
 
+
+# -- packaging and test hygiene ------------------------------------------------------------------
+
+def test_every_package_directory_is_in_the_packages_configuration():
+    """setuptools warns ("Package 'meshcomm.data' is absent from the `packages` configuration")
+    about a folder of package data it was not told is a package."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for pkg, d in PACKAGE_DIRS.items():
+        for sub in [d] + [p for p in d.rglob("*") if p.is_dir() and "__pycache__" not in p.parts]:
+            if any(f.suffix in (".py", ".json", ".cu", ".cuh") for f in sub.iterdir() if f.is_file()):
+                found.add(".".join([pkg, *sub.relative_to(d).parts]))
+    assert found <= listed, f"not in pyproject.toml's packages: {sorted(found - listed)}"
+
+
+def test_ci_loads_the_derandomized_hypothesis_profile():
+    """(Recent Hypothesis derandomizes on CI by itself; the profile is loaded by name anyway.)"""
+    code = ("import conftest; from hypothesis import settings as s; print(getattr(s, 'get_current_profile_name', "
+            "lambda: s._current_profile)(), s().derandomize)")
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "HYPOTHESIS_PROFILE")}
+    for extra, want in (({}, "default False"), ({"CI": "true"}, "ci True"),
+                        ({"CI": "true", "HYPOTHESIS_PROFILE": "default"}, "default")):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           cwd=ROOT / "tests", env={**env, **extra})
+        assert r.stdout.strip().startswith(want), (extra, r.stdout, r.stderr[-2000:])
+
+
+def test_a_test_without_the_mpi_mark_cannot_launch_mpiexec():
+    for cmd in ([str(Path(sys.executable).parent / "mpiexec"), "-n", "2", "true"], "mpirun -n 2 true",
+                [Path("/usr/bin/torchrun")]):
+        with pytest.raises(RuntimeError, match="mark it @pytest.mark.mpi"):
+            subprocess.run(cmd, shell=isinstance(cmd, str), capture_output=True, timeout=60)
+    assert subprocess.run([sys.executable, "-c", "pass"], timeout=60).returncode == 0
+
+
 _ = os

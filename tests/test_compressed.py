@@ -238,6 +238,7 @@ def _launch(tmp_path, n, *args):
                   {"MESHCOMM_TIMEOUT": "30"}, 300, tmp_path)
 
 
+@pytest.mark.mpi
 def test_mpiexec_4_mpi_and_torch(tmp_path):
     res = _launch(tmp_path, 4, "--init", "mixed", "--backends", "mpi,torch", "--pace")
     assert [r["rank"] for r in res] == [0, 1, 2, 3]
@@ -250,6 +251,7 @@ def test_mpiexec_4_mpi_and_torch(tmp_path):
         assert res[3][f"pace_end_{b}"] - res[0][f"pace_start_{b}"] >= 0.1, b
 
 
+@pytest.mark.mpi
 def test_mpiexec_2_processes_2_devices_each(tmp_path):
     res = _launch(tmp_path, 2, "--init", "mpi", "--dpp", "2", "--backends", "mpi")
     assert [(r["all_gather"], r["reduce_scatter"], r["disagree_raised"]) for r in res] == [(5, 2, 1)] * 2

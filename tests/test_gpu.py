@@ -342,6 +342,7 @@ WORKER = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.mpi
 def test_mpi_processes_share_one_gpu(tmp_path):
     mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
     if not Path(mpiexec).exists():

@@ -264,6 +264,27 @@ def test_compare_with_model():
     assert not compare(untagged, "dlrm", steps=3, world=4).ok    # a call the model lacks
 
 
+def test_compare_collectives_by_their_nccl_size(tmp_path, capsys):
+    """A collective's bytes are its logical_bytes (nccl-tests' size, the model's message_bytes),
+    whatever its in_bytes (a native collective logs 0 there): the FSDP example's log."""
+    recs, seq = [], 0
+    for rank, entries in for_example("fsdp", world=2, layers=1, compression="bf16").items():
+        for _ in range(3):
+            for e in entries:
+                for _ in range(e.calls):
+                    recs.append(_rec(rank, range(2), seq, e.op, 0.0, 1.0, e.message_bytes, tag=e.phase,
+                                     group_size=2, in_bytes=0, out_bytes=0))
+                    seq += 1
+    cmp = compare(recs, "fsdp", steps=3, world=2, layers=1, compression="bf16")
+    assert cmp.ok, cmp.text()
+    assert {(r.phase, r.via) for r in cmp.rows} == {("fsdp.gather", "all_gather"), ("fsdp.grad", "reduce_scatter"),
+                                                   ("dp.loss", "all_reduce")}
+    assert not compare(recs, "fsdp", steps=3, world=2, layers=1, compression="none").ok   # one run fewer
+    d = _write(tmp_path, recs, 2)
+    assert cli(["log", "compare", str(d), "--example", "fsdp", "--set", "layers=1", "--set", "compression=bf16"]) == 0
+    assert "all match" in capsys.readouterr().out
+
+
 @pytest.mark.mpi
 def test_log_under_mpiexec(tmp_path):
     """4 processes: per call, sent bytes summed over ranks equal received bytes; DLRM's log

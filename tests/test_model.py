@@ -268,3 +268,26 @@ def test_dlrm_and_moe_examples():
         ("ep.fwd", rows * 32 * 4, True), ("ep.bwd", rows * 32 * 4, False), ("ep.bwd", rows * 32 * 4, True),
         ("dp.grad", (4 * 32 + 4 * 32 * 32 + 32 * 8 + 1) * 4, False)]
     assert M.for_example("moe") == {0: []}
+
+
+def test_fsdp_example():
+    from meshcomm.model.examples import fsdp_codecs
+    assert fsdp_codecs("zfp(rate=8),bf16") == ["zfp(rate=8)", "bf16"]
+    assert fsdp_codecs("none") == fsdp_codecs("") == [] and fsdp_codecs("None, fp16") == ["fp16"]
+    d = 128
+    root = 256 * d + 64 * d + 2 * d                                     # tok, pos, final layer norm
+    block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+    ranks = M.for_example("fsdp", world=4)                              # 4 layers, zfp(rate=16): 2 runs
+    assert set(ranks) == {0, 1, 2, 3} and all(es == ranks[0] for es in ranks.values())
+    got = sorted((e.phase, e.op, e.message_bytes, e.calls) for e in ranks[0])
+    assert got == sorted([("fsdp.gather", "all_gather", root * 4, 2), ("fsdp.gather", "all_gather", block * 4, 16),
+                          ("fsdp.grad", "reduce_scatter", root * 4, 2), ("fsdp.grad", "reduce_scatter", block * 4, 8),
+                          ("dp.loss", "all_reduce", 8, 2)])
+    # 3 ranks: every dim 0 of 128 rows padded to 129 (FSDP shards ceil(rows/3) rows per rank)
+    three = [e for e in M.for_example("fsdp", world=3, compression="none", layers=1)[2] if e.op == "all_gather"]
+    assert [(e.message_bytes, e.calls) for e in three] == [(3 * (86 * d + 22 * d + 2 * 43) * 4, 1),
+                                                           (3 * (4 * 43 + 128 * d + 128 + 43 * d + 43
+                                                                 + 171 * d + 171 + 43 * 4 * d + 43) * 4, 2)]
+    runs = {c: M.for_example("fsdp", world=2, compression=c)[0][-1].calls for c in ("none", "bf16", "zfp(rate=8),bf16")}
+    assert runs == {"none": 1, "bf16": 2, "zfp(rate=8),bf16": 3}
+    assert M.for_example("fsdp") == {0: []}

@@ -1,6 +1,6 @@
 """Every ```python block of the README runs as written: in one process, or under the launcher
-an HTML comment before it names (`<!-- run: mpiexec -n 4 -->`), with the environment another
-names (`<!-- env: XLA_FLAGS=... -->`)."""
+an HTML comment before it names (`<!-- run: mpiexec -n 4 -->`; marked `mpi`), with the
+environment another names (`<!-- env: XLA_FLAGS=... -->`)."""
 from __future__ import annotations
 
 import os
@@ -23,7 +23,8 @@ def snippets():
         run = re.search(r"<!-- run: mpiexec -n (\d+) -->", notes)
         env = dict(kv.split("=", 1) for kv in re.findall(r"<!-- env: (\S+) -->", notes))
         line = text[:m.start(2)].count("\n") + 1
-        out.append(pytest.param(code, int(run.group(1)) if run else 0, env, id=f"README.md:{line}"))
+        out.append(pytest.param(code, int(run.group(1)) if run else 0, env, id=f"README.md:{line}",
+                                marks=[pytest.mark.mpi] if run else []))
     return out
 
 

@@ -13,7 +13,7 @@ Each `CommEntry(op, group_size, message_bytes, calls, phase, via, mean)` also ca
 `bytes_per_rank` (message_bytes * calls) and `wire_bytes` (with nccl-tests' bus factors).
 The formulas and their sources are in the docstrings of `entries` (sizes, bus factors),
 `transformer` (tp, sp, pp, ep), `gradients` (dp, ZeRO), `dlrm` and `examples` (what the
-three examples issue). Pure Python: no torch, no MPI.
+four examples issue). Pure Python: no torch, no MPI.
 """
 from __future__ import annotations
 

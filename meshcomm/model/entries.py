@@ -138,8 +138,10 @@ def format_bytes(n: float) -> str:
 
 
 def table(entries: Iterable[CommEntry]) -> str:
-    """The entries as an aligned text table, then the totals per message-size bucket."""
+    """The entries as an aligned text table, then the totals per message-size bucket. The
+    "via" column is left out where every entry's via is its op."""
     entries = list(entries)
+    via = any(e.via != e.op for e in entries)
     rows = [("phase", "op", "via", "group", "calls", "message", "bytes/rank", "wire/rank")]
     rows += [(e.phase or "-", e.op, e.via, str(e.group_size), str(e.calls),
               format_bytes(e.message_bytes), ("~" if e.mean else "") + format_bytes(e.bytes_per_rank),
@@ -148,13 +150,17 @@ def table(entries: Iterable[CommEntry]) -> str:
     s = summary(entries)
     rows.append(("total", "", "", "", str(s.total.calls), "", format_bytes(s.total.bytes),
                  format_bytes(s.total.wire_bytes)))
+    if not via:
+        rows = [r[:2] + r[3:] for r in rows]
+    left = 3 if via else 2                      # text columns, aligned left
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    lines = ["  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     lines.append("")
     lines.append("by message size: " + ", ".join(
-        f"{label} {t.calls} calls {format_bytes(t.bytes)}" for label, t in s.by_size.items()))
+        f"{label} {t.calls} call{'' if t.calls == 1 else 's'} {format_bytes(t.bytes)}"
+        for label, t in s.by_size.items()))
     if any(e.mean for e in entries):
         lines.append("~ mean over the group's ranks (depends on the data); the sum over ranks is exact")
     return "\n".join(lines)

@@ -6,14 +6,17 @@ defaults) and `world`, the number of ranks it is launched on. Every tensor cross
 float32 (4 bytes) unless said otherwise. `via` names the meshcomm call each entry is made of;
 `calls` counts that call on the rank (every rank that takes part in a call makes it, so a
 cross-mesh reshard is counted on its senders as `send` and on its receivers as `recv`);
-`message_bytes` is the op's size as `entries.py` defines it, which for every entry here is
-the bytes of the tile the rank passes to the call (the tile it gets back where it passes
-none, as receivers of a cross-mesh reshard do). Not counted: the `--check` comparison after
-training (one small reshard) and meshcomm's own metadata and count exchanges.
+`message_bytes` is the op's size as `entries.py` defines it, which for every reshard and
+all_to_all_v here is the bytes of the tile the rank passes to the call (the tile it gets back
+where it passes none, as receivers of a cross-mesh reshard do); for a collective (fsdp.py's)
+it is nccl-tests' size, what meshcomm.log records as its logical_bytes. Not counted: the
+`--check` comparison after training (one small reshard) and meshcomm's own metadata and count
+exchanges.
 
 Checked by running the examples under mpiexec with meshcomm.reshard and all_to_all_v wrapped
 to record each call's tiles (GPT on 4 and 8 ranks, both schedules, --stages 2,2, --layers 7;
-DLRM on 3 and 4 ranks; MoE on 4): every rank's calls and sizes equal these, the MoE entries
+DLRM on 3 and 4 ranks; MoE on 4; FSDP with meshcomm.log on 3 and 4, --layers 2 and 4, with
+and without --compression): every rank's calls and sizes equal these, the MoE entries
 flagged `mean` in their sum over ranks.
 
 pipelined_gpt.py (stages of sizes t_0..t_{S-1} on meshes of their own, stage s holds
@@ -42,6 +45,19 @@ moe.py (n ranks, T = batch/n*seq tokens per rank, k = top_k, E = experts_per_ran
 A rank sends exactly k rows per token it holds, so its dispatch, ids and combine-gradient
 bytes are exact; what it sends back (combine, dispatch gradient) is what it received, exact
 only summed over ranks. With one rank nothing is communicated.
+
+fsdp.py (n ranks; torch FSDP2 with `fully_shard` on each of the L blocks and on the root,
+its all-gathers and reduce-scatters through meshcomm's collectives). It trains once per run:
+uncompressed, then once per codec of --compression (`fsdp_codecs`); R runs. FSDP pads each
+parameter's dim 0 to a multiple of n, so a module's shard is P = sum over its parameters of
+ceil(rows/n) * cols elements (the root: token embedding 256 x d, positions seq x d, final
+layer norm; a block: two layer norms, qkv, proj, fc, out with biases). The collectives'
+message_bytes are nccl-tests' sizes (entries.py), n*P*4 for both:
+| fsdp.gather | all_gather     | all_gather     | R per module and pass: the root once (it keeps its parameters for backward), each block twice (forward, backward) | n*P*4 |
+| fsdp.grad   | reduce_scatter | reduce_scatter | R per module (its gradients) | n*P*4 |
+| dp.loss     | all_reduce     | all_reduce     | R (the step's loss, float64, averaged over ranks) | 8 |
+With one rank the model trains without FSDP: nothing is communicated. --heads and --batch do
+not change the volumes.
 """
 from __future__ import annotations
 
@@ -49,14 +65,15 @@ from .dlrm import table_groups
 from .entries import CommEntry
 from .shapes import DLRM
 
-__all__ = ["for_example", "EXAMPLES", "gpt_stages"]
+__all__ = ["for_example", "EXAMPLES", "gpt_stages", "fsdp_codecs"]
 
-F32, I64 = 4, 8
+F32, I64, F64 = 4, 8, 8
 
 DEFAULTS = {
     "pipelined_gpt": dict(world=1, stages=None, schedule="1f1b", layers=6, micro=4, mb=2, seq=16, d=32, vocab=64),
     "dlrm": dict(world=1, batch=32, widths="8,16,8,24,16,8", rows=100, d=8),
     "moe": dict(world=1, batch=16, seq=8, d=32, experts_per_rank=2, top_k=2),
+    "fsdp": dict(world=1, layers=4, d=128, heads=4, seq=64, batch=4, compression="zfp(rate=16)"),
 }
 EXAMPLES = tuple(DEFAULTS)
 GPT_HEADS = 4
@@ -143,7 +160,43 @@ def _moe(world, batch, seq, d, experts_per_rank, top_k):
     return {r: list(es) for r in range(world)}
 
 
-_BUILD = {"pipelined_gpt": _gpt, "dlrm": _dlrm, "moe": _moe}
+def fsdp_codecs(text: str) -> list[str]:
+    """fsdp.py's --compression: the codecs it trains with besides the uncompressed run, split
+    at the commas outside parentheses, "none" left out: "zfp(rate=8),bf16" -> ["zfp(rate=8)", "bf16"]."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return [c for c in out + [cur.strip()] if c and c.lower() != "none"]
+
+
+FSDP_VOCAB = 256
+
+
+def _fsdp(world, layers, d, heads, seq, batch, compression):
+    if d % heads or min(layers, seq, batch) < 0:
+        raise ValueError(f"d={d} must be divisible by heads={heads}; layers, seq, batch non-negative")
+    if world == 1:
+        return {0: []}
+    runs = 1 + len(fsdp_codecs(compression))
+
+    def shard(params):                            # FSDP's padded shard of a module, elements
+        return sum(-(-rows // world) * cols for rows, cols in params)
+    root = shard([(FSDP_VOCAB, d), (seq, d), (d, 1), (d, 1)])
+    block = shard([(d, 1)] * 4 + [(3 * d, d), (3 * d, 1), (d, d), (d, 1), (4 * d, d), (4 * d, 1), (d, 4 * d), (d, 1)])
+    es = [CommEntry("all_gather", world, world * root * F32, runs, "fsdp.gather"),
+          CommEntry("all_gather", world, world * block * F32, 2 * layers * runs, "fsdp.gather"),
+          CommEntry("reduce_scatter", world, world * root * F32, runs, "fsdp.grad"),
+          CommEntry("reduce_scatter", world, world * block * F32, layers * runs, "fsdp.grad"),
+          CommEntry("all_reduce", world, F64, runs, "dp.loss")]
+    return {r: list(es) for r in range(world)}
+
+
+_BUILD = {"pipelined_gpt": _gpt, "dlrm": _dlrm, "moe": _moe, "fsdp": _fsdp}
 
 
 def for_example(name: str, **args) -> dict[int, list[CommEntry]]:

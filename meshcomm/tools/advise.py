@@ -11,11 +11,15 @@ Guidelines ("The Case for Co-Designing Model Architectures with Hardware", and N
   types (16 bytes: tensor cores; 4 for fp32/tf32), 64 or 128 best (a note);
 - hidden a multiple of 64, and hidden/tp too; ffn a multiple of 64 and of tp;
 - heads divisible by tp; layers divisible by pp; micro-batch*seq a multiple of 64;
+- with --sp (sequence parallelism) seq divisible by tp (each tp rank holds seq/tp tokens);
 - wave quantisation (a note): the QKV GEMM (b*s x h) by (h x 3h/tp) is cut into 128x256
   output tiles (the largest 16-bit tile of cuBLAS/CUTLASS on A100), one per SM at a time;
   tiles = ceil(b*s/128) * ceil(3h/tp/256), waves = ceil(tiles/SMs) with 108 SMs on an A100
   (--sms); the last wave runs tiles - (waves-1)*SMs tiles, and tiles/(waves*SMs) of the
   GPU's tile slots do work.
+- pipeline bubble (a warning): with m micro-batches and pp stages, (pp-1)/(m+pp-1) of the
+  step idles (1F1B and GPipe alike), half or more when m < pp.
+The suggested line repeats every flag given, so pasting it back analyses the same set-up.
 Exit status: 0 no violation, 1 violations (printed), 2 bad arguments.
 """
 from __future__ import annotations
@@ -27,7 +31,7 @@ import sys
 
 from meshcomm import model as M
 
-__all__ = ["main", "Violation", "check_shape", "wave_note", "suggest", "build_parser"]
+__all__ = ["main", "Violation", "check_shape", "wave_note", "suggest", "build_parser", "bubble"]
 
 ALIGN = {"bf16": 8, "fp16": 8, "fp32": 4}          # elements in 16 bytes (fp32: tf32 tensor cores)
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -63,8 +67,15 @@ def nearest_divisors(n: int, x: int, of: int = 1) -> tuple[int, ...]:
     return tuple(dict.fromkeys(([lo[-1]] if lo else []) + ([hi[0]] if hi else [])))
 
 
+def seq_step(micro_batch: int, tp: int = 1, sp: bool = False) -> int:
+    """The seq values that break no seq rule are the multiples of this: micro-batch*seq a
+    multiple of 64, and with sp seq a multiple of tp."""
+    k = 64 // math.gcd(64, micro_batch)
+    return math.lcm(k, tp) if sp else k
+
+
 def check_shape(hidden, heads, vocab, seq, micro_batch, layers, tp=1, pp=1, ffn=None,
-                dtype="bf16") -> list[Violation]:
+                dtype="bf16", sp=False) -> list[Violation]:
     """Every guideline the shape breaks (module docstring), with the nearest good values."""
     ffn = 4 * hidden if ffn is None else ffn
     align = ALIGN[dtype]
@@ -96,10 +107,15 @@ def check_shape(hidden, heads, vocab, seq, micro_batch, layers, tp=1, pp=1, ffn=
                            "or tp " + " or ".join(map(str, nearest_divisors(heads, tp)))))
     if layers % pp:
         v.append(Violation("layers", layers, f"not divisible by pp {pp}", nearest_multiples(layers, pp)))
+    step = seq_step(micro_batch, tp, sp)
     if (micro_batch * seq) % 64:
-        k = 64 // math.gcd(64, micro_batch)
         v.append(Violation("seq", seq, f"micro-batch*seq = {micro_batch * seq} is not a multiple of 64 (GEMM tiles)",
-                           nearest_multiples(seq, k), f"with micro-batch {micro_batch}"))
+                           nearest_multiples(seq, step), f"with micro-batch {micro_batch}"
+                           + (f"; divisible by tp {tp} for sp" if sp and tp > 1 else "")))
+    if sp and seq % tp:
+        v.append(Violation("seq", seq, f"not divisible by tp {tp} (sequence parallelism)",
+                           nearest_multiples(seq, step), f"multiples of {step}: micro-batch*seq stays "
+                           "a multiple of 64"))
     return v
 
 
@@ -114,7 +130,8 @@ def wave_note(hidden, seq, micro_batch, tp=1, sms=A100_SMS) -> dict:
                 tile_efficiency=m_ * n_ / (-(-m_ // TILE_M) * TILE_M * -(-n_ // TILE_N) * TILE_N))
 
 
-def suggest(hidden, heads, vocab, seq, micro_batch, layers, tp=1, pp=1, ffn=None, dtype="bf16") -> dict:
+def suggest(hidden, heads, vocab, seq, micro_batch, layers, tp=1, pp=1, ffn=None, dtype="bf16",
+            sp=False) -> dict:
     """One shape near the given one that breaks no guideline."""
     def near(x, k):
         lo, hi = x // k * k, -(-x // k) * k
@@ -122,9 +139,32 @@ def suggest(hidden, heads, vocab, seq, micro_batch, layers, tp=1, pp=1, ffn=None
     heads2 = heads if heads % tp == 0 else near(heads, tp)
     hidden2 = near(hidden, math.lcm(64 * tp, heads2 * ALIGN[dtype]))
     ffn2 = 4 * hidden2 if ffn is None else near(ffn, math.lcm(64, tp))
-    seq2 = seq if (micro_batch * seq) % 64 == 0 else near(seq, 64 // math.gcd(64, micro_batch))
+    step = seq_step(micro_batch, tp, sp)
+    seq2 = seq if (micro_batch * seq) % 64 == 0 and (not sp or seq % tp == 0) else near(seq, step)
     return dict(hidden=hidden2, heads=heads2, vocab=-(-vocab // (64 * tp)) * 64 * tp, seq=seq2,
                 micro_batch=micro_batch, layers=near(layers, pp), ffn=ffn2)
+
+
+def bubble(micro_batches: int, pp: int) -> float:
+    """The share of a step a pipeline of pp stages idles with this many micro-batches."""
+    return (pp - 1) / (micro_batches + pp - 1)
+
+
+def plural(n: int, word: str) -> str:
+    """'1 micro-batch', '2 micro-batches', '3 waves'."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith(('ch', 'sh', 's', 'x')) else 's'}"
+
+
+def command_line(shape: dict, a: argparse.Namespace, p: argparse.ArgumentParser) -> str:
+    """`shape`'s flags, then --tp, --pp, --dp, --dtype and every other flag `a` sets to other
+    than its default: pasted back, it analyses the same set-up."""
+    out = [f"--{k.replace('_', '-')} {v}" for k, v in shape.items()]
+    out += [f"--{k} {getattr(a, k)}" for k in ("tp", "pp", "dp", "dtype")]
+    for k in ("micro_batches", "zero", "sms", "sp"):
+        v = getattr(a, k)
+        if v != p.get_default(k):
+            out.append(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}"))
+    return " ".join(out)
 
 
 def _positive(s: str) -> int:
@@ -164,17 +204,17 @@ def main(argv=None) -> int:
     except SystemExit as e:          # --help (0) or a bad argument (2)
         return int(e.code or 0)
     shape = dict(hidden=a.hidden, heads=a.heads, vocab=a.vocab, seq=a.seq, micro_batch=a.micro_batch,
-                 layers=a.layers, tp=a.tp, pp=a.pp, ffn=a.ffn, dtype=a.dtype)
+                 layers=a.layers, tp=a.tp, pp=a.pp, ffn=a.ffn, dtype=a.dtype, sp=a.sp)
     violations = check_shape(**shape)
     out = [f"shape: hidden {a.hidden}, heads {a.heads}, ffn {a.ffn or 4 * a.hidden}, vocab {a.vocab}, "
            f"seq {a.seq}, micro-batch {a.micro_batch}, layers {a.layers}; tp {a.tp}, pp {a.pp}, dp {a.dp}, {a.dtype}"]
     if violations:
-        out.append(f"\n{len(violations)} violation(s):")
+        out.append(f"\n{plural(len(violations), 'violation')}:")
         out += [f"  {v}" for v in violations]
         s = suggest(**shape)
         gpt = M.Transformer(a.hidden, a.heads, a.layers, a.seq, a.vocab, a.micro_batch, a.ffn)
         good = M.Transformer(s["hidden"], s["heads"], s["layers"], s["seq"], s["vocab"], s["micro_batch"], s["ffn"])
-        out.append("suggested: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in s.items())
+        out.append("suggested: " + command_line(s, a, p)
                    + f"  ({good.params / 1e6:,.1f}M parameters; given {gpt.params / 1e6:,.1f}M)")
     else:
         out.append("\nno violation")
@@ -183,7 +223,7 @@ def main(argv=None) -> int:
         out.append(f"  head dim {a.hidden // a.heads}: 64 or 128 run best")
     w = wave_note(a.hidden, a.seq, a.micro_batch, a.tp, a.sms)
     out.append(f"  QKV GEMM ({w['m']} x {w['k']}) by ({w['k']} x {w['n']}): {w['tiles']} tiles of "
-               f"{TILE_M}x{TILE_N} on {a.sms} SMs = {w['waves']} wave(s), the last {w['last_wave_tiles']}/{a.sms} "
+               f"{TILE_M}x{TILE_N} on {a.sms} SMs = {plural(w['waves'], 'wave')}, the last {w['last_wave_tiles']}/{a.sms} "
                f"full; wave efficiency {w['wave_efficiency']:.0%}, tile efficiency {w['tile_efficiency']:.0%}")
     try:
         gpt = M.Transformer(a.hidden, a.heads, a.layers, a.seq, a.vocab, a.micro_batch, a.ffn)
@@ -191,8 +231,12 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"meshcomm advise: {e}", file=sys.stderr)
         return 2
+    if par.micro_batches < a.pp:
+        out.append(f"  warning: {plural(par.micro_batches, 'micro-batch')} on {a.pp} pipeline stages: the bubble "
+                   f"(pp-1)/(m+pp-1) idles {bubble(par.micro_batches, a.pp):.0%} of the step; use --micro-batches "
+                   f"{a.pp} or more (several times pp)")
     nbytes = DTYPE_BYTES[a.dtype]
-    out.append(f"\ncommunication per iteration of rank 0 ({par.micro_batches} micro-batches, zero {a.zero}"
+    out.append(f"\ncommunication per iteration of rank 0 ({plural(par.micro_batches, 'micro-batch')}, zero {a.zero}"
                f"{', sp' if a.sp else ''}, {a.dtype}; meshcomm.model):")
     out.append(M.table(M.comm_per_iteration(gpt, par, nbytes, rank=0)))
     if a.pp > 1:

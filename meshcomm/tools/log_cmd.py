@@ -27,6 +27,7 @@ import re
 
 from meshcomm.bandwidth import bus_factor
 from meshcomm.model.entries import SIZE_BUCKETS, format_bytes, size_bucket
+from meshcomm.model.examples import EXAMPLES
 
 from .common import UsageError, check_output, require, write_json
 
@@ -276,7 +277,7 @@ def add_parser(sub) -> None:
     t.set_defaults(func=_trace)
     c = s.add_parser("compare", help="logged calls and bytes against meshcomm.model.for_example")
     c.add_argument("dir")
-    c.add_argument("--example", required=True, help="pipelined_gpt | dlrm | moe")
+    c.add_argument("--example", required=True, help=" | ".join(EXAMPLES))
     c.add_argument("--steps", type=int, default=None, help="training steps logged (default: inferred)")
     c.add_argument("--set", action="append", default=[], metavar="FLAG=VALUE",
                    help="a flag the example ran with, e.g. --set micro=8 (dashes as underscores)")

@@ -6,10 +6,11 @@
 
 Rows are (phase, via): the phase is the innermost name of a record's tag (the examples tag
 their calls with the model's phases: "tp.fwd", "pp.bwd", "emb.fwd", "ep.ids", "dp.grad",
-...), via its op ("reshard", "all_to_all_v", or a collective). A record's bytes are those of
-the tile the rank passed to the call (in_bytes), or of the tile it got back where it passed
-none (out_bytes of a rank outside src_ranks), which is what the model's message_bytes is
-(meshcomm.model.examples). Left out: records tagged "check" at any level (the --check
+"fsdp.gather", ...), via its op ("reshard", "all_to_all_v", or a collective). A record's
+bytes are those of the tile the rank passed to the call (in_bytes), or of the tile it got
+back where it passed none (out_bytes of a rank outside src_ranks); a collective's (a record
+with a group_size) are its logical_bytes, nccl-tests' size: each is what the model's
+message_bytes is (meshcomm.model.examples). Left out: records tagged "check" at any level (the --check
 comparison after training), and what the model does not count either: the count exchange
 inside all_to_all_v (its ctl_*_bytes, not records of their own) and the agreement check
 (never logged). A row matches when every rank's calls equal the model's times the steps, and
@@ -68,7 +69,10 @@ class Comparison:
 
 
 def record_bytes(rec: dict) -> int:
-    """The bytes of the tile the rank passed, or got back where it passed none."""
+    """The bytes of the tile the rank passed, or got back where it passed none; a
+    collective's nccl-tests size."""
+    if "group_size" in rec:
+        return int(rec["logical_bytes"])
     if rec["rank"] in rec.get("src_ranks", (rec["rank"],)):
         return int(rec["in_bytes"])
     return int(rec["out_bytes"])
