@@ -2,7 +2,7 @@
 
 One interface for every device: NumPy and CPU torch use slicing; CUDA tensors (torch CUDA
 tensors, CuPy arrays) go to the batched kernels in meshcomm.cuda (one launch for all boxes, on
-the current stream) when CuPy is available, else torch slicing. Set MESHCOMM_CUDA_KERNELS=0 to
+the current stream) when CuPy is available, else torch slicing. Set meshcomm.cuda.kernels.ENABLED = False to
 force slicing. `slices` are local slices into the tile, one tuple per box, in message order.
 """
 from __future__ import annotations

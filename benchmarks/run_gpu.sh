@@ -14,7 +14,7 @@
 # 5. runs the GPU tests (pytest -m gpu) and the CPU tests of the kernels' code;
 # 6. runs the pack/unpack benchmark and the 1 GiB reshard (benchmarks/gpu_pack.py).
 # Exits non-zero when a step fails. To watch the stream fence matter, run the fenced test
-# without its fence:  MESHCOMM_UNSAFE_NO_FENCE=1 python -m pytest -m gpu -k fence_orders tests
+# without its fence: the test test_fence_is_needed runs it with fence=False
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${OUT:-out/gpu}

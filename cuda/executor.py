@@ -12,7 +12,7 @@ stream of its own. Before it starts, that stream waits on an event recorded on t
 (producer's) current stream, so packing sees everything queued before the call; when it ends it
 records an event the consumer stream waits on before using the results (`Handle.wait()`, or at
 once when not async).
-`fence=False`, or MESHCOMM_UNSAFE_NO_FENCE=1, drops the first fence: it exists to show the race
+`fence=False`, or UNSAFE_NO_FENCE = True, drops the first fence: it exists to show the race
 it prevents (tests/test_gpu.py), never for use.
 """
 from __future__ import annotations

@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("MESHCOMM_CHECK", "0")   # shapes are known: skip the per-call metadata check
 import meshcomm as mc  # noqa: E402
 from _common import (STATS, base_parser, finish_check, finish_log, maxdiff, prepare_groups,  # noqa: E402
                      report, sent_bytes, setup, sync)

@@ -136,13 +136,10 @@ def _gpt_module():
     spec = importlib.util.spec_from_file_location("pipelined_gpt_example", ROOT / "examples" / "pipelined_gpt.py")
     mod = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(ROOT / "examples"))
-    env = os.environ.get("MESHCOMM_CHECK")
     try:
         spec.loader.exec_module(mod)
     finally:
         sys.path.remove(str(ROOT / "examples"))
-        if env is None:
-            os.environ.pop("MESHCOMM_CHECK", None)
     return mod
 
 

@@ -6,7 +6,7 @@
   path of meshcomm.cuda.executor, which runs the kernels when CuPy is there);
 * the stream fence: a producer writes the tensor after a long kernel (torch.cuda._sleep) and an
   async reshard must still see the final values; with the fence removed (fence=False, or
-  MESHCOMM_UNSAFE_NO_FENCE=1) the same run reads stale values, which the last test shows;
+  meshcomm.cuda.executor.UNSAFE_NO_FENCE = True) the same run reads stale values, which the last test shows;
 * the MPI backend with two processes sharing the one GPU (host staging), when mpiexec is there.
 """
 from __future__ import annotations
