@@ -221,3 +221,21 @@ def test_given_up_work_keeps_its_buffers_until_mpi_is_done():
     want = ("send_buffer_kept", "fresh_untouched_1", "recv_kept", "recv_buffer_kept",
             "fresh_untouched_2", "landed_in_kept", "released_when_done")
     assert {k: res[0].get(k) for k in want} == dict.fromkeys(want, True), res[0]
+
+
+@pytest.mark.mpi
+def test_no_init_under_a_launcher_refuses_to_run_alone(tmp_path):
+    """Under mpiexec without meshcomm.init, a call would give each process its own one-process
+    result (all_reduce: 0, 1, 2, 3 summed per process instead of across them): it raises, naming
+    init; backend="local" on the call or init(backend="local") runs it alone on purpose."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(ROOT / "tests" / "workers" / "no_init_worker.py")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(res) == 2
+    for x in res:
+        for name in ("all_reduce", "reshard", "all_to_all_v", "Program.all_reduce"):
+            assert x[name] == "refused" and x[name + ":local"] == "ran", x
+        assert x["after_init_local"] == 6.0

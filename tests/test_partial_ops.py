@@ -307,9 +307,10 @@ def test_mpiexec_op_cases_through_collective_reduces(tmp_path):
     # seeded prod/min/max splits are exact in any order), checked bitwise against local
     from test_distributed import mpiexec
     cases = 30
+    # (--reduce collective: backends.base.REDUCE_MODE, so MPI reduces collectively inside
+    # one host too)
     res = mpiexec(4, "--init", "mixed", "--backends", "mpi,torch", "--cases", "0",
-                  "--op-cases", str(cases), "--seed", "3", out=tmp_path / "out",
-                  env={"MESHCOMM_MPI_COLLECTIVES": "native", "MESHCOMM_REDUCE": "collective"})
+                  "--op-cases", str(cases), "--seed", "3", "--reduce", "collective", out=tmp_path / "out")
     assert [r["rank"] for r in res] == [0, 1, 2, 3]
     for r in res:
         assert r["ok_op_mpi"] == cases and r["ok_op_torch"] == cases, r

@@ -279,7 +279,8 @@ def reshard_jax(x, dst, *, backend: str | None = None, async_op: bool = False):
         raise_together(ctx, "reshard", e)       # the other ranks raise too, naming this one
     from .. import api, runtime
     finish = functools.partial(_assemble, shape=shape, dtype=x.dtype, dst=dst_layout, dst_sharding=dst_sharding)
-    if runtime.current() is None and backend in (None, "local"):
+    if runtime.current() is None:
+        runtime.no_context(backend, "reshard_jax")
         # One process: the JAX tiles go in as they are and the dst tiles come back as host
         # arrays (one copy per piece, none for a dst tile that is a contiguous run of a src
         # tile), committed below in one batched transfer that adopts them (CPU devices).

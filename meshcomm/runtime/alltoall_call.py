@@ -280,7 +280,9 @@ def program(mesh, axis, rows, dtype, backend, topology, algorithm) -> Program:
     rows = tuple(int(r) for r in rows)
     topo = Topology.coerce(topology)
     if ctx is None:
+        from .context import no_context
         from .local_program import local_all_to_all_v
+        no_context(backend, "Program.all_to_all_v")
         return local_all_to_all_v(mesh, axis, rows, dtype, topology, algorithm)
     be, err = ctx.resolve_backend(backend)
     fields = _fields(mesh, axis, be, rows, (name, itemsize), None, topo, algorithm)

@@ -26,7 +26,7 @@ from ..planning import plan
 from . import control, native_call
 from .agreement import value
 from .collective_input import GATHERS, local_facts, masked, tiles_of
-from .context import init_hint
+from .context import init_hint, no_context
 from .local_program import LocalKernel
 from .program import PlanRun, Program, consume, construct, eager, empty_like, fences_of, tags_of
 
@@ -342,6 +342,7 @@ def program(req: Request, shape, dtype, backend=None, device="cpu") -> Program:
     name, itemsize = arrays.normalize_dtype(dtype)
     tile = None if shape is None else normalize_shape(shape)
     if ctx is None:
+        no_context(backend, f"Program.{req.op}")
         return local_collective(req, tile, dtype)
     be, err = ctx.resolve_backend(backend)
     owned = ctx.ownership.owned(req.mesh)

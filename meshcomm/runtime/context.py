@@ -37,11 +37,21 @@ def check_backend_name(backend) -> None:
 
 def no_context(backend, what: str) -> None:
     """Checks for a call without a context (one process owns every device): `backend` must
-    be None or "local"; under a launcher of several processes, say that init is missing."""
+    be None or "local"; under a launcher of several processes a call refuses to run alone
+    unless it says so (`backend="local"` on the call, or `meshcomm.init(backend="local")`):
+    each process would otherwise compute its own one-process result, silently."""
     check_backend_name(backend)
     if backend not in (None, "local"):
         raise ValueError(f"backend {backend!r} needs meshcomm.init(backend={backend!r}) under a "
                          f"launcher (mpiexec or torchrun); without one, {what} runs in this process")
+    if backend is None and not _LOCAL:
+        from .ownership import launcher_world_size
+        n = launcher_world_size()
+        if n > 1:
+            raise RuntimeError(
+                f"{what}: this process runs under a launcher with {n} processes but meshcomm.init() "
+                "was not called: call meshcomm.init(backend='mpi'|'torch'|'mixed') first; to run in "
+                "this process alone, say so: meshcomm.init(backend='local'), or backend='local' on the call")
 
 
 def init_hint() -> str:
@@ -74,10 +84,22 @@ def resolve_timeout(timeout) -> float:
     return timeout
 
 
+_LOCAL = False      # init(backend="local"): this process runs alone, under a launcher too
+
+
 def init(backend: str = "mpi", devices_per_process: int = 1, timeout: float | None = None) -> "Context":
-    """Join the launcher's processes and set the process-wide context (see meshcomm.runtime)."""
+    """Join the launcher's processes and set the process-wide context (see meshcomm.runtime).
+    `backend="local"`: no context; every call runs in this process, which owns every device
+    (said explicitly, so that it is allowed under a launcher). Returns None then."""
+    global _LOCAL
+    if backend == "local":
+        if _CTX is not None:
+            raise RuntimeError(f"meshcomm is already initialised with backend={_CTX.backend_name!r}; call "
+                               "meshcomm.finalize() first")
+        _LOCAL = True
+        return None
     if backend not in BACKEND_NAMES:
-        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
+        raise ValueError(f"backend must be one of {BACKEND_NAMES} or 'local', got {backend!r}")
     if isinstance(devices_per_process, bool) or not isinstance(devices_per_process, (int, np.integer)) \
             or devices_per_process < 1:
         raise ValueError(f"devices_per_process must be a positive int, got {devices_per_process!r}")
@@ -122,6 +144,8 @@ def init(backend: str = "mpi", devices_per_process: int = 1, timeout: float | No
 
 def finalize() -> None:
     """Wait for outstanding work, free communicators/process groups, clear the context."""
+    global _LOCAL
+    _LOCAL = False
     ctx = _CTX
     if ctx is None:
         return

@@ -256,7 +256,9 @@ def program(src, dst, shape, dtype, backend, compression) -> Program:
     name, itemsize = arrays.normalize_dtype(dtype)
     ctx = current()
     if ctx is None:
+        from .context import no_context
         from .local_program import local_reshard
+        no_context(backend, "Program.reshard")
         return local_reshard(src, dst, shape, dtype, compression)
     be, err = ctx.resolve_backend(backend)
     try:

@@ -15,9 +15,10 @@ sums, 3-d meshes, MoE all-to-all shapes, same-mesh redistributions where DTensor
 (every cache cleared: meshcomm.clear_caches) and cached, median of repeats.
 
 ``run`` (bench/run.py, its JAX part bench/jax_part.py) is measured: the cases scaled to 8
-local processes, really executed with each meshcomm backend beside the allgather_slice plan
-(same executor, MPI), torch DTensor's redistribute on gloo (same-mesh cases) and, in one
-process with 8 JAX CPU devices, jax.device_put.
+local processes, really executed with each meshcomm backend, as a Program constructed once
+and as the eager call, beside the hand-written mpi4py exchange (bench/floor.py), the
+allgather_slice plan (same executor, MPI), torch DTensor's redistribute on gloo (same-mesh
+cases) and, in one process with 8 JAX CPU devices, jax.device_put.
 """
 from __future__ import annotations
 
@@ -33,18 +34,22 @@ Benchmarks of meshcomm beside baselines, each figure reproducible by the command
   sim    simulated seconds per case for meshcomm, send_recv, alpa_broadcast,
          allgather_slice and dtensor_style, and the bandwidth lower bound
   plan   measured planning time from 8 to 4096 devices, cold and cached
-  run    measured: real execution on 8 local processes beside allgather_slice, DTensor
-         and jax.device_put
+  run    measured: real execution on 8 local processes (Program and eager call) beside
+         the hand-written exchange, allgather_slice, DTensor and jax.device_put
 """
 
 RUN_HELP = """\
 Really execute resharding cases (Alpa's, scaled to 8 local processes, plus same-mesh cases)
-and time every method: meshcomm.reshard with each backend (meshcomm-mpi/-torch/-mixed),
-meshcomm's plan and the allgather_slice baseline plan run by the shared executor directly
-over MPI (meshcomm-plan-mpi, allgather_slice: plan against plan), torch DTensor's own
-redistribute on gloo (same-mesh cases), and,
-in one process with 8 JAX CPU devices, jax.device_put to the new sharding beside meshcomm.
-Times are medians over --repeats after a warm-up (max over ranks per repeat).
+and time every method: with each backend, a Program (mc.Program.reshard, constructed once
+per case outside the timed calls: program-mpi/-torch/-mixed) and the eager meshcomm.reshard
+(meshcomm-mpi/-torch/-mixed); the hand-written mpi4py exchange of exactly the missing pieces
+(floor); meshcomm's plan and the allgather_slice baseline plan run by the shared executor
+directly over MPI (meshcomm-plan-mpi, allgather_slice: plan against plan); torch DTensor's
+own redistribute on gloo (same-mesh cases); and, in one process with 8 JAX CPU devices,
+jax.device_put to the new sharding beside meshcomm. Times are medians over --repeats after
+a warm-up (max over ranks per repeat), the methods taking turns within each round. Per case
+it reports the hand-written exchange, the Program run, the eager call and their ratios to
+the exchange (goals: Program >= 0.95x, eager >= 0.9x).
 
   mpiexec -n 8 meshcomm bench run [--size-mb N] [--json FILE]    # SPMD, then the JAX part
   meshcomm bench run [--procs 8] ...                              # launches mpiexec itself
@@ -86,13 +91,11 @@ def _add_run_parser(bsub) -> None:
     r.add_argument("--size-mb", type=float, default=16.0, help="tensor size in MiB (default 16)")
     r.add_argument("--repeats", type=int, default=5, help="timed repeats after a warm-up (median)")
     r.add_argument("--backends", default="mpi,torch,mixed",
-                   help="meshcomm backends to time; a suffix :nocheck times that backend with MESHCOMM_CHECK=0")
+                   help="meshcomm backends to time, each as a Program and as the eager call")
     r.add_argument("--only", metavar="NAMES", help="comma-separated substrings of case names")
     r.add_argument("--no-dtensor", action="store_true", help="skip torch DTensor redistribute")
     r.add_argument("--no-jax", action="store_true", help="skip the one-process jax.device_put part")
     r.add_argument("--json", metavar="FILE", help="write the rows as JSON")
-    r.add_argument("--no-check", action="store_true",
-                   help="time reshard with MESHCOMM_CHECK=0 (no agreement check; default: it runs)")
     r.add_argument("--timeout", type=float, default=900.0, help="seconds for each launch")
     r.add_argument("--part", choices=("mpi", "jax"), help=argparse.SUPPRESS)
     r.add_argument("--out", help=argparse.SUPPRESS)

@@ -1,7 +1,13 @@
 """`meshcomm bench run`: the cases scaled to 8 local processes (meshcomm.tools.cases.run_cases),
-really executed with each meshcomm backend beside the allgather_slice plan (same executor,
-MPI), torch DTensor's redistribute on gloo (same-mesh cases) and, in a separate process,
-jax.device_put (bench/jax_part.py). Without a launcher it launches mpiexec on itself."""
+really executed with each meshcomm backend, both as an explicit Program (`mc.Program.reshard`,
+constructed once per case outside the timed calls, then run with nothing but data) and as the
+eager `mc.reshard` call (a cached Program found by its arguments on every call), beside the
+hand-written mpi4py exchange (bench/floor.py), the allgather_slice plan (same executor, MPI),
+torch DTensor's redistribute on gloo (same-mesh cases) and, in a separate process,
+jax.device_put (bench/jax_part.py). Without a launcher it launches mpiexec on itself.
+
+The goals, per case, against the hand-written exchange (its time / meshcomm's time):
+a Program run at least GOALS["program"], the eager call at least GOALS["eager"]."""
 from __future__ import annotations
 
 import json
@@ -19,7 +25,10 @@ from ..cases import Case, global_array, run_cases
 from ..common import check_output, geomean, write_json
 from . import floor, jax_part
 
-__all__ = ["cmd_run", "format_run_table"]
+__all__ = ["cmd_run", "format_run_table", "format_goals", "GOALS"]
+
+# hand-written exchange time / meshcomm time, per case: what a Program run and an eager call aim at
+GOALS = {"program": 0.95, "eager": 0.9}
 
 
 def _select(cases: list[Case], only: str | None) -> list[Case]:
@@ -66,12 +75,10 @@ def _run_mpi_part(args, cases) -> list[dict] | None:
     from meshcomm.planners import baselines
     comm = MPI.COMM_WORLD
     me = comm.rank
-    # default settings: reshard's agreement check runs (shape and dtype are given);
-    # --no-check times the calls with MESHCOMM_CHECK=0
-    if args.no_check:
-        os.environ["MESHCOMM_CHECK"] = "0"
+    # default settings: every process agrees once per Program (at its construction; an eager
+    # call constructs its Program on its first call, the warm-up, and finds it afterwards)
     ctx = mc.init(backend="mixed", devices_per_process=1)
-    backends = [b for b in args.backends.split(",") if b]
+    backends = parse_backends(args.backends)
 
     def timed(fn):
         t, out = spmd.time_repeats(comm, fn, args.repeats, warmup=1)
@@ -107,7 +114,12 @@ def _run_mpi_part(args, cases) -> list[dict] | None:
             out, _ = base.execute(bp, x, like, rank=me, devices_per_process=1, backend=be,
                                   deadline=time.monotonic() + ctx.timeout)
             return {d: np.ascontiguousarray(v[box]) for d, v in out.items()}
-        methods = [(f"meshcomm-{b}", _reshard_fn(mc, x, case, b)) for b in backends]
+        methods = []
+        for b in backends:
+            # constructed once, outside the timed calls (every process, same arguments)
+            prog = mc.Program.reshard(case.src, case.dst, shape=case.shape, dtype=case.dtype, backend=b)
+            methods.append((f"program-{b}", lambda prog=prog: prog(x)))
+            methods.append((f"meshcomm-{b}", _reshard_fn(mc, x, case, b)))
         methods += [("meshcomm-plan-mpi", direct), ("allgather_slice", ag)]
         nbytes = {"allgather_slice": bp.bytes_moved}
         if not case.dst.is_partial:
@@ -128,35 +140,31 @@ def _run_mpi_part(args, cases) -> list[dict] | None:
                          "dtype": case.dtype, "src": str(case.src), "dst": str(case.dst),
                          "procs": comm.size, "bytes_moved": p.bytes_moved,
                          "overlap": len(set(case.src.mesh.device_ids) & set(case.dst.mesh.device_ids)),
-                         "memcpy_s": memcpy_s, "check": not args.no_check, "methods": entries})
+                         "memcpy_s": memcpy_s, "methods": entries})
         del g, x
     mc.finalize()
     return rows if me == 0 else None
 
 
-def _reshard_fn(mc, x, case, spec: str):
-    """meshcomm.reshard with the backend `spec` names: "mpi", or "mpi:nocheck" for the
-    call with MESHCOMM_CHECK=0 (set around it, so both can be timed in one run)."""
-    b, _, flag = spec.partition(":")
-    if flag not in ("", "nocheck"):
-        raise ValueError(f"--backends entry {spec!r}: the only suffix is ':nocheck'")
+def parse_backends(text: str) -> list[str]:
+    """The backends of --backends ("mpi,torch,mixed"); each is timed as a Program and eager."""
+    out = []
+    for b in (v.strip() for v in text.split(",")):
+        if not b:
+            continue
+        if ":" in b:
+            raise ValueError(f"--backends entry {b!r}: a backend name (mpi, torch, mixed); there is no "
+                             "per-call check to switch off any more (every backend is timed as a "
+                             "Program and as the eager call)")
+        out.append(b)
+    return out
 
+
+def _reshard_fn(mc, x, case, b: str):
+    """The eager meshcomm.reshard with backend `b` (shape and dtype given)."""
     def call():
         return mc.reshard(x, case.src, case.dst, shape=case.shape, dtype=case.dtype, backend=b)
-    if not flag:
-        return call
-
-    def nocheck():
-        old = os.environ.get("MESHCOMM_CHECK")
-        os.environ["MESHCOMM_CHECK"] = "0"
-        try:
-            return call()
-        finally:
-            if old is None:
-                del os.environ["MESHCOMM_CHECK"]
-            else:
-                os.environ["MESHCOMM_CHECK"] = old
-    return nocheck
+    return call
 
 
 def _dtensor_method(case, x, me, comm, timed, check, memcpy_s, nbytes) -> dict:
@@ -235,10 +243,15 @@ def _ratio(r, base: str, name: str):
     return b / m if b and m else None
 
 
-def _main_method(names) -> str | None:
-    """The meshcomm method the ratio columns compare: meshcomm-mpi, else the first one."""
-    ms = [n for n in names if n.startswith("meshcomm-") and n != "meshcomm-plan-mpi"]
-    return "meshcomm-mpi" if "meshcomm-mpi" in ms else (ms[0] if ms else None)
+def _main_backend(names) -> str | None:
+    """The backend the goal columns compare: mpi, else the first one timed."""
+    bs = [n[len("program-"):] for n in names if n.startswith("program-")]
+    bs += [n[len("meshcomm-"):] for n in names if n.startswith("meshcomm-") and n != "meshcomm-plan-mpi"]
+    return "mpi" if "mpi" in bs else (bs[0] if bs else None)
+
+
+def _is_meshcomm(name: str) -> bool:
+    return name.startswith(("meshcomm", "program-"))
 
 
 def format_run_table(rows, jax_rows=None) -> str:
@@ -247,10 +260,11 @@ def format_run_table(rows, jax_rows=None) -> str:
         for k in r["methods"]:
             if k not in names:
                 names.append(k)
-    main = _main_method(names)
+    b = _main_backend(names)
+    prog, eager = (f"program-{b}", f"meshcomm-{b}") if b else (None, None)
     w = 24
     head = (f"{'case':22} {'MiB':>6} {'memcpy ms':>9} " + " ".join(f"{n[:w]:>{w}}" for n in names)
-            + f" {'floor':>6} {'ag':>6}")
+            + f" {'prog':>6} {'eager':>6} {'ag':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         cells = []
@@ -264,18 +278,18 @@ def format_run_table(rows, jax_rows=None) -> str:
                 flag = "" if e["exact"] else "!"
                 ratio = f"{e['memcpy_ratio']:.0f}x" if e.get("memcpy_ratio") else "-"
                 cells.append(f"{e['time_s'] * 1e3:.2f} {e['gbps']:.2f} {ratio}{flag}".rjust(w))
-        for base in ("floor", "allgather_slice"):
-            v = _ratio(r, base, main) if main else None
+        for base, m in (("floor", prog), ("floor", eager), ("allgather_slice", eager)):
+            v = _ratio(r, base, m) if m else None
             cells.append(f"{'-' if v is None else f'{v:.2f}':>6}")
         lines.append(f"{r['case']:22} {r['bytes_moved'] / 2**20:>6.1f} {r['memcpy_s'] * 1e3:>9.3f} "
                      + " ".join(cells))
     lines.append("cells: median ms, GB/s (bytes moved / time: meshcomm's plan; allgather_slice and floor "
                  "their own), time / memcpy of the same bytes; '!' marks an inexact result")
-    if main:
-        lines.append(f"floor, ag: floor time / {main} time and allgather_slice time / {main} time "
-                     f"(> 1: {main} is faster)")
+    if b:
+        lines.append(f"prog, eager: floor (the hand-written exchange) time / {prog} time and / {eager} "
+                     f"time; ag: allgather_slice time / {eager} time (> 1: meshcomm is faster)")
     for n in names:
-        if not n.startswith("meshcomm"):
+        if not _is_meshcomm(n):
             continue
         for base, label, sel in (("allgather_slice", "allgather_slice", None),
                                  ("floor", "the hand-written floor", None),
@@ -286,14 +300,64 @@ def format_run_table(rows, jax_rows=None) -> str:
             if sp:
                 lines.append(f"{n}: geomean speedup over {label} {geomean(sp):.2f}x "
                              f"(worst {min(sp):.2f}x, {len(sp)} cases)")
+    goals = format_goals(rows)
+    if goals:
+        lines += ["", goals]
     if jax_rows:
         lines += _format_jax(jax_rows)
+    return "\n".join(lines)
+
+
+def format_goals(rows, backend: str | None = None) -> str:
+    """Per case: the hand-written exchange, the Program run and the eager call of `backend`
+    (default: mpi, else the first timed), and their ratios to the exchange against GOALS."""
+    names = [k for r in rows for k in r["methods"]]
+    b = backend or _main_backend(names)
+    if b is None:
+        return ""
+    prog, eager = f"program-{b}", f"meshcomm-{b}"
+    gp, ge = GOALS["program"], GOALS["eager"]
+    lines = [f"against the hand-written exchange (floor time / meshcomm time; goals: Program >= {gp}x, "
+             f"eager >= {ge}x), backend {b}:",
+             f"{'case':22} {'exchange ms':>11} {'Program ms':>10} {'eager ms':>9} {'Program':>8} {'eager':>8}"]
+    got = {"program": [], "eager": []}
+    below = {"program": [], "eager": []}
+
+    def ms(r, k):
+        t = r["methods"].get(k, {}).get("time_s")
+        return f"{t * 1e3:.2f}" if t else "-"
+    for r in rows:
+        if "floor" not in r["methods"]:
+            continue
+        cells = []
+        for key, m, goal in (("program", prog, gp), ("eager", eager, ge)):
+            v = _ratio(r, "floor", m)
+            if v is None:
+                cells.append(f"{'-':>8}")
+                continue
+            got[key].append(v)
+            if v < goal:
+                below[key].append(r["case"])
+            cells.append(f"{v:7.2f}x" + ("" if v >= goal else " <"))
+        lines.append(f"{r['case']:22} {ms(r, 'floor'):>11} {ms(r, prog):>10} {ms(r, eager):>9} " + " ".join(cells))
+    for key, goal in (("program", gp), ("eager", ge)):
+        v = got[key]
+        if v:
+            lines.append(f"{key}: geomean {geomean(v):.2f}x of the hand-written exchange (worst {min(v):.2f}x); "
+                         f"{len(v) - len(below[key])} of {len(v)} cases at or above {goal}x"
+                         + (f"; below: {', '.join(below[key])}" if below[key] else ""))
+    lines.append("'<' marks a case below its goal; cases with a pending-sum dst have no hand-written exchange")
     return "\n".join(lines)
 
 
 def cmd_run(args) -> int:
     if args.json:
         check_output(args.json, "--json")
+    try:
+        parse_backends(args.backends)
+    except ValueError as e:
+        print(f"meshcomm bench run: {e}", file=sys.stderr)
+        return 2
     cases = _select(run_cases(args.procs, args.size_mb), args.only)
     if args.part == "jax":
         res = jax_part.run_jax_part(args, cases)
@@ -325,8 +389,6 @@ def cmd_run(args) -> int:
             argv += ["--only", args.only]
         if args.no_dtensor:
             argv.append("--no-dtensor")
-        if args.no_check:
-            argv.append("--no-check")
         try:
             r = spmd.launch(args.procs, argv, timeout=args.timeout)
         except FileNotFoundError:
