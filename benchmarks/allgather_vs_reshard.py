@@ -1,13 +1,18 @@
-"""meshcomm.reshard vs a plain allgather-then-slice, on 8 processes.
+"""meshcomm.reshard vs a plain allgather-then-slice, on 8 processes (or 4).
 
-    .venv/bin/mpiexec -n 8 .venv/bin/python benchmarks/allgather_vs_reshard.py [--backends mpi,torch,mixed]
+    .venv/bin/mpiexec -n 8 .venv/bin/python benchmarks/allgather_vs_reshard.py [--backends mpi,mpi:shape,mpi:program]
 
 Alpa's cross-mesh resharding case specs (meshcomm/data/alpa_resharding_cases.json, the
 n-to-m suite) scaled to a 2x2 src mesh (devices 0-3, axes x, y) and a 2x2 dst mesh
-(devices 4-7), a 16 MiB float32 tensor, one device per process.
+(devices 4-7), a 16 MiB float32 tensor, one device per process (with 4 processes: 2x1
+meshes, devices 0-1 and 2-3).
 
-* reshard: every process calls `meshcomm.reshard` with the src tile it owns (default
-  settings: the metadata/fingerprint exchange included) and gets its dst tile.
+* reshard: every process calls meshcomm with the src tile it owns and gets its dst tile,
+  as each --backends entry says: `NAME` the eager `meshcomm.reshard` without shape and dtype
+  (processes without src tiles learn them: an agreement every call), `NAME:shape` the eager
+  call with them (its cached Program, found by the call's arguments), `NAME:program` a run of
+  `mc.Program.reshard(src, dst, shape=, dtype=)` constructed once per case before the
+  timed calls.
 * baseline: an allgather of the tensor's distinct src tiles (one replica of each, so every
   element travels once into every process), then each dst process assembles the global
   array and slices its dst tile out. Three ways, the fastest counts: MPI_Allgatherv
@@ -24,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 
 import numpy as np
 
@@ -39,8 +43,8 @@ from meshcomm.tools.spmd import exact
 
 BASELINES = {"blocking": "MPI_Allgatherv", "polite": "MPI_Iallgatherv polled like meshcomm polls",
              "direct": "Isend/Irecv of each tile to every process"}
-SRC = mc.Mesh([[0, 1], [2, 3]], ("x", "y"))
-DST = mc.Mesh([[4, 5], [6, 7]], ("x", "y"))
+MESHES = {8: (mc.Mesh([[0, 1], [2, 3]], ("x", "y")), mc.Mesh([[4, 5], [6, 7]], ("x", "y"))),
+          4: (mc.Mesh([[0], [1]], ("x", "y")), mc.Mesh([[2], [3]], ("x", "y")))}
 
 
 def alpa_cases():
@@ -125,30 +129,24 @@ class AllgatherSlice:
 
 
 def _reshard_fn(inp, src, dst, shape, spec: str):
-    """meshcomm.reshard as `spec` says: "mpi" (default settings, shape and dtype not given:
-    processes without tiles learn them), "mpi:shape" (given, the check on) or "mpi:nocheck"
-    (given, MESHCOMM_CHECK=0 set around the call)."""
+    """meshcomm as `spec` says: "mpi" (the eager call, shape and dtype not given: processes
+    without tiles learn them), "mpi:shape" (the eager call, given) or "mpi:program" (a
+    Program, constructed here: every process calls this in the same order)."""
     name, _, opt = spec.partition(":")
-    if opt not in ("", "shape", "nocheck"):
-        raise SystemExit(f"--backends entry {spec!r}: the suffix is :shape or :nocheck")
+    if opt not in ("", "shape", "program"):
+        raise SystemExit(f"--backends entry {spec!r}: the suffix is :shape or :program")
+    if opt == "program":
+        prog = mc.Program.reshard(src, dst, shape=shape, dtype="float32", backend=name)
+        return lambda: prog(inp)
     kw = {"shape": shape, "dtype": "float32"} if opt else {}
-
-    def call():
-        if opt != "nocheck":
-            return mc.reshard(inp, src, dst, backend=name, **kw)
-        os.environ["MESHCOMM_CHECK"] = "0"
-        try:
-            return mc.reshard(inp, src, dst, backend=name, **kw)
-        finally:
-            os.environ["MESHCOMM_CHECK"] = "1"
-    return call
+    return lambda: mc.reshard(inp, src, dst, backend=name, **kw)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backends", default="mpi,mpi:shape,mpi:nocheck",
-                    help="comma list of mpi, torch, mixed; NAME:shape passes shape/dtype, NAME:nocheck "
-                         "passes them and sets MESHCOMM_CHECK=0 (no agreement check)")
+    ap.add_argument("--backends", default="mpi,mpi:shape,mpi:program",
+                    help="comma list of mpi, torch, mixed: NAME the eager call without shape/dtype, "
+                         "NAME:shape the eager call with them, NAME:program a Program constructed once")
     ap.add_argument("--mib", type=float, default=16.0)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
@@ -156,8 +154,10 @@ def main():
                     help="comma list of: " + ", ".join(f"{k} ({v})" for k, v in BASELINES.items()))
     args = ap.parse_args()
     comm = MPI.COMM_WORLD
-    if comm.Get_size() != 8:
-        raise SystemExit("run with mpiexec -n 8 (2x2 src mesh -> 2x2 dst mesh, one device per process)")
+    if comm.Get_size() not in MESHES:
+        raise SystemExit("run with mpiexec -n 8 (2x2 src mesh -> 2x2 dst mesh, one device per process) "
+                         "or -n 4 (2x1 -> 2x1)")
+    src_mesh, dst_mesh = MESHES[comm.Get_size()]
     backends = args.backends.split(",")
     baselines = args.baselines.split(",")
     names = {b.partition(":")[0] for b in backends}
@@ -167,14 +167,15 @@ def main():
     x = global_array(shape, 0, "float32")
     rows = []
     if rank == 0:
-        print(f"meshcomm.reshard vs allgather-then-slice: 8 processes, 2x2 -> 2x2 meshes, "
+        print(f"meshcomm.reshard vs allgather-then-slice: {comm.Get_size()} processes, "
+              f"{'x'.join(map(str, src_mesh.shape))} -> {'x'.join(map(str, dst_mesh.shape))} meshes, "
               f"{shape} float32 ({x.nbytes / 2**20:.0f} MiB), median of {args.reps}")
         print(f"allgather ms: {' / '.join(BASELINES[n] for n in baselines)}; the speed-up is over "
               "the fastest")
         print(f"{'case':>4} {'src':>16} {'dst':>16} {'backend':>11} {'moved MiB':>9} "
               f"{'reshard ms':>10} {'allgather ms':>26} {'speed-up':>8} exact")
     for case, sspec, dspec in alpa_cases():
-        src, dst = mc.Layout(SRC, sspec), mc.Layout(DST, dspec)
+        src, dst = mc.Layout(src_mesh, sspec), mc.Layout(dst_mesh, dspec)
         tiles = mc.shard(x, src)
         mine = tiles.get(rank)
         base = AllgatherSlice(comm, shape, src, dst)

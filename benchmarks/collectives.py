@@ -1,20 +1,22 @@
-"""Every collective, meshcomm on each backend beside mpi4py and torch.distributed called directly.
+"""Every collective: meshcomm Programs and eager calls beside mpi4py (and gloo) called directly.
 
-    .venv/bin/mpiexec -n 8 .venv/bin/python benchmarks/collectives.py [--sizes 1K,16K,256K,4M,64M]
+    .venv/bin/mpiexec -n 8 .venv/bin/python benchmarks/collectives.py [--sizes 1K,16K,256K,1M,4M,16M]
                                                      [--reps 5] [--ops all_reduce,...] [--json out.json]
 
 One group: all processes (a 1-d mesh of one device per process). Per op and size, the
 implementations are timed interleaved within each round (same machine load for all):
 `mpi4py` (the MPI collective on a communicator of the group, blocking), `gloo`
-(torch.distributed on the default group), and `meshcomm[mpi|torch|mixed]` (the meshcomm call
-with that backend, default settings: the agreement check included). The MPI-based and the
-gloo-based implementations are timed in two phases (see PHASES); torch runs one thread per
-process, as under torchrun. Time is the median over
-rounds of the slowest rank (meshcomm.tools.spmd.time_once: polite barriers). algbw and busbw
-as nccl-tests defines them (meshcomm.bandwidth): the size is the buffer for all_reduce,
-broadcast and reduce, the gathered output for all_gather and gather, the input for
-reduce_scatter and scatter, the send buffer for all_to_all. The last column is
-meshcomm[mixed] over the fastest direct call (>1: meshcomm faster).
+(torch.distributed on the default group), `program[mpi|torch|mixed]` (a meshcomm Program,
+`mc.Program.all_reduce(mesh, "x", shape=, dtype=, backend=)` and the others, constructed once
+per op and size before the timed calls, then run with nothing but data) and
+`eager[mpi|torch|mixed]` (the eager call, `mc.all_reduce(x, mesh, "x", backend=)`: its cached
+Program, constructed by the warm-up). The MPI-based and the gloo-based implementations are
+timed in two phases (see PHASES); torch runs one thread per process, as under torchrun. Time
+is the median over rounds of the slowest rank (meshcomm.tools.spmd.time_once: polite
+barriers). algbw and busbw as nccl-tests defines them (meshcomm.bandwidth): the size is the
+buffer for all_reduce, broadcast and reduce, the gathered output for all_gather and gather,
+the input for reduce_scatter and scatter, the send buffer for all_to_all. Ratios: mpi4py time
+/ meshcomm time, and the fastest direct call's time / meshcomm time (>1: meshcomm faster).
 """
 from __future__ import annotations
 
@@ -29,16 +31,19 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import meshcomm as mc                                   # noqa: E402
 from meshcomm.bandwidth import algbw_busbw             # noqa: E402
-from meshcomm.tools.common import progress             # noqa: E402
+from meshcomm.tools.common import geomean, progress    # noqa: E402
 from meshcomm.tools.spmd import time_once              # noqa: E402
 
 # Implementations over MPI and over gloo are timed in separate phases (each interleaved within
 # its own rounds): with 8 processes on 2 cores, a gloo call leaves its threads busy for a while
-# and slowed whatever ran right after it by up to 7x (measured: meshcomm[mpi] all_gather of
+# and slowed whatever ran right after it by up to 7x (measured: the eager meshcomm all_gather over MPI of
 # 4 MiB 6.8 ms alone, 45 ms right after gloo), which would charge one implementation for
 # another's leftovers.
-PHASES = (("mpi4py", "meshcomm[mpi]", "meshcomm[mixed]"), ("gloo", "meshcomm[torch]"))
+PHASES = (("mpi4py", "program[mpi]", "eager[mpi]", "program[mixed]", "eager[mixed]"),
+          ("gloo", "program[torch]", "eager[torch]"))
 IMPLS = PHASES[0] + PHASES[1]
+MESHCOMM = tuple(k for k in IMPLS if k not in ("mpi4py", "gloo"))
+ROOTED = ("broadcast", "reduce", "gather", "scatter")
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather", "scatter")
 
 
@@ -56,8 +61,9 @@ def per_rank_elems(op: str, size: int, n: int) -> int:
     return (total // n) * n         # divisible by n (reduce_scatter, scatter, all_to_all)
 
 
-def impls(op, comm, x, n, rank, mesh):
-    """{name: zero-argument callable} for one op and per-rank input x."""
+def impls(op, comm, x, n, rank, mesh, chosen):
+    """{name: zero-argument callable} for one op and per-rank input x (Programs of the
+    `chosen` implementations are constructed here, by every process in the same order)."""
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
@@ -98,8 +104,12 @@ def impls(op, comm, x, n, rank, mesh):
         tb = torch.empty(k)
         out["gloo"] = lambda: dist.scatter(tb, list(t.chunk(n)) if rank == 0 else None, src=0)
     fn = getattr(mc, op)
+    kw = {"root": 0} if op in ROOTED else {}
     for b in ("mpi", "torch", "mixed"):
-        out[f"meshcomm[{b}]"] = (lambda b=b: fn(x, mesh, "x", backend=b))
+        if f"program[{b}]" in chosen:
+            prog = getattr(mc.Program, op)(mesh, "x", shape=x.shape, dtype=x.dtype, backend=b, **kw)
+            out[f"program[{b}]"] = (lambda prog=prog: prog(x))
+        out[f"eager[{b}]"] = (lambda b=b: fn(x, mesh, "x", backend=b, **kw))
     return out
 
 
@@ -119,7 +129,7 @@ def _gloo_has_rs():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="1K,16K,256K,4M,64M")
+    ap.add_argument("--sizes", default="1K,16K,256K,1M,4M,16M")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--json", default="")
@@ -138,7 +148,8 @@ def main():
     todo = [(op, size) for op in args.ops.split(",") for size in sizes]
     for op, size in progress(todo, desc="collectives", disable=rank != 0):
         x = np.random.default_rng(rank).standard_normal(per_rank_elems(op, size, n)).astype(np.float32)
-        fns = {k: v for k, v in impls(op, comm, x, n, rank, mesh).items() if supported(k, op) and k in chosen}
+        fns = {k: v for k, v in impls(op, comm, x, n, rank, mesh, chosen).items()
+               if supported(k, op) and k in chosen}
         times = {k: [] for k in fns}
         for phase in PHASES:                    # each phase interleaved within its rounds
             mine = {k: f for k, f in fns.items() if k in phase}
@@ -153,17 +164,23 @@ def main():
         for name, t in med.items():
             algbw, busbw = algbw_busbw(op, size, n, t)
             rows.append({"op": op, "bytes": size, "impl": name, "seconds": t, "algbw": algbw, "busbw": busbw,
+                         "vs_mpi4py": med["mpi4py"] / t if "mpi4py" in med else float("nan"),
                          "vs_best_direct": direct / t})
     if rank == 0:
-        print(f"{'op':15} {'size':>6} {'impl':16} {'time us':>10} {'algbw GB/s':>10} {'busbw GB/s':>10} {'vs best direct':>14}")
+        print(f"{n} processes; ratios: mpi4py time / this time, fastest direct call's time / this time "
+              "(> 1: faster than the direct call)")
+        print(f"{'op':15} {'size':>6} {'impl':16} {'time us':>10} {'algbw GB/s':>10} {'busbw GB/s':>10} "
+              f"{'vs mpi4py':>10} {'vs best direct':>14}")
         for r in rows:
             print(f"{r['op']:15} {fmt(r['bytes']):>6} {r['impl']:16} {r['seconds'] * 1e6:10.1f} {r['algbw']:10.3f} "
-                  f"{r['busbw']:10.3f} {r['vs_best_direct']:13.2f}x")
-        for impl in ("meshcomm[mpi]", "meshcomm[torch]", "meshcomm[mixed]"):
-            ratios = [r["vs_best_direct"] for r in rows if r["impl"] == impl]
-            if ratios:
-                print(f"{impl} over the fastest direct call: min {min(ratios):.2f}x, "
-                      f"geomean {float(np.exp(np.mean(np.log(ratios)))):.2f}x over {len(ratios)} op/size points")
+                  f"{r['busbw']:10.3f} {r['vs_mpi4py']:9.2f}x {r['vs_best_direct']:13.2f}x")
+        for impl in MESHCOMM:
+            for key, what in (("vs_mpi4py", "mpi4py"), ("vs_best_direct", "the fastest direct call")):
+                pts = [(r[key], r["op"], r["bytes"]) for r in rows if r["impl"] == impl and r[key] == r[key]]
+                if pts:
+                    worst = min(pts)
+                    print(f"{impl} against {what}: geomean {geomean([v for v, _, _ in pts]):.2f}x, worst "
+                          f"{worst[0]:.2f}x ({worst[1]} {fmt(worst[2])}) over {len(pts)} op/size points")
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
     mc.finalize()

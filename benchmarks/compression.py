@@ -9,11 +9,15 @@ Every figure uses 8 processes of one host by default, one device each, float32 t
 group being the whole world (nccl-tests' sizes: the gathered output of all_gather, the input
 of reduce_scatter). The link is emulated (MESHCOMM_EMULATE_GBPS: every process sends at most
 g Gb/s to the others; backends/pacing.py); the uncompressed baseline runs as its plan
-(MESHCOMM_COLLECTIVES=plan, so every message is paced). Implementations, interleaved in every
-round (same machine load): `none`, `zfp(rate=r)` (compressed: each chunk coded once,
-pipelined; reduce-scatter one-shot or ring as the cost model picks) and `per-hop`
-(MESHCOMM_COMPRESSION_PER_HOP=1: whole messages decoded and re-encoded at every hop, the
-point-to-point compression baseline). Time: median over rounds of the slowest rank.
+(`meshcomm.runtime.native_call.MODE = "plan"`, so every message is paced). Every
+implementation is a Program (`mc.Program.all_gather` / `reduce_scatter`), constructed once per
+op, size, implementation and link speed, with the link's setting in place (construction
+resolves the codec and the reduce algorithm), and run under the same emulated link.
+Implementations, interleaved in every round (same machine load): `none`, `zfp(rate=r)`
+(compressed: each chunk coded once, pipelined; reduce-scatter one-shot or ring as the cost
+model picks) and `per-hop` (`meshcomm.backends.codec_cost.PER_HOP = True` while its Program
+is constructed: whole messages decoded and re-encoded at every hop, the point-to-point
+compression baseline). Time: median over rounds of the slowest rank.
 
 * sizes: the table at g = (one process's ZFP rate-8 encode throughput, measured first with
   every process coding at once) / 8, and without emulation; the cost model's times beside.
@@ -65,7 +69,9 @@ class Bench:
         self.comm = ctx.get_backend("mpi").comm
         self.measure_codecs = measure_codecs
         self.speeds = {}
-        os.environ["MESHCOMM_COLLECTIVES"] = "plan"       # every message through the paced executor
+        self.programs = {}
+        from meshcomm.runtime import native_call
+        native_call.MODE = "plan"           # every message through the paced executor (every process)
 
     def sample(self, codec: str, seconds: float = 0.2) -> None:
         """Measure (encode, decode) bytes/s of one process while all code at once, now."""
@@ -83,38 +89,38 @@ class Bench:
         elems = size // 4 // self.n if op == "all_gather" else size // 4 // self.n * self.n
         return np.random.default_rng(self.rank).standard_normal(elems).astype(np.float32)
 
+    def program(self, op: str, x, impl: str, gbps):
+        """The Program of `impl` ("none", a codec, or "per-hop:" + codec) for `op` on a link of
+        `gbps` (None: not emulated), constructed on first use by every process alike, with
+        the link and PER_HOP set as it runs (construction resolves the codec's algorithm)."""
+        from meshcomm.backends import codec_cost
+        key = (op, x.shape, impl, gbps)
+        prog = self.programs.get(key)
+        if prog is None:
+            codec = None if impl == "none" else impl.split(":")[-1]
+            ctor = mc.Program.all_gather if op == "all_gather" else mc.Program.reduce_scatter
+            codec_cost.PER_HOP = impl.startswith("per-hop:")
+            try:
+                with _link(gbps):
+                    prog = self.programs[key] = ctor(self.mesh, "x", shape=x.shape, dtype=x.dtype, compression=codec)
+            finally:
+                codec_cost.PER_HOP = False
+        return prog
+
     def call(self, op: str, x, impl: str, gbps):
-        """One timed call (seconds of the slowest rank) of `impl` ("none", a codec, or
-        "per-hop:" + codec) on a link of `gbps` (None: not emulated)."""
+        """One timed run (seconds of the slowest rank) of `impl` on a link of `gbps`."""
         from meshcomm.tools.spmd import time_once
-        codec = None if impl == "none" else impl.split(":")[-1]
-        env = {"MESHCOMM_EMULATE_GBPS": str(gbps) if gbps else ""}
-        if impl.startswith("per-hop:"):
-            env["MESHCOMM_COMPRESSION_PER_HOP"] = "1"
-        fn = mc.all_gather if op == "all_gather" else mc.reduce_scatter
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            t, _ = time_once(self.comm, lambda: fn(x, self.mesh, "x", compression=codec))
-        finally:
-            for k, v in old.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        prog = self.program(op, x, impl, gbps)
+        with _link(gbps):
+            t, _ = time_once(self.comm, lambda: prog(x))
         return t
 
     def warm(self, op: str, size: int, impls, gbps) -> None:
-        """Plan and choose (the cost model's reduce algorithm) before timing, as a training
-        loop's second step finds them cached."""
-        from meshcomm.backends.codec_cost import resolve
-        p = self.plan(op, size)
-        old = {k: os.environ.get(k) for k in ("MESHCOMM_EMULATE_GBPS", "MESHCOMM_COMPRESSION_PER_HOP")}
+        """Construct the Programs (plan, codec and reduce algorithm) before timing, as a
+        training loop's second step finds them constructed."""
+        x = self.tile(op, size)
         for i in impls:
-            if i == "none":
-                continue
-            os.environ["MESHCOMM_EMULATE_GBPS"] = str(gbps) if gbps else ""
-            os.environ["MESHCOMM_COMPRESSION_PER_HOP"] = "1" if i.startswith("per-hop:") else ""
-            resolve(i.split(":")[-1], p, backend=self.ctx.backend, world=self.n)
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            self.program(op, x, i, gbps)
 
     def times(self, op: str, size: int, impls, gbps, reps=None) -> dict:
         x = self.tile(op, size)
@@ -143,13 +149,27 @@ class Bench:
             return p.simulate(topo)
         codec = mc.compression.coerce(impl.split(":")[-1])
         comp = Compression(codec, per_hop=impl.startswith("per-hop:"), chunk_bytes=mc.settings.get("COMPRESSION_CHUNK"))
-        os.environ["MESHCOMM_EMULATE_GBPS"] = str(gbps) if gbps else ""
-        try:
+        with _link(gbps):
             comp = choose_reduce(p, comp, topo, self.n)
-        finally:
-            os.environ.pop("MESHCOMM_EMULATE_GBPS")
         enc, dec = self.codec_speed(str(codec))
         return p.simulate(topo, compression=CodecCost(comp, enc, dec))
+
+
+class _link:
+    """MESHCOMM_EMULATE_GBPS set to `gbps` (None: unset) inside the block, then as before."""
+
+    def __init__(self, gbps):
+        self.gbps = gbps
+
+    def __enter__(self):
+        self.old = os.environ.get("MESHCOMM_EMULATE_GBPS")
+        os.environ["MESHCOMM_EMULATE_GBPS"] = str(self.gbps) if self.gbps else ""
+
+    def __exit__(self, *exc):
+        if self.old is None:
+            os.environ.pop("MESHCOMM_EMULATE_GBPS", None)
+        else:
+            os.environ["MESHCOMM_EMULATE_GBPS"] = self.old
 
 
 def cmd_sizes(a, b: Bench) -> dict:

@@ -4,18 +4,19 @@ Tensors (float32, flat as FSDP's shards are): standard normal values; the weight
 gradients of examples/fsdp.py's GPT after 5 Adam steps on the README (gradients of 8
 different batches for the reductions). Errors: max and mean of |decoded - x|, absolute and
 relative to max|x| (max) or mean|x| (mean). Reduce-scatter: 8 devices in one process
-(the compressed path runs the same round trips as under a launcher), one-shot and ring,
-against the float64 sum.
+(the compressed path runs the same round trips as under a launcher), one-shot and ring
+(`meshcomm.backends.codec_cost.REDUCE_ALGORITHM` set around the call), against the float64
+sum.
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
 import meshcomm as mc
+from meshcomm.backends import codec_cost
 
 CODECS = ("zfp(rate=8)", "zfp(rate=16)", "zfp(tolerance=1e-3)", "bf16", "fp16")
 
@@ -64,11 +65,11 @@ def reduce_scatter(codec: str, xs: list[np.ndarray], algo: str) -> np.ndarray:
     n = len(xs)
     m = mc.Mesh(list(range(n)), ("x",))
     size = xs[0].size // n * n
-    os.environ["MESHCOMM_COMPRESSION_REDUCE"] = algo
+    codec_cost.REDUCE_ALGORITHM = algo
     try:
         out = mc.reduce_scatter({d: xs[d][:size] for d in range(n)}, m, "x", compression=codec)
     finally:
-        os.environ.pop("MESHCOMM_COMPRESSION_REDUCE")
+        codec_cost.REDUCE_ALGORITHM = "auto"
     return np.concatenate([out[d] for d in range(n)])
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -86,7 +85,7 @@ def row_boxes(rows: int, row_elems: int, boxes: int):
 
 def bench_rows(torch, args):
     from meshcomm.backends import pack as P
-    from meshcomm.cuda import pack_cuda, unpack_cuda
+    from meshcomm.cuda import kernels, pack_cuda, unpack_cuda
     gb = lambda nbytes, t: nbytes / t / 1e9  # noqa: E731
     results = []
     total = args.total_mib << 20
@@ -126,13 +125,13 @@ def bench_rows(torch, args):
             rec["unpack_add_s"] = device_time(
                 torch, lambda i: unpack_cuda(sets[i]["buf"], sets[i]["dst"], sl, accumulate=True),
                 args.sets, args.repeats, args.warmup, args.busy_cycles)
-            os.environ["MESHCOMM_CUDA_KERNELS"] = "0"            # the torch-slicing path
+            kernels.ENABLED = False                              # the torch-slicing path
             try:
                 rec["slicing_pack_s"] = device_time(
                     torch, lambda i: P.pack(sets[i]["tile"], sl, out=sets[i]["buf"]),
                     args.sets, max(5, args.repeats // 4), 2, args.busy_cycles)
             finally:
-                del os.environ["MESHCOMM_CUDA_KERNELS"]
+                kernels.ENABLED = True
             for k in [k for k in rec if k.endswith("_s")]:
                 rec[k.replace("_s", "_GBps")] = gb(nbytes, rec[k])
             rec["pack_vs_copy"] = t_copy / rec["pack_s"]

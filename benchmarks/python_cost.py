@@ -4,10 +4,11 @@
 
 A 1 KiB MPI_Iallreduce polled with sched_yield (as meshcomm polls), after a busy loop of
 0, 10, 25 or 50 µs standing for a library's Python per call; then mpi4py's blocking
-Allreduce and meshcomm.all_reduce (its compiled form, from the fifth call) with their CPU
-time per call and process. Medians over `--reps` loops of `--calls` calls, the slowest
-rank's wall time per call. The last line is meshcomm's CPU per call outside its wait (the
-signature check's polls, `agreement.quick_signed`, timed by wrapping it): the Python
+Allreduce, a meshcomm Program run (`mc.Program.all_reduce`, constructed once before the
+loops) and the eager `meshcomm.all_reduce` (its cached Program) with their CPU time per call
+and process. Medians over `--reps` loops of `--calls` calls, the slowest rank's wall time
+per call. The last lines are meshcomm's CPU per call outside its wait (the backend's polling
+wait, `backends.base.wait_polling`, timed by wrapping it), Program and eager: the Python
 itself, which grows several-fold when processes share cores (caches shared, refilled after
 each switch) beside the same figure at one process per core.
 """
@@ -53,19 +54,22 @@ def main():
         return f
     forms = {f"Iallreduce + {us} us of work": polled(us) for us in (0, 10, 25, 50)}
     forms["mpi4py Allreduce"] = lambda: w.Allreduce(MPI.IN_PLACE, x.copy())
-    forms["meshcomm all_reduce"] = lambda: mc.all_reduce(x, line, "x")
-    from meshcomm.runtime import agreement
+    prog = mc.Program.all_reduce(line, "x", shape=x.shape, dtype=x.dtype)      # constructed once
+    forms["meshcomm Program all_reduce"] = lambda: prog(x)
+    forms["meshcomm eager all_reduce"] = lambda: mc.all_reduce(x, line, "x")
+    mine = ("meshcomm Program all_reduce", "meshcomm eager all_reduce")
+    from meshcomm.backends import base
     waited = {"cpu": 0.0}
-    quick = agreement.quick_signed
+    wait = base.wait_polling
 
-    def timed_wait(*a):             # CPU spent polling, to take away from the call's own
+    def timed_wait(*a, **kw):       # CPU spent polling, to take away from the call's own
         c1 = time.thread_time()
         try:
-            return quick(*a)
+            return wait(*a, **kw)
         finally:
             waited["cpu"] += time.thread_time() - c1
-    agreement.quick_signed = timed_wait
-    outside = []
+    base.wait_polling = timed_wait
+    outside = {k: [] for k in mine}
     wall = {k: [] for k in forms}
     cpu = {k: [] for k in forms}
     for rep in range(args.reps + 1):
@@ -82,14 +86,16 @@ def main():
             if rep:
                 wall[k].append(w.allreduce(t, op=MPI.MAX))
                 cpu[k].append(w.allreduce(c0) / w.size)
-                if k == "meshcomm all_reduce":
-                    outside.append(w.allreduce(c1) / w.size)
+                if k in outside:
+                    outside[k].append(w.allreduce(c1) / w.size)
+    base.wait_polling = wait
     if w.rank == 0:
         for k in forms:
-            print(f"{k:30} wall {statistics.median(wall[k]) * 1e6:7.0f} us/call   "
+            print(f"{k:34} wall {statistics.median(wall[k]) * 1e6:7.0f} us/call   "
                   f"cpu {statistics.median(cpu[k]) * 1e6:6.0f} us/call/process", flush=True)
-        print(f"{'meshcomm, outside its wait':30} {'':17}   cpu {statistics.median(outside) * 1e6:6.0f} "
-              f"us/call/process", flush=True)
+        for k, v in outside.items():
+            name = k.replace(" all_reduce", "") + ", outside its wait"
+            print(f"{name:34} {'':17}   cpu {statistics.median(v) * 1e6:6.0f} us/call/process", flush=True)
     mc.finalize()
 
 

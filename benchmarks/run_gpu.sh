@@ -13,8 +13,10 @@
 # 4. compiles every .cu with nvcc for sm_80 and sm_90 (python -m meshcomm.cuda.build --check);
 # 5. runs the GPU tests (pytest -m gpu) and the CPU tests of the kernels' code;
 # 6. runs the pack/unpack benchmark and the 1 GiB reshard (benchmarks/gpu_pack.py).
-# Exits non-zero when a step fails. To watch the stream fence matter, run the fenced test
-# without its fence: the test test_fence_is_needed runs it with fence=False
+# Exits non-zero when a step fails. To watch the stream fence matter: the test
+# test_without_fence_the_race_shows runs the fenced test's reshard with fence=False
+# (python -m pytest -m gpu -k without_fence tests/test_gpu.py; cuda/executor.py's
+# UNSAFE_NO_FENCE module attribute drops the fence everywhere)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${OUT:-out/gpu}

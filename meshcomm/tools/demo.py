@@ -9,7 +9,9 @@ nodes, 2 GiB int32 tensors) are scaled to this machine: "nodes" of 2 devices, so
 becomes 2x2 and the two meshes sit on devices 0..3 and 4..7; tensors are ~16 MiB float32.
 Every process builds the same seeded global tensor, takes its src tiles, calls
 `meshcomm.reshard` (SPMD) and checks its dst tiles against `meshcomm.shard` of the same data
-(rank 0 also reassembles the whole result with `meshcomm.unshard`). Per case it prints the
+(rank 0 also reassembles the whole result with `meshcomm.unshard`); with each backend it also
+runs an explicit Program (`meshcomm.Program.reshard`, constructed once per case: the rows
+"<backend> prog"; `--no-program` leaves them out). Per case it prints the
 median time (max over processes) of a few rounds after a warm-up (the baseline and the backends
 take turns within each round, so all see the same machine load), the plan's bytes moved, the
 effective bandwidth (bytes moved / time), and, for comparison, an allgather-then-slice of the
@@ -41,7 +43,7 @@ DEFAULT_BACKENDS = ("mpi", "torch", "mixed")
 
 # -- one process, local backend -----------------------------------------------------------
 
-def run_local(cases, repeats: int, seed: int) -> int:
+def run_local(cases, repeats: int, seed: int, program: bool = True) -> int:
     import meshcomm as mc
     print(HEADER)
     bad = 0
@@ -49,16 +51,21 @@ def run_local(cases, repeats: int, seed: int) -> int:
         g = global_array(case.shape, seed + i, case.dtype)
         x = mc.shard(g, case.src, seed=seed)
         p = mc.plan(case.shape, case.dtype, case.src, case.dst)
-        y = mc.reshard(x, case.src, case.dst, shape=case.shape)      # warm-up
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            y = mc.reshard(x, case.src, case.dst, shape=case.shape)
-            times.append(time.perf_counter() - t0)
-        ok = np.array_equal(mc.unshard(y, case.dst), g)
-        bad += not ok
-        print(row(case, "local", statistics.median(times), p.bytes_moved, "yes" if ok else "NO"),
-              flush=True)
+        methods = [("local", lambda: mc.reshard(x, case.src, case.dst, shape=case.shape))]
+        if program:
+            prog = mc.Program.reshard(case.src, case.dst, shape=case.shape, dtype=case.dtype)
+            methods.append(("local prog", lambda prog=prog: prog(x)))
+        for label, fn in methods:
+            y = fn()                                                    # warm-up
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                y = fn()
+                times.append(time.perf_counter() - t0)
+            ok = np.array_equal(mc.unshard(y, case.dst), g)
+            bad += not ok
+            print(row(case, label, statistics.median(times), p.bytes_moved, "yes" if ok else "NO"),
+                  flush=True)
     return 1 if bad else 0
 
 
@@ -93,6 +100,8 @@ def _add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cases", default="", help="comma-separated case names to run (default all)")
     ap.add_argument("--no-extra", action="store_true", help="only Alpa's cases")
     ap.add_argument("--no-baseline", action="store_true", help="skip the allgather-then-slice row")
+    ap.add_argument("--no-program", action="store_true",
+                    help="skip the explicit Program rows (each backend is then timed as the eager call only)")
     ap.add_argument("--mpi-allgather", action="store_true",
                     help="also time MPI Allgatherv of the src tiles, then slice (a user's plain version)")
     ap.add_argument("--local", action="store_true", help="one process, local backend")
@@ -121,7 +130,7 @@ def _launch(args) -> str | None:
             str(args.seed)]
     if args.cases:
         argv += ["--cases", args.cases]
-    for flag in ("no_extra", "no_baseline", "mpi_allgather"):
+    for flag in ("no_extra", "no_baseline", "no_program", "mpi_allgather"):
         if getattr(args, flag):
             argv.append("--" + flag.replace("_", "-"))
     print(f"launching {args.procs} processes: {spmd.find_mpiexec()} -n {args.procs} python -m "
@@ -153,11 +162,11 @@ def run(args) -> int:
         print(f"meshcomm demo: FAILED: {why}", flush=True)
         print("NOTE: the same cases in ONE process with the local backend, for reference; the "
               "distributed backends are NOT exercised below.", flush=True)
-        run_local(cases, args.repeats, args.seed)
+        run_local(cases, args.repeats, args.seed, not args.no_program)
         return 1
     print(f"NOTE: running in ONE process with the local backend ({why}); the distributed "
           f"backends are not exercised.", flush=True)
-    return run_local(cases, args.repeats, args.seed)
+    return run_local(cases, args.repeats, args.seed, not args.no_program)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from .spmd import exact, time_once
 
 __all__ = ["HEADER", "row", "worker_main"]
 
-HEADER = (f"{'case':<11s} {'shape':<15s} {'src -> dst':<34s} {'backend':<9s} {'time ms':>9s} "
+HEADER = (f"{'case':<11s} {'shape':<15s} {'src -> dst':<34s} {'backend':<10s} {'time ms':>9s} "
           f"{'moved':>10s} {'GB/s':>7s} {'exact':>6s}")
 
 
@@ -28,7 +28,7 @@ def row(case: Case, backend: str, seconds: float, moved: int, verdict: str) -> s
     layouts = f"{notation.format_layout(case.src)} -> {notation.format_layout(case.dst)}"
     bw = moved / seconds / 1e9 if seconds > 0 else float("nan")
     shape = "x".join(map(str, case.shape))
-    return (f"{case.name:<11s} {shape:<15s} {layouts:<34s} {backend:<9s} {seconds * 1e3:9.2f} "
+    return (f"{case.name:<11s} {shape:<15s} {layouts:<34s} {backend:<10s} {seconds * 1e3:9.2f} "
             f"{fmt_bytes(moved):>10s} {bw:7.2f} {verdict:>6s}")
 
 
@@ -121,7 +121,8 @@ def worker_main(cases: list[Case], args) -> int:
               + (f"; mixed uses the tuning table {table} (MESHCOMM_TUNING)" if table else ""),
               flush=True)
         print(HEADER, flush=True)
-    speedups: dict[str, list[float]] = {b: [] for b in backends}
+    labels = [lb for b in backends for lb in ([b] if args.no_program else [b, f"{b} prog"])]
+    speedups: dict[str, list[float]] = {lb: [] for lb in labels}
     bad = 0
     for i, case in enumerate(cases):
         g = global_array(case.shape, args.seed + i, case.dtype)
@@ -139,6 +140,10 @@ def worker_main(cases: list[Case], args) -> int:
             def call(b=b):
                 return mc.reshard(x, case.src, case.dst, shape=case.shape, dtype=case.dtype, backend=b)
             methods.append((b, call, p.bytes_moved))
+            if not args.no_program:
+                # an explicit Program: agreed and planned once here, outside the timed calls
+                prog = mc.Program.reshard(case.src, case.dst, shape=case.shape, dtype=case.dtype, backend=b)
+                methods.append((f"{b} prog", lambda prog=prog: prog(x), p.bytes_moved))
         # warm-up each method once (checking exactness), then interleave the timed rounds so
         # every method sees the same machine load (the ratios are taken within one round set)
         oks, splits = {}, {}
