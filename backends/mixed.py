@@ -115,16 +115,21 @@ class MixedBackend(Backend):
         mw = [w for w in works if not hasattr(w, "work")]
         if not tw:
             return wait_polling(mw, deadline, self.rank, self.timeout)
-        fut = self.torch.wait_async(tw, deadline)
+        waits = self.torch.wait_async(tw, deadline)
         pending, spins = mw, 0
-        while pending or not fut.done():
+        while pending or waits:
             pending = [w for w in pending if not w.test()]
+            waits = [(w, f) for w, f in waits if not f.done() or f.result()]
             if pending and deadline is not None and time.monotonic() > deadline:
                 raise timeout_error(self.rank, pending, self.timeout)
-            watch(pending + ([] if fut.done() else tw), deadline)
-            spins += 1
-            backoff(spins)
-        fut.result()
+            if pending or waits:
+                watch(pending + [w for w, _ in waits], deadline)
+                spins += 1
+                backoff(spins)
+        for w in tw:
+            finish = getattr(w, "finish", None)
+            if finish is not None:
+                finish()
 
     def allgather_obj(self, obj, deadline, tag=None, accept=None):
         return self.mpi.allgather_obj(obj, deadline, tag, accept)

@@ -214,8 +214,9 @@ class TorchBackend(TorchCollectives, Backend):
 
     def wait_all(self, works, deadline):
         """Blocking waits (gloo's point-to-point works say they are done only once waited
-        for) on a waiter thread, while this thread polls the control channel
-        (backends.base.WATCH): a peer's error raises here within milliseconds."""
+        for), one waiter thread per work, while this thread polls the control channel
+        (backends.base.WATCH) with the works still pending: a peer's error raises here
+        within milliseconds, and a stalled wait names exactly the peers it still waits for."""
         self.flush()
         for w in works:
             if w.work is None and isinstance(w, pacing.Paced):
@@ -225,36 +226,45 @@ class TorchBackend(TorchCollectives, Backend):
             return
         if _base.WATCH is None:
             return self._block(live, deadline)
-        fut = self.wait_async(live, deadline)
-        while not fut.done():
-            _base.watch(live, deadline)
-            time.sleep(2e-4)
-        fut.result()
+        waits = self.wait_async(live, deadline)
+        while waits:
+            waits = [(w, f) for w, f in waits if not f.done() or f.result()]
+            if waits:
+                _base.watch([w for w, _ in waits], deadline)
+                time.sleep(2e-4)
+        for w in live:
+            finish = getattr(w, "finish", None)     # native collectives: unpad (torch_collectives)
+            if finish is not None:
+                finish()
 
     def retract(self, obj, tag) -> None:
         """Overwrite this rank's value of round `tag` (its last Meta there) with `obj`."""
         self.store.set(f"meshcomm/meta/{tag}/{self.rank}", pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
     def wait_async(self, works, deadline):
-        """`_block(works)` on a waiter thread: a Future."""
+        """[(work, Future of its blocking wait)]: one waiter thread each; the Future raises
+        the work's PeerTimeoutError."""
         self.flush()
         if self._waiter is None:
             import concurrent.futures
-            self._waiter = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="meshcomm-torch-wait")
-        return self._waiter.submit(self._block, [w for w in works if w.work is not None], deadline)
+            self._waiter = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="meshcomm-torch-wait")
+        return [(w, self._waiter.submit(self._wait_one, w, deadline)) for w in works if w.work is not None]
+
+    def _wait_one(self, w, deadline):
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0 and not w.work.is_completed():
+            raise self._timeout(w, None)
+        try:
+            if left is None:
+                w.work.wait()
+            else:
+                w.work.wait(timeout=_td(max(left, 1e-3)))
+        except Exception as e:              # gloo: timeouts and closed connections
+            raise self._timeout(w, e) from e
 
     def _block(self, works, deadline):
         for w in works:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0 and not w.work.is_completed():
-                raise self._timeout(w, None)
-            try:
-                if left is None:
-                    w.work.wait()
-                else:
-                    w.work.wait(timeout=_td(left))
-            except Exception as e:              # gloo: timeouts and closed connections
-                raise self._timeout(w, e) from e
+            self._wait_one(w, deadline)
             finish = getattr(w, "finish", None)     # native collectives: unpad (torch_collectives)
             if finish is not None:
                 finish()

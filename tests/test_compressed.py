@@ -61,16 +61,16 @@ def test_reduce_scatter_errors_within_the_documented_bounds(monkeypatch):
     t = 1e-3
     errs = {}
     for algo in ("oneshot", "ring"):
-        monkeypatch.setenv("MESHCOMM_COMPRESSION_REDUCE", algo)
+        monkeypatch.setattr(codec_cost, "REDUCE_ALGORITHM", algo)
         out = mc.reduce_scatter(xs, mesh, "x", compression=ZFP(tolerance=t))
         got = np.concatenate([out[d] for d in mesh.device_ids])
         errs[algo] = np.abs(got - exact).max()
         assert errs[algo] <= 7 * t + 8 * 2.0 ** -23 * np.abs(exact).max(), (algo, errs[algo])
         assert errs[algo] > 0                                       # it did compress
     # fixed rate: the ring recodes growing partial sums, one-shot each addend once
-    monkeypatch.setenv("MESHCOMM_COMPRESSION_REDUCE", "oneshot")
+    monkeypatch.setattr(codec_cost, "REDUCE_ALGORITHM", "oneshot")
     one = np.concatenate(list(mc.reduce_scatter(xs, mesh, "x", compression="zfp(rate=12)").values()))
-    monkeypatch.setenv("MESHCOMM_COMPRESSION_REDUCE", "ring")
+    monkeypatch.setattr(codec_cost, "REDUCE_ALGORITHM", "ring")
     ring = np.concatenate(list(mc.reduce_scatter(xs, mesh, "x", compression="zfp(rate=12)").values()))
     assert np.abs(one - exact).max() < np.abs(ring - exact).max()
 
@@ -150,7 +150,7 @@ def test_nan_and_inf_through_collectives_and_reshard(monkeypatch, codec):
     with np.errstate(invalid="ignore"):
         exact = np.sum(np.stack([xs[d].astype(np.float64) for d in range(4)]), axis=0)
     for algo in ("oneshot", "ring"):
-        monkeypatch.setenv("MESHCOMM_COMPRESSION_REDUCE", algo)
+        monkeypatch.setattr(codec_cost, "REDUCE_ALGORITHM", algo)
         with np.errstate(invalid="ignore"):
             ar = mc.all_reduce(xs, mesh, "x", compression=codec)
             rs = mc.reduce_scatter(xs, mesh, "x", compression=codec)
@@ -245,6 +245,7 @@ def test_mpiexec_4_mpi_and_torch(tmp_path):
     for r in res:
         assert (r["all_gather"], r["reduce_scatter"], r["all_reduce"], r["reshard"]) == (10, 4, 2, 2)
         assert r["disagree_raised"] == 2                  # every process raised, on both backends
+        assert r["program_runs"] == 2 * 2 * 2 and r["repeat_ok"] == 2     # Programs; repeats construct none
     # each tile crosses 3 hops (a chain through the other processes), at the exact fixed-rate size
     assert sum(r["ag_sent"] for r in res) == 3 * 4 * res[0]["ag_tile_wire"]
     for b in ("mpi", "torch"):
@@ -254,7 +255,8 @@ def test_mpiexec_4_mpi_and_torch(tmp_path):
 @pytest.mark.mpi
 def test_mpiexec_2_processes_2_devices_each(tmp_path):
     res = _launch(tmp_path, 2, "--init", "mpi", "--dpp", "2", "--backends", "mpi")
-    assert [(r["all_gather"], r["reduce_scatter"], r["disagree_raised"]) for r in res] == [(5, 2, 1)] * 2
+    assert [(r["all_gather"], r["reduce_scatter"], r["disagree_raised"], r["program_runs"], r["repeat_ok"])
+            for r in res] == [(5, 2, 1, 4, 1)] * 2
 
 
 @pytest.mark.mpi

@@ -239,3 +239,32 @@ def test_no_init_under_a_launcher_refuses_to_run_alone(tmp_path):
         for name in ("all_reduce", "reshard", "all_to_all_v", "Program.all_reduce"):
             assert x[name] == "refused" and x[name + ":local"] == "ran", x
         assert x["after_init_local"] == 6.0
+
+
+FREEZE = [("mpi", st, form) for st in ("agreement", "create", "transfer") for form in ("eager", "program")] + \
+    [("torch", "agreement", "program"), ("torch", "create", "eager"), ("torch", "transfer", "program")]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("init,stage,form", FREEZE)
+def test_a_frozen_peer_at_each_stage(tmp_path, init, stage, form):
+    """The last of 4 ranks stops (SIGSTOP) before the agreement, inside a communicator's
+    creation, or 50 ms into a loop of 16 MiB reshards: every survivor raises within
+    MESHCOMM_TIMEOUT (+ slack), never returning a wrong value (tests/workers/freeze_worker.py)."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    timeout = 3
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, MESHCOMM_TIMEOUT=str(timeout), MESHCOMM_LOG=str(tmp_path / "log"))
+    subprocess.run([MPIEXEC, "-n", "4", sys.executable, str(ROOT / "tests" / "workers" / "freeze_worker.py"),
+                    "--init", init, "--stage", stage, "--form", form, "--out", str(out)],
+                   capture_output=True, text=True, timeout=120, env=env)
+    res = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    assert sorted(res) == [0, 1, 2], res
+    for r in res.values():
+        assert r["error"] is not None, r
+        assert r["seconds"] < timeout + 10, r
+    # the flight recorder of each survivor says what it waited for when it failed
+    flights = {p.name for p in (tmp_path / "log").glob("flight_rank*.jsonl")}
+    assert {"flight_rank0.jsonl", "flight_rank1.jsonl", "flight_rank2.jsonl"} <= flights, flights

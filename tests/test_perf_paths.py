@@ -1,6 +1,6 @@
 """The fast paths: the hand-written floor of `meshcomm bench run`, the one-copy local path
-(aligned tiles JAX adopts, replicas sharing one array), the agreement check decided by
-hashes on repeated calls, and the planner keeping the best of its candidates."""
+(aligned tiles JAX adopts, replicas sharing one array), repeated calls that run their
+Program without agreeing again, and the planner keeping the best of its candidates."""
 from __future__ import annotations
 
 import os
@@ -220,13 +220,14 @@ def test_local_program_writes_each_box_of_a_shared_tile_once():
     np.testing.assert_array_equal(out[0], g)
 
 
-# -- the agreement check over MPI ---------------------------------------------------------------
+# -- repeated calls over MPI ---------------------------------------------------------------------
 
 @pytest.mark.mpi
-def test_repeated_calls_are_decided_by_hashes(tmp_path):
-    """4 processes: repeated identical calls (and a process without src tiles that knows
-    shape and dtype) agree by one round of hashes; a shape mismatch still raises on every
-    process, and the next call works."""
+def test_repeated_calls_run_their_program_without_agreeing_again(tmp_path):
+    """4 processes (tests/workers/perf_worker.py): repeated identical calls where every
+    process holds a tile construct no Program and agree on nothing after the first; where
+    receivers hold none, every call agrees once and runs the same Program; a shape mismatch
+    still raises on every process, and the next call works."""
     mpiexec = Path(sys.executable).parent / "mpiexec"
     if not mpiexec.exists():
         pytest.skip("mpiexec not found")

@@ -282,12 +282,12 @@ def _agreed(req, metas, kinded=True) -> Agreed:
 
 
 def _build(ctx, be, req, kinded=True):
-    def build(pid, metas, deadline):
+    def make(pid, metas, deadline):
         a = _agreed(req, metas, kinded)
         prob = build(req, a.tile, a.shapes)
         k = CollectiveKernel(ctx, be, req, a, prob, pid, deadline)
         return Program(ctx, pid, f"{req.op} over {req.axes} of {req.mesh} {a.tile} {a.dtype[0]}", k, k.plan)
-    return build
+    return make
 
 
 def _describe(req):

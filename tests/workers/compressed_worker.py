@@ -5,13 +5,19 @@
 Every process draws the same seeded tiles, computes the reference from everyone's, passes
 only its own. Checked: all_gather equals, tile by tile, zfpy.decompress_numpy(
 zfpy.compress_numpy(tile)) bit for bit on every device (fixed rate, tolerance, float64,
-dim 1, groups of a 2-d mesh, async); reduce_scatter one-shot and ring within
-(k-1)·tolerance plus rounding; all_reduce with bf16 within the cast's bound; reshard
-between meshes within the tolerance with identical replicas; the bytes each process sends
-(`meshcomm.backends.compressed.stats`); a codec disagreement raises on every process and
-the next call works; with --pace, a 1 MiB message at 0.08 Gb/s takes >= 0.1 s. With
---nonfinite, only NaN/Inf through all_gather (bit for bit, every codec) and all_reduce and
-reduce_scatter (one-shot and ring: IEEE's sums of non-finite addends).
+dim 1, groups of a 2-d mesh, async; eager calls, and Programs run twice); reduce_scatter
+one-shot and ring within (k-1)·tolerance plus rounding; all_reduce with bf16 within the
+cast's bound; reshard between meshes within the tolerance with identical replicas; the bytes
+each process sends (`meshcomm.backends.compressed.stats`); a codec disagreement raises on
+every process and the next call works; with --pace, a 1 MiB message at 0.08 Gb/s takes
+>= 0.1 s. With --nonfinite, only NaN/Inf through all_gather (bit for bit, every codec) and
+all_reduce and reduce_scatter (one-shot and ring: IEEE's sums of non-finite addends).
+
+The reduce algorithm and per-hop compression are module attributes
+(`codec_cost.REDUCE_ALGORITHM`, `codec_cost.PER_HOP`) set alike on every process; a Program
+takes them at its construction, so the cases that change them construct Programs
+(`mc.Program.reduce_scatter(...)`, ...) after setting them: an eager call repeated with the
+same arguments would run the Program its first call constructed.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import time
 
 import numpy as np
 import zfpy
+from meshcomm.backends import codec_cost
 from meshcomm.backends.compressed import stats
 
 import meshcomm as mc
@@ -50,6 +57,11 @@ def each(res, own):
     return {own[0]: res} if len(own) == 1 else res
 
 
+def tile_shape(own, x):
+    """A Program's `shape`: this process's tile (every tile it owns has the same shape here)."""
+    return None if not own else tuple((x if len(own) == 1 else next(iter(x.values()))).shape)
+
+
 def check_all_gather(ctx, backend, counts):
     n = ctx.world_size * ctx.devices_per_process
     flat = mc.Mesh(list(range(n)), ("x",))
@@ -63,10 +75,17 @@ def check_all_gather(ctx, backend, counts):
         sent = stats["sent_bytes"]
         h = mc.all_gather(x, mesh, axes, dim=dim, backend=backend, compression=codec, async_op=k == 1)
         res = each(h.wait() if k == 1 else h, own)
+        runs = [res]
+        if k in (2, 3):         # the same through a Program, run twice (the second asynchronously)
+            prog = mc.Program.all_gather(mesh, axes, shape=tile_shape(own, x), dtype=dt, dim=dim, backend=backend,
+                                         compression=codec)
+            runs += [each(prog(x), own), each(prog(x, async_op=True).wait(), own)]
+            counts["program_runs"] += 2
         for d in own:
             group = next(g for g in mc.collectives.groups(mesh, (axes,) if isinstance(axes, str) else axes) if d in g)
             ref = np.concatenate([zfp_rt(xs[q], codec) for q in group], axis=dim)
-            assert res[d].dtype == ref.dtype and np.array_equal(res[d], ref), (k, d, codec)
+            for got in runs:
+                assert got[d].dtype == ref.dtype and np.array_equal(got[d], ref), (k, d, codec)
         if k == 0 and ctx.devices_per_process == 1:
             counts["ag_sent"] = stats["sent_bytes"] - sent
             counts["ag_tile_wire"] = codec.wire_bytes(shape, dt)
@@ -77,11 +96,13 @@ def check_reduce_scatter(ctx, backend, counts):
     n = ctx.world_size * ctx.devices_per_process
     mesh = mc.Mesh(list(range(n)), ("x",))
     for k, algo in enumerate(("oneshot", "ring")):
-        os.environ["MESHCOMM_COMPRESSION_REDUCE"] = algo
+        codec_cost.REDUCE_ALGORITHM = algo          # taken by the Program constructed next
         t = 1e-3
         xs = tiles((8 * n, 5), n, "float32", 500 + k)
         own, x = mine(ctx, mesh, xs)
-        res = each(mc.reduce_scatter(x, mesh, "x", backend=backend, compression=ZFP(tolerance=t)), own)
+        prog = mc.Program.reduce_scatter(mesh, "x", shape=tile_shape(own, x), dtype="float32", backend=backend,
+                                         compression=ZFP(tolerance=t))
+        res = each(prog(x), own)
         exact = np.sum(np.stack([a.astype(np.float64) for a in xs]), axis=0)
         parts = np.array_split(exact, n)
         for d in own:
@@ -90,7 +111,7 @@ def check_reduce_scatter(ctx, backend, counts):
             assert err <= bound, (algo, d, err, bound)
             counts[f"rs_{algo}_err"] = max(counts.get(f"rs_{algo}_err", 0.0), float(err))
         counts["reduce_scatter"] += 1
-    os.environ.pop("MESHCOMM_COMPRESSION_REDUCE")
+    codec_cost.REDUCE_ALGORITHM = "auto"
     # all_reduce through bf16: each remote addend and the result rounded once (2**-8 relative)
     xs = tiles((33,), n, "float32", 700)
     own, x = mine(ctx, mesh, xs)
@@ -139,6 +160,13 @@ def check_disagreement(ctx, backend, counts):
     assert time.monotonic() - t0 < 20
     res = each(mc.all_gather(x, mesh, "x", backend=backend, compression="zfp(rate=8)"), own)
     assert all(v.shape == (16 * n,) for v in res.values())
+    # repeated, the call runs the Program its first call constructed: no new one, the same values
+    k = ctx.programs
+    for _ in range(3):
+        again = each(mc.all_gather(x, mesh, "x", backend=backend, compression="zfp(rate=8)"), own)
+        assert all(np.array_equal(again[d], res[d]) for d in own)
+    assert ctx.programs == k, f"rank {ctx.rank}: repeated compressed calls constructed {ctx.programs - k} Programs"
+    counts["repeat_ok"] += 1
 
 
 def check_pacing(ctx, backend, counts):
@@ -206,13 +234,15 @@ def check_nonfinite(ctx, backend, counts):
                ((37, 13), "float32", "bf16"), ((37, 13), "float64", "fp16"),
                ((37, 13), "float32", ZFP(rate=8), "per-hop"), ((37, 13), "float32", "fp16", "per-hop")]
     for k, (shape, dt, codec, *per_hop) in enumerate(gathers):
-        os.environ["MESHCOMM_COMPRESSION_PER_HOP"] = "1" if per_hop else "0"     # relays decode, re-encode
+        codec_cost.PER_HOP = bool(per_hop)      # relays decode, re-encode (a Program constructed after it)
         xs = nonfinite_tiles(shape, n, dt, 1100 + 10 * k)
         if not isinstance(codec, ZFP):           # finite values the cast overflows, sent exact
             xs[n - 1][1, 2] = 7e4 if codec == "fp16" else 3.4e38
             xs[n - 1][0, 0] = -1e39 if dt == "float64" else -7e4
         own, x = mine(ctx, mesh, xs)
-        res = each(mc.all_gather(x, mesh, "x", backend=backend, compression=codec), own)
+        prog = mc.Program.all_gather(mesh, "x", shape=tile_shape(own, x), dtype=dt, backend=backend,
+                                     compression=codec)
+        res = each(prog(x), own)
         ref = np.concatenate(xs)
         bad = ~np.isfinite(ref)
         for d in own:
@@ -222,16 +252,17 @@ def check_nonfinite(ctx, backend, counts):
             if not isinstance(codec, ZFP):
                 assert res[d][-shape[0]:][1, 2] == xs[n - 1][1, 2] and res[d][-shape[0]:][0, 0] == xs[n - 1][0, 0]
         counts["nf_all_gather"] += 1
-    os.environ.pop("MESHCOMM_COMPRESSION_PER_HOP")
+    codec_cost.PER_HOP = False
     for k, (algo, codec) in enumerate([(a, c) for a in ("oneshot", "ring")
                                        for c in (ZFP(rate=8), ZFP(tolerance=1e-3), "bf16")]):
-        os.environ["MESHCOMM_COMPRESSION_REDUCE"] = algo
+        codec_cost.REDUCE_ALGORITHM = algo
         xs = nonfinite_tiles((8 * n, 5), n, "float32", 1300 + k)
         own, x = mine(ctx, mesh, xs)
+        kw = dict(shape=tile_shape(own, x), dtype="float32", backend=backend, compression=codec)
         with np.errstate(invalid="ignore"):
             exact = np.sum(np.stack([a.astype(np.float64) for a in xs]), axis=0)
-            ar = each(mc.all_reduce(x, mesh, "x", backend=backend, compression=codec), own)
-            rs = each(mc.reduce_scatter(x, mesh, "x", backend=backend, compression=codec), own)
+            ar = each(mc.Program.all_reduce(mesh, "x", **kw)(x), own)
+            rs = each(mc.Program.reduce_scatter(mesh, "x", **kw)(x), own)
         parts = np.array_split(exact, n)
         fin = np.isfinite(exact)
         for d in own:
@@ -239,7 +270,7 @@ def check_nonfinite(ctx, backend, counts):
             assert same_nonfinite(rs[d], parts[d]), (algo, codec, d)
             assert np.isfinite(ar[d][fin]).all() and np.isfinite(rs[d][np.isfinite(parts[d])]).all()
         counts["nf_all_reduce"] += 1
-    os.environ.pop("MESHCOMM_COMPRESSION_REDUCE")
+    codec_cost.REDUCE_ALGORITHM = "auto"
 
 
 def main():
@@ -254,7 +285,8 @@ def main():
     os.environ["MESHCOMM_COMPRESSION_CHUNK"] = "1024"       # several chunks per tile
     ctx = mc.init(backend=args.init, devices_per_process=args.dpp)
     counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "reshard": 0, "disagree_raised": 0,
-              "nf_all_gather": 0, "nf_all_reduce": 0}
+              "nf_all_gather": 0, "nf_all_reduce": 0, "program_runs": 0,
+              "repeat_ok": 0}
     for b in args.backends.split(","):
         if args.nonfinite:
             check_nonfinite(ctx, b, counts)

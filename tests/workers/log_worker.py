@@ -3,9 +3,9 @@
 
     mpiexec -n 4 python tests/workers/log_worker.py DIR [--dlrm]
 
-Calls: point-to-point, a broadcast to 3 ranks, ordered and collective (MESHCOMM_REDUCE=
-collective, int32) reductions over 4 ranks, a reshard whose group leaves rank 3 out (rank 3
-still calls it: the agreement check is on), an async reshard under nested tags, and
+Calls: point-to-point, a broadcast to 3 ranks, ordered and collective (backends.base.
+REDUCE_MODE = "collective", int32) reductions over 4 ranks, a reshard whose group leaves
+rank 3 out (rank 3 still calls it: its Program's construction agrees over every process), an async reshard under nested tags, and
 all_to_all_v with and without recv_counts, an all_reduce and an all_gather on mesh axes.
 tests/test_log.py reads the files.
 """
@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 import meshcomm as mc
+from meshcomm.backends import base
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,12 +37,12 @@ def calls(rank: int, world: int) -> None:
     for k, (src, dst) in enumerate(cases):
         with mc.log.tag(f"case{k}"):
             mc.reshard(mc.shard(x, src), src, dst)
-    os.environ["MESHCOMM_REDUCE"] = "collective"                                   # backend reduce
+    base.REDUCE_MODE = "collective"     # the backend's reduce (set alike everywhere, before the Program)
     xi = np.arange(64 * 24, dtype=np.int32).reshape(64, 24)
     src, dst = mc.Layout(m, (), partial=("x",)), mc.Layout(mc.Mesh([2], ("a",)), ())
     with mc.log.tag("int"):
         mc.reshard(mc.shard(xi, src), src, dst)
-    del os.environ["MESHCOMM_REDUCE"]
+    base.REDUCE_MODE = "auto"
     with mc.log.tag("outer"), mc.log.tag("inner"):
         h = mc.reshard(mc.shard(x, cases[0][0]), cases[0][0], cases[0][1], async_op=True)
     h.wait()

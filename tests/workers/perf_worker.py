@@ -1,9 +1,16 @@
-"""SPMD worker for tests/test_perf_paths.py: the agreement check's hash round over MPI.
+"""SPMD worker for tests/test_perf_paths.py: repeated reshards run their Program without
+agreeing again where every process can decide alone, over MPI.
 
-Repeated identical calls must be decided by the hashes alone (counter "hash_check"), with
-a receiving process that holds no src tile but passes shape= and dtype= (it posts its
-receives before the check completes); a shape mismatch on one process must still make
-every process raise naming the disagreement, after which the next call works.
+* Every process holds a src tile and passes shape=: the first call constructs a Program
+  (one agreement), the repeats construct none and agree on nothing (`ctx.programs` and
+  `ctx.attempts` stay).
+* Receiving processes hold no src tile: with shape= and dtype= they decide alone too (the
+  dtype tells them the kind of array: a torch dtype, torch tensors), so only the first call
+  agrees; without, every call agrees first (the metadata exchange), then runs the same
+  Program (the flight recorder's runs name one Program number).
+* A new shape constructs a new Program; a shape mismatch on one process makes every
+  process raise naming it, and the next call works; torch tensors on the senders, with
+  dtype=torch.float32, come back as torch tensors on the receivers.
 Prints "OK <rank>" on success.
 """
 from __future__ import annotations
@@ -13,13 +20,12 @@ import sys
 import numpy as np
 
 import meshcomm as mc
-from meshcomm.backends import base
+from meshcomm.runtime import control
 
 
-def decided_so_far() -> int:
-    """Calls decided without the metadata exchange: by the round of hashes, or (a call every
-    process agreed on twice before) by its signature communicator."""
-    return base.issued[("hash_check", "mpi")] + base.issued[("signature_check", "mpi")]
+def programs_run(since: int) -> list[int]:
+    """The Program numbers of the runs this process made after flight-recorder entry `since`."""
+    return [e["program"] for e in control.RECORDER.records() if e["seq"] > since and e["what"] == "run"]
 
 
 def main() -> int:
@@ -27,48 +33,63 @@ def main() -> int:
     r, n = ctx.rank, ctx.world_size
     mesh = mc.Mesh(np.arange(n), ("x",))
     g = np.arange(4 * n * 3, dtype=np.float32).reshape(4 * n, 3)
-    src = mc.Layout(mc.Mesh([0, 1], ("a",)), ("a",))          # rows on ranks 0 and 1 only
     dst = mc.Layout(mesh, (None, None))                       # every rank gets everything
-    x = {d: g[d * 2 * n:(d + 1) * 2 * n] for d in (0, 1) if d == r}
-    before = decided_so_far()
+
+    # every process holds a tile: it decides alone from the second call on
+    every = mc.Layout(mesh, ("x",))
+    xe = {r: g[4 * r:4 * (r + 1)]}
+    p0, a0 = ctx.programs, ctx.attempts
+    y = mc.reshard(xe, every, dst, shape=g.shape)
+    assert np.array_equal(y[r], g), r
+    assert (ctx.programs - p0, ctx.attempts - a0) == (1, 1), (r, ctx.programs - p0, ctx.attempts - a0)
+    seq = control.RECORDER.seq
     for k in range(5):
-        y = mc.reshard(x, src, dst, shape=g.shape, dtype=g.dtype)
+        y = mc.reshard(xe, every, dst, shape=g.shape)
         assert np.array_equal(y[r], g), (r, k)
-    decided = decided_so_far() - before
-    assert decided == 5, f"rank {r}: {decided} of 5 repeated calls decided by hashes"
-    # without shape= and dtype=, ranks without tiles (and rank 0, whose tile does not pin the
-    # row count) guess what the last call with these layouts agreed on; the hashes of the
-    # guesses decide while they are right
-    before = decided_so_far()
-    for k in range(3):
-        y = mc.reshard(x, src, dst)
-        assert np.array_equal(y[r], g), (r, k)
-    decided = decided_so_far() - before
-    assert decided == 3, f"rank {r}: {decided} of 3 calls without shape= decided by hashes"
-    # a new shape: the guesses are wrong, so the metadata is exchanged and every process
-    # starts over; the result is right, and the calls after it are decided by hashes again
+    assert (ctx.programs - p0, ctx.attempts - a0) == (1, 1), \
+        f"rank {r}: repeated calls constructed {ctx.programs - p0 - 1} Programs, agreed {ctx.attempts - a0 - 1} times"
+    assert len(set(programs_run(seq))) == 1 and len(programs_run(seq)) == 5, (r, programs_run(seq))
+
+    # rows on ranks 0 and 1 only: with shape= and dtype= the receivers decide alone (one
+    # agreement: the construction); without, every call agrees first, then runs the Program
+    # of the agreed facts (one Program for all five calls)
+    src = mc.Layout(mc.Mesh([0, 1], ("a",)), ("a",))
+    x = {d: g[d * 2 * n:(d + 1) * 2 * n] for d in (0, 1) if d == r}
+    for kw, agreements in (({"shape": g.shape, "dtype": g.dtype}, 1), ({}, 5)):
+        a0, seq = ctx.attempts, control.RECORDER.seq
+        for k in range(5):
+            y = mc.reshard(x, src, dst, **kw)
+            assert np.array_equal(y[r], g), (r, k, kw)
+        assert ctx.attempts - a0 == agreements, (r, sorted(kw), ctx.attempts - a0)
+        runs = programs_run(seq)
+        assert len(runs) == 5 and len(set(runs)) == 1, f"rank {r} {sorted(kw)}: the calls ran Programs {runs}"
+    # a new shape: a new Program, run again by the repeats
     g2 = np.arange(6 * n * 3, dtype=np.float32).reshape(6 * n, 3)
     x2 = {d: g2[d * 3 * n:(d + 1) * 3 * n] for d in (0, 1) if d == r}
+    seq, before = control.RECORDER.seq, set(programs_run(0))
     for k in range(3):
-        before = decided_so_far()
         y = mc.reshard(x2, src, dst)
         assert np.array_equal(y[r], g2), (r, k)
-        assert decided_so_far() - before == (k > 0), (r, k)
-    # a disagreement (rank 3 says another shape) still raises everywhere
+    runs = programs_run(seq)
+    assert len(runs) == 3 and len(set(runs)) == 1 and runs[0] not in before, (r, runs, before)
+    # a disagreement (rank 3 says another shape) raises everywhere, naming rank 3
     bad = (4 * n + (1 if r == 3 else 0), 3)
     try:
         mc.reshard(x if r != 3 else {}, src, dst, shape=bad, dtype=g.dtype)
     except ValueError as e:
-        assert "disagree" in str(e) or "rank 3" in str(e) or r == 3, (r, e)
+        assert r == 3 or "[3]" in str(e) or "rank 3" in str(e), (r, e)
     else:
         raise AssertionError(f"rank {r}: no error for a shape mismatch")
     y = mc.reshard(x, src, dst, shape=g.shape, dtype=g.dtype)
     assert np.array_equal(y[r], g), r
-    # torch tensors on the senders: the receivers' early NumPy buffers come back as torch
+    # torch tensors on the senders: the receivers get torch tensors too (the kind is agreed)
     import torch
     xt = {d: torch.from_numpy(v.copy()) for d, v in x.items()}
-    y = mc.reshard(xt, src, dst, shape=g.shape, dtype=torch.float32)
-    assert isinstance(y[r], torch.Tensor) and np.array_equal(y[r].numpy(), g), (r, type(y[r]))
+    p0, a0 = ctx.programs, ctx.attempts
+    for _ in range(3):
+        y = mc.reshard(xt, src, dst, shape=g.shape, dtype=torch.float32)
+        assert isinstance(y[r], torch.Tensor) and np.array_equal(y[r].numpy(), g), (r, type(y[r]))
+    assert (ctx.programs - p0, ctx.attempts - a0) == (1, 1), (r, ctx.programs - p0, ctx.attempts - a0)
     mc.finalize()
     print(f"OK {r}", flush=True)
     return 0
