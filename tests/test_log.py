@@ -325,3 +325,22 @@ def test_log_under_mpiexec(tmp_path):
             assert cmp.ok and sum(r.logged_calls for r in cmp.rows) == 4 * 3 * 2
             tr = log_cmd.trace(lg)
             assert len([e for e in json.loads(json.dumps(tr))["traceEvents"] if e["ph"] == "X"]) == len(lg.records)
+
+
+def test_summary_reads_flight_recorders(tmp_path, capsys):
+    """`meshcomm log summary DIR` on the flight recorders a failed call wrote says each rank's
+    last call and who waited for whom (records as meshcomm.runtime.control writes them)."""
+    import json as _json
+    from meshcomm.tools.cli import main as cli
+    rec = lambda r, what, prog, run, state, awaiting: {  # noqa: E731
+        "seq": 1, "what": what, "program": prog, "label": "reshard", "run": run, "state": state,
+        "awaiting": awaiting, "t_start": 0.0, "t_end": 1.0, "rank": r}
+    rows = {0: rec(0, "run", 3, 2, "failed", [1, 2]), 1: rec(1, "construct", 4, 9, "failed", [0]),
+            2: rec(2, "run", 3, 2, "failed", [3])}
+    for r, e in rows.items():
+        (tmp_path / f"flight_rank{r}.jsonl").write_text(_json.dumps(e) + "\n")
+    assert cli(["log", "summary", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "rank 1: constructing Program #4 (reshard): failed, waiting for rank(s) [0]" in out
+    assert "ranks 0 and 1 waited for each other in different calls" in out
+    assert "rank 2 waited for rank 3, which wrote no record" in out

@@ -202,8 +202,8 @@ class Channel:
                            or (stalled and m[1] in peers))
         if call is None:
             return
-        if self.entry is not None and self.entry[5] != "waiting":
-            Recorder.waiting(self.entry, peers)
+        if self.entry is not None:
+            Recorder.waiting(self.entry, peers)     # the peers it still waits for, now
         if not stalled:
             return
         for p in peers:

@@ -284,10 +284,53 @@ def add_parser(sub) -> None:
     c.set_defaults(func=_compare)
 
 
+def flights(directory) -> dict[int, list[dict]]:
+    """The flight recorders a failed call wrote (`flight_rank<r>.jsonl`, meshcomm.runtime.control):
+    {rank: its last calls, oldest first}."""
+    out = {}
+    for f in sorted(os.listdir(directory)):
+        m = re.fullmatch(r"flight_rank(\d+)\.jsonl", f)
+        if m:
+            with open(os.path.join(directory, f)) as fh:
+                out[int(m.group(1))] = [json.loads(line) for line in fh if line.strip()]
+    return out
+
+
+def _call(e: dict) -> str:
+    if e["what"] == "construct":
+        return f"constructing Program #{e['program']} ({e['label']})"
+    return f"run {e['run']} of Program #{e['program']} ({e['label']})"
+
+
+def format_flights(fl: dict[int, list[dict]]) -> str:
+    """Who waited for whom in which call: each rank's last call, its state and the peers it
+    still awaited; then the pairs of ranks waiting for each other in different calls."""
+    lines = ["flight recorder (each rank's last call):"]
+    last = {r: es[-1] for r, es in fl.items() if es}
+    for r, e in sorted(last.items()):
+        wait = f", waiting for rank(s) {e['awaiting']}" if e["awaiting"] else ""
+        lines.append(f"  rank {r}: {_call(e)}: {e['state']}{wait}")
+    for r, e in sorted(last.items()):
+        for q in e["awaiting"]:
+            f = last.get(q)
+            if f is None:
+                lines.append(f"  rank {r} waited for rank {q}, which wrote no record: it never arrived, froze or died")
+            elif r < q and r in f["awaiting"] and (f["program"], f["what"], f["run"]) != (e["program"], e["what"], e["run"]):
+                lines.append(f"  ranks {r} and {q} waited for each other in different calls: "
+                             f"{_call(e)} / {_call(f)}")
+    return "\n".join(lines)
+
+
 def _summary(args) -> int:
     if args.plot:
         check_output(args.plot, "--plot")
         require("matplotlib", "--plot")
+    if os.path.isdir(args.dir):
+        fl = flights(args.dir)
+        if fl:
+            print(format_flights(fl))
+            if not any(re.fullmatch(r"rank\d+\.jsonl", f) for f in os.listdir(args.dir)):
+                return 0
     log = read(args.dir)
     print(f"{args.dir}: {len(log.records)} records from {len(log.headers)} rank(s)")
     print(format_summary(summary(log.records, by=args.by), by=args.by))
