@@ -21,7 +21,7 @@ from .mesh import Mesh  # noqa: E402
 from .layout import Blocks, Layout
 from . import planners
 from .planners import Plan, Transfer, Topology, verify
-from .api import plan, reshard, shard, unshard
+from .api import plan, reshard, reshard_many, shard, unshard
 from .handle import Handle
 from .caches import clear_caches
 from .runtime import init, finalize
@@ -31,7 +31,8 @@ from . import log  # noqa: F401  (meshcomm.log.start / stop / tag)
 __version__ = "0.1.0"
 
 __all__ = ["Mesh", "Layout", "Blocks", "Topology", "Plan", "Transfer", "plan", "reshard",
-           "shard", "unshard", "verify", "Handle", "planners", "init", "finalize", "clear_caches", "Program"]
+           "shard", "unshard", "verify", "Handle", "planners", "init", "finalize", "clear_caches", "Program",
+           "reshard_many"]
 from .alltoall import all_to_all_v; __all__ += ["all_to_all_v"]  # noqa: E402,E702
 from .planners.bounds import lower_bound; __all__ += ["lower_bound"]  # noqa: E402,E702
 from .collectives import (all_gather, all_reduce, all_to_all, barrier, broadcast, gather, recv,  # noqa: E402

@@ -14,7 +14,7 @@ from .reduceops import combine
 from .runtime.local_program import one_process
 from .validate import check_keys, check_layouts, check_tile_shapes, infer_shape
 
-__all__ = ["plan", "reshard", "shard", "unshard"]
+__all__ = ["plan", "reshard", "reshard_many", "shard", "unshard"]
 
 
 # -- shard / unshard ----------------------------------------------------------------------
@@ -178,3 +178,39 @@ def reshard(x, src: Layout, dst: Layout, *, shape=None, dtype=None, backend: str
                              f"device; dst mesh has {len(devs)}; pass a dict {{device: tile}}")
         result = result[devs[0]]
     return Handle(result=result) if async_op else result
+
+
+def reshard_many(xs, src, dst, *, shapes=None, dtypes=None, backend: str | None = None, async_op: bool = False,
+                 bucket_mb=None, compression=None):
+    """Move many tensors at once (a model's weights, a state dict): `xs[name]` is this
+    process's src tiles of tensor `name` (as `reshard` takes them; a name may be left out
+    where it owns none). `src`/`dst`: {name: Layout} or one Layout for every name; `shapes`,
+    `dtypes`: {name: ...} (or one dtype), inferred from the tiles where unambiguous. Returns
+    {name: this process's dst tiles} ({} where it owns none). The batch is planned as one
+    (senders balanced over every tensor's bytes) and runs with one message per pair of
+    processes per stage and bucket (`bucket_mb`). Under a launcher it is the cached
+    `Program.reshard_many` of these arguments."""
+    ctx = runtime.current()
+    if ctx is not None and backend != "local":
+        from .runtime.batch_call import reshard_many as dist
+        return dist(ctx, xs, src, dst, shapes=shapes, dtypes=dtypes, backend=backend, async_op=async_op,
+                    bucket_mb=bucket_mb, compression=compression)
+    runtime.no_context(backend, "reshard_many")
+    from .runtime.batch_call import normalize_batch
+    if compression is not None:
+        raise ValueError("reshard_many does not take compression= yet: reshard the tensors that should be "
+                         "compressed with reshard(..., compression=)")
+    if not isinstance(xs, Mapping):
+        raise TypeError(f"reshard_many takes {{name: src tiles}}, got {type(xs).__name__}")
+    names = None if any(isinstance(d, Mapping) for d in (src, dst, shapes, dtypes)) else tuple(xs)
+    names, srcs, dsts, shp, dts = normalize_batch(src, dst, shapes, dtypes, names)
+    extra = sorted(set(xs) - set(names))
+    if extra:
+        raise ValueError(f"reshard_many: xs holds tensors {extra[:4]} that are not in the batch")
+    out = {}
+    for n in names:
+        try:
+            out[n] = one_process(xs.get(n, {}), srcs[n], dsts[n], shp[n], dts[n])[0]
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"tensor {n!r}: {e}") from None
+    return Handle(result=out) if async_op else out

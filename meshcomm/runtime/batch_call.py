@@ -1,0 +1,308 @@
+"""Many tensors at once: `Program.reshard_many` and the eager `reshard_many` (a cached one).
+
+A batch is dicts keyed by tensor name: `src`/`dst` ({name: Layout} or one Layout for every
+name), `shapes`, `dtypes` ({name: dtype} or one). Construction agrees on all of it once and
+plans the batch (`planning.plan_many`: senders balanced over every tensor's bytes at once);
+a run checks this process's tiles of every tensor, then runs every tensor's plan together
+(backends/batch.py: one message per pair of processes per stage and bucket).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Mapping
+
+import numpy as np
+
+from .. import arrays
+from .. import log as _log
+from ..backends import batch as batch_exec
+from ..layout import Layout, normalize_shape
+from ..validate import check_layouts, check_tile_shapes, infer_shape, resolve_shape_dtype
+from .agreement import value
+from .program import Program, construct, eager, empty_like, facts_of, fences_of, layouts_fp, tags_of
+from .reshard_call import local_input
+
+__all__ = ["program", "reshard_many", "normalize_batch"]
+
+
+def normalize_batch(src, dst, shapes, dtypes, names=None) -> tuple:
+    """(names, {name: src}, {name: dst}, {name: shape or None}, {name: dtype or None}) with
+    ValueError/TypeError naming the tensor and what is wrong."""
+    given = [d for d in (src, dst, shapes, dtypes) if isinstance(d, Mapping)]
+    if names is None:
+        if not given:
+            raise TypeError("reshard_many needs the tensor names: pass src, dst, shapes or dtypes as a dict "
+                            "keyed by name")
+        names = tuple(given[0])
+    names = tuple(names)
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"tensor names must be str, got {n!r}")
+    for what, d in (("src", src), ("dst", dst), ("shapes", shapes), ("dtypes", dtypes)):
+        if isinstance(d, Mapping) and set(d) != set(names):
+            extra, missing = sorted(set(d) - set(names)), sorted(set(names) - set(d))
+            raise ValueError(f"{what} names differ from the batch's: " +
+                             (f"{what} has {extra[:4]} the others do not" if extra else "") +
+                             ("; " if extra and missing else "") +
+                             (f"{what} lacks {missing[:4]}" if missing else ""))
+
+    def each(d, what, kind=None):
+        out = {}
+        for n in names:
+            v = d[n] if isinstance(d, Mapping) else d
+            if kind is not None and not isinstance(v, kind):
+                raise TypeError(f"tensor {n!r}: {what} must be a meshcomm.Layout, got {type(v).__name__}")
+            out[n] = v
+        return out
+    srcs, dsts = each(src, "src", Layout), each(dst, "dst", Layout)
+    for n in names:
+        try:
+            check_layouts(srcs[n], dsts[n])
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"tensor {n!r}: {e}") from None
+    shp = each(shapes, "shapes") if shapes is not None else {n: None for n in names}
+    for n in names:
+        if shp[n] is not None:
+            try:
+                shp[n] = srcs[n].check_shape(normalize_shape(shp[n]))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"tensor {n!r}: {e}") from None
+    dts = each(dtypes, "dtypes") if dtypes is not None else {n: None for n in names}
+    return names, srcs, dsts, shp, dts
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    name: str
+    src: Layout
+    dst: Layout
+    shape: tuple
+    dtype: str
+    kind: str | None
+    devtype: str | None
+
+
+class BatchKernel:
+    """A batch Program's run (runtime/program.py: prepare, run, finish)."""
+
+    def __init__(self, ctx, be, tensors: list[Tensor], plans, bucket_bytes, pid):
+        self.ctx, self.be, self.tensors, self.plans = ctx, be, tensors, plans
+        self.bucket_bytes, self.tags = bucket_bytes, tags_of(pid, getattr(be, "tag_ub", 1 << 29))
+        own = ctx.ownership
+        self.want = {}
+        for t in tensors:
+            tiling = t.src.tiles(t.shape)
+            self.want[t.name] = {d: tuple(b - a for a, b in tiling.boxes[d]) for d in own.owned(t.src)}
+        self.groups_ready(ctx, be)
+
+    def groups_ready(self, ctx, be):
+        if not batch_exec.coalescable(self.plans, ctx.devices_per_process):
+            from ..backends import base
+            for p in self.plans:
+                coll = base.collective_reduce_ok(p.dtype, be)
+                need = base.groups_needed(p, ctx.devices_per_process, coll,
+                                          lambda s: be.choose(s.table_op, s.nbytes, len(s.ranks), "cpu"))
+                for b in be.members():
+                    b.prepare_groups(need.get(b.name, []), time.monotonic() + ctx.timeout)
+
+    def describe(self) -> str:
+        return f"{len(self.tensors)} tensors, one message per pair of processes per stage"
+
+    def facts(self, st) -> tuple:
+        return tuple((n, tuple(sorted((d, tuple(v.shape)) for d, v in sh.items()))) for n, (sh, _) in st[0].items())
+
+    def prepare(self, xs, out):
+        if xs is None:
+            xs = {}
+        if not isinstance(xs, Mapping):
+            raise TypeError(f"reshard_many takes {{name: this process's src tiles}}, got {type(xs).__name__}")
+        names = {t.name for t in self.tensors}
+        extra = sorted(set(xs) - names)
+        if extra:
+            raise ValueError(f"reshard_many: tensors {extra[:4]} are not in the batch")
+        got = {}
+        for t in self.tensors:
+            shards, _ = local_input(self.ctx, xs.get(t.name, {}), t.src, t.dst)
+            got[t.name] = (self._check(t, shards), None)
+        return got, out
+
+    def _check(self, t: Tensor, shards):
+        want = self.want[t.name]
+        for d, v in shards.items():
+            if tuple(v.shape) != want[d]:
+                raise ValueError(f"tensor {t.name!r}: rank {self.ctx.rank}'s src tile of device {d} has shape "
+                                 f"{tuple(v.shape)}, the Program's layout gives it {want[d]} (shape {t.shape})")
+        dt, kind, _ = facts_of(shards)
+        if dt is not None and dt[0] != t.dtype:
+            raise TypeError(f"tensor {t.name!r}: rank {self.ctx.rank}'s tiles have dtype {dt[0]}, "
+                            f"the Program's is {t.dtype}")
+        if kind == "jax":
+            shards = {d: np.asarray(v) for d, v in shards.items()}
+        return shards
+
+    def run(self, st, deadline, stamp=None):
+        got, out = st
+        ctx = self.ctx
+        items, kinds = [], []
+        for t, p in zip(self.tensors, self.plans):
+            shards = got[t.name][0]
+            kind = facts_of(shards)[1] or t.kind or "numpy"
+            like = next(iter(shards.values())) if shards else empty_like(kind if kind != "jax" else "numpy",
+                                                                          t.dtype, t.devtype or "cpu")
+            items.append(batch_exec.BatchItem(p, shards, like, None if out is None else out.get(t.name)))
+            kinds.append(kind)
+        t_run = time.time() if stamp is not None else None
+        fences = fences_of({i: v for i, it in enumerate(items) for v in list(it.shards.values())[:1]})
+        res = batch_exec.run_batch(items, rank=ctx.rank, devices_per_process=ctx.devices_per_process,
+                                   backend=self.be, tags=self.tags, deadline=deadline,
+                                   bucket_bytes=self.bucket_bytes, fences=fences)
+        if stamp is not None:
+            for t, p, it, r in zip(self.tensors, self.plans, items, res):
+                _log.record_reshard(stamp, rank=ctx.rank, dpp=ctx.devices_per_process, backend=self.be.name,
+                                    plan=p, collective_reduce=False, shards=it.shards, out=r, t_run=t_run)
+        return res, kinds
+
+    def finish(self, r):
+        res, kinds = r
+        return {t.name: (arrays.to_jax_devices(tiles) if kind == "jax" else tiles)
+                for t, tiles, kind in zip(self.tensors, res, kinds)}
+
+
+def _plans(tensors: list[Tensor], bucket_mb):
+    """Every tensor's plan, planned as one batch where the planner can (plan_many)."""
+    from ..planning import plan
+    try:
+        from ..planning import batch_plans
+    except ImportError:
+        batch_plans = None
+    if batch_plans is not None:
+        return batch_plans({t.name: t.shape for t in tensors}, {t.name: t.dtype for t in tensors},
+                           {t.name: t.src for t in tensors}, {t.name: t.dst for t in tensors})
+    return [plan(t.shape, t.dtype, t.src, t.dst) for t in tensors]
+
+
+def _build(ctx, be, names, srcs, dsts, bucket_mb, kinded=True):
+    def make(pid, metas, deadline):
+        tensors = []
+        for i, n in enumerate(names):
+            shape = value(metas, f"shape:{n}")
+            if shape is None:
+                tiles = {}
+                for m in metas:
+                    tiles.update(m.extra.get("tiles", {}).get(n, {}))
+                shape = infer_shape(srcs[n], tiles, owner=lambda d: d // ctx.devices_per_process)
+                if shape is None:
+                    raise ValueError(f"tensor {n!r}: cannot infer the global shape from the src tiles of all "
+                                     "processes; pass shapes=")
+                for r, m in enumerate(metas):
+                    check_tile_shapes(m.extra.get("tiles", {}).get(n, {}), srcs[n].tiles(tuple(shape)), "src", rank=r)
+            dt = value(metas, f"dtype:{n}")
+            if dt is None:
+                raise ValueError(f"tensor {n!r}: no process holds a src tile, so its dtype is unknown; pass dtypes=")
+            kind = value(metas, f"kind:{n}") if kinded else None
+            tensors.append(Tensor(n, srcs[n], dsts[n], tuple(shape), dt[0], kind, "cpu" if kinded else None))
+        plans = _plans(tensors, bucket_mb)
+        bucket = None if bucket_mb is None else int(bucket_mb * (1 << 20))
+        k = BatchKernel(ctx, be, tensors, plans, bucket, pid)
+        total = sum(p.bytes_moved for p in plans)
+        return Program(ctx, pid, f"reshard_many of {len(names)} tensors ({total / 2**20:.1f} MiB moved)", k)
+    return make
+
+
+def _fields(names, srcs, dsts, be, shp, dts, kinds, bucket_mb) -> tuple:
+    f = [("op", "reshard_many"), ("names", names),
+         ("layouts", layouts_fp(tuple(srcs[n] for n in names), tuple(dsts[n] for n in names))),
+         ("backend", getattr(be, "signature", be.name)), ("bucket", bucket_mb)]
+    for n in names:
+        f += [(f"shape:{n}", shp.get(n)), (f"dtype:{n}", dts.get(n)), (f"kind:{n}", kinds.get(n))]
+    return tuple(f)
+
+
+def _check_compression(compression):
+    if compression is not None:
+        raise ValueError("reshard_many does not take compression= yet: reshard the tensors that should be "
+                         "compressed with reshard(..., compression=)")
+
+
+def program(src, dst, shapes, dtypes, backend, bucket_mb, compression) -> Program:
+    """`Program.reshard_many(src, dst, shapes=, dtypes=)`: every process constructs it."""
+    from . import current
+    _check_compression(compression)
+    if shapes is None or dtypes is None:
+        raise TypeError("Program.reshard_many needs shapes= and dtypes= (a dict by tensor name; one dtype "
+                        "for all)")
+    names, srcs, dsts, shp, dts = normalize_batch(src, dst, shapes, dtypes)
+    dts = {n: arrays.normalize_dtype(d) for n, d in dts.items()}
+    ctx = current()
+    if ctx is None:
+        from .context import no_context
+        from .local_program import LocalKernel
+        no_context(backend, "Program.reshard_many")
+        from .local_program import one_process
+
+        def run(xs):
+            return {n: (one_process(xs.get(n, {}), srcs[n], dsts[n], shp[n], dts[n][0])[0] if srcs[n].mesh.device_ids
+                        else {}) for n in names}
+        return Program(None, 0, f"reshard_many of {len(names)} tensors", LocalKernel(run, "plans"))
+    be, err = ctx.resolve_backend(backend)
+    fields = _fields(names, srcs, dsts, be, shp, dts, {}, bucket_mb)
+    return ctx.call(lambda: construct(ctx, "reshard_many", fields, err, {}, _build(ctx, be, names, srcs, dsts,
+                                                                                   bucket_mb, kinded=False)))
+
+
+def reshard_many(ctx, xs, src, dst, *, shapes=None, dtypes=None, backend=None, async_op=False, bucket_mb=None,
+                 compression=None):
+    """The eager batch: the cached Program of these arguments, then one run."""
+    _check_compression(compression)
+    stamp = _log.stamp(async_op) if _log.ON else None
+    if not isinstance(xs, Mapping):
+        raise TypeError(f"reshard_many takes {{name: this process's src tiles}}, got {type(xs).__name__}")
+    names = None if any(isinstance(d, Mapping) for d in (src, dst, shapes, dtypes)) else tuple(sorted(xs))
+    names, srcs, dsts, shp, dts = normalize_batch(src, dst, shapes, dtypes, names)
+    be, err = ctx.resolve_backend(backend)
+    got, facts, tiles = {}, {}, {}
+    try:
+        if err is not None:
+            raise err
+        extra = sorted(set(xs) - set(names))
+        if extra:
+            raise ValueError(f"reshard_many: xs holds tensors {extra[:4]} that are not in the batch")
+        for n in names:
+            try:
+                shards, _ = local_input(ctx, xs.get(n, {}), srcs[n], dsts[n])
+                s, name, itemsize = resolve_shape_dtype(shards, srcs[n], shp[n], dts[n])
+                if s is not None:
+                    check_tile_shapes({d: v.shape for d, v in shards.items()}, srcs[n].tiles(s), "src", rank=ctx.rank)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"tensor {n!r}: {e}") from None
+            got[n] = shards
+            kind = facts_of(shards)[1]
+            facts[n] = (s, None if name is None else (name, itemsize), kind)
+            tiles[n] = {d: tuple(v.shape) for d, v in shards.items()}
+    except (ValueError, TypeError) as e:
+        err = e
+    complete = err is None and all(f[0] is not None and f[1] is not None for f in facts.values())
+    sig = ("reshard_many", names, layouts_fp(tuple(srcs[n] for n in names), tuple(dsts[n] for n in names)),
+           repr(shapes) if not isinstance(shapes, Mapping) else tuple(sorted(map(str, shapes.items()))),
+           repr(dtypes), be.name, bucket_mb)
+    local_key = (tuple(sorted((n, f) for n, f in facts.items())), tuple(sorted((n, tuple(sorted(t.items())))
+                                                                              for n, t in tiles.items()))) \
+        if complete else None
+    fields = _fields(names, srcs, dsts, be, {n: f[0] for n, f in facts.items()}, {n: f[1] for n, f in facts.items()},
+                     {n: f[2] for n, f in facts.items()}, bucket_mb)
+
+    def agreed_key(metas):
+        return tuple((n, value(metas, f"shape:{n}"), value(metas, f"dtype:{n}")) for n in names) + \
+            tuple(sorted((n, tuple(sorted(m.extra.get("tiles", {}).get(n, {}).items())))
+                         for m in metas for n in names))
+    prog = ctx.call(lambda: eager(ctx, sig, local_key, complete, "reshard_many", fields, err, {"tiles": tiles},
+                                  _build(ctx, be, names, srcs, dsts, bucket_mb), agreed_key))
+    k = prog._kernel
+    try:
+        st = ({t.name: (k._check(t, got.get(t.name, {})), None) for t in k.tensors}, None)
+    except Exception as e:
+        from . import control
+        prog._fail(control.current(), control.Call("run", prog.id, prog.label, prog.runs + 1), e)
+        raise
+    return prog.start(None, async_op, None, stamp, st)
