@@ -1,9 +1,9 @@
 """SPMD worker (2 processes, mpiexec): work given up on keeps its buffer until MPI is done
-with it (backends.base.abandon, the one path for timeouts, aborted plans and failed checks).
+with it (backends.base.abandon, the one path for timeouts and aborted runs).
 
 1. An aborted plan's send. Rank 0 starts a planned 8 MiB transfer to rank 1 (an Execution,
-   as reshard starts one before the agreement confirms it), aborts it, drops every reference
-   to the source array and fills fresh memory. Rank 1 only then receives: the bytes must be
+   as a Program's run starts one), aborts it, drops every reference to the source array
+   and fills fresh memory. Rank 1 only then receives: the bytes must be
    the source's. (Before abandon, `abort` dropped the send's request with its buffer: MPICH
    then read freed memory, and the receiver failed in process_vm_readv, errno 14.)
 2. A receive given up on as a timeout does (no cancel). Rank 0 drops its references and

@@ -8,8 +8,8 @@ agreeing again where every process can decide alone, over MPI.
   dtype tells them the kind of array: a torch dtype, torch tensors), so only the first call
   agrees; without, every call agrees first (the metadata exchange), then runs the same
   Program (the flight recorder's runs name one Program number).
-* A new shape constructs a new Program; a shape mismatch on one process makes every
-  process raise naming it, and the next call works; torch tensors on the senders, with
+* A new shape constructs a new Program; a shape mismatch on one process in a call that
+  constructs makes every process raise naming it, and the next call works; torch tensors on the senders, with
   dtype=torch.float32, come back as torch tensors on the receivers.
 Prints "OK <rank>" on success.
 """
@@ -72,10 +72,12 @@ def main() -> int:
         assert np.array_equal(y[r], g2), (r, k)
     runs = programs_run(seq)
     assert len(runs) == 3 and len(set(runs)) == 1 and runs[0] not in before, (r, runs, before)
-    # a disagreement (rank 3 says another shape) raises everywhere, naming rank 3
-    bad = (4 * n + (1 if r == 3 else 0), 3)
+    # a disagreement at a construction (a call none made before; rank 3 says another shape)
+    # raises everywhere, naming rank 3
+    bad = (4 * n + (2 if r == 3 else 1), 3)
     try:
-        mc.reshard(x if r != 3 else {}, src, dst, shape=bad, dtype=g.dtype)
+        xb = mc.shard(np.zeros(bad, np.float32), src)
+        mc.reshard({d: xb[d] for d in (0, 1) if d == r}, src, dst, shape=bad, dtype=g.dtype)
     except ValueError as e:
         assert r == 3 or "[3]" in str(e) or "rank 3" in str(e), (r, e)
     else:
