@@ -21,7 +21,7 @@ How a process runs a plan (`execute`):
   rank sends its packed tiles to the root rank, which adds them up in order. For integer
   dtypes (exact in any order) a reduce over 3+ ranks uses the backend's `reduce` instead,
   unless the backend finds gathering faster (MPI with every rank on one host, where
-  MPICH's Ireduce measured 3-7x slower); `MESHCOMM_REDUCE=collective` uses the collective
+  MPICH's Ireduce measured 3-7x slower); `REDUCE_MODE = "collective"` uses the collective
   for integers and float32/float64 (not bitwise reproducible), `ordered` never.
 * Stages: everything of stage k is issued non-blocking, in global order, then waited for,
   then unpacked, before stage k+1 (which may read what stage k wrote).

@@ -2,7 +2,7 @@
 
 * Messages are raw bytes (any dtype: bfloat16, float16, ...; the executor views packed
   buffers as uint8). Reductions take typed NumPy buffers (integer dtypes, or floats with
-  MESHCOMM_REDUCE=collective).
+  REDUCE_MODE = "collective" in backends/base.py).
 * The backend works on three duplicates of the world communicator (data, metadata and the
   control channel of meshcomm.runtime.control), so it never matches the user's own MPI
   traffic. Errors return as exceptions (not abort). A Program's point-to-point messages
