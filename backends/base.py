@@ -185,7 +185,7 @@ def watch(pending: Sequence[Work], deadline) -> None:
     if w is None:
         return
     try:
-        w({p for x in pending for p in x.peers}, deadline)
+        w(pending, deadline)
     except BaseException:
         abandon(pending, cancel=True)
         raise

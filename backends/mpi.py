@@ -164,7 +164,7 @@ def timed_allgather(comm, obj, deadline, tag, timeout, what, why, accept=None, s
                 f"rank {rank}: peer rank(s) {pending} did not arrive at {what} within {t} "
                 f"(MESHCOMM_TIMEOUT): they {why}, or died", pending, what)
         if _base.WATCH is not None:         # a peer's error, or a peer in another call
-            _base.WATCH(set(pending), deadline)
+            _base.WATCH([_Waiting(r) for r in pending], deadline)
         spins += 1
         backoff(spins)
     wait_polling(sends, deadline, rank, timeout)
@@ -172,6 +172,15 @@ def timed_allgather(comm, obj, deadline, tag, timeout, what, why, accept=None, s
 
 
 _NONE = object()
+
+
+class _Waiting:
+    """A peer the allgather still waits for, as the control channel's watch takes it."""
+
+    __slots__ = ("peers",)
+
+    def __init__(self, r):
+        self.peers = (r,)
 
 
 def timed_dup(comm, deadline):

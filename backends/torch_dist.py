@@ -67,6 +67,15 @@ class _TorchWork(Work):
         return self.work is not None and self.work.is_completed()
 
 
+class _Peer:
+    """A peer the store's allgather still waits for, as the control channel's watch takes it."""
+
+    __slots__ = ("peers",)
+
+    def __init__(self, r):
+        self.peers = (r,)
+
+
 class TorchBackend(TorchCollectives, Backend):
     name = "torch"
     wire = "torch"
@@ -314,7 +323,7 @@ class TorchBackend(TorchCollectives, Backend):
                     f"within {t} (MESHCOMM_TIMEOUT): they did not construct the same Program, or died",
                     pending, "metadata")
             if _base.WATCH is not None:
-                _base.WATCH(set(pending), deadline)
+                _base.WATCH([_Peer(r) for r in pending], deadline)
             spins += 1
             time.sleep(min(0.002, 1e-5 * spins))
         return out

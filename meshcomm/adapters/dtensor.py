@@ -23,6 +23,12 @@ shape and a contiguous global stride.
   `_StridedShard` is not supported.
 * The result does not carry autograd history (resharding is a data movement here).
 
+A state dict at once: `reshard_state_dict(sd, device_mesh, placements)` moves every
+DTensor of `sd` ({name: DTensor}, e.g. a model's weights) to `device_mesh` in ONE
+`meshcomm.reshard_many` call (planned together, one message per pair of processes per stage),
+with one placements list for all, a dict {name: placements}, or a callable name ->
+placements; it returns {name: DTensor} in `sd`'s order. Every rank passes the same names.
+
 Which rank holds which chunk: the rank at mesh coordinate c (its index in
 `DeviceMesh.mesh`, `DeviceMesh.get_coordinate()`) holds chunk c[d] along each mesh dim d
 that shards, nested in mesh-dim order. That is torch's own rule
@@ -40,7 +46,7 @@ coordinate rule on every mesh.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
 import torch
@@ -50,7 +56,10 @@ from ..handle import Handle
 from ..layout import Blocks, Layout, chunk_bounds, normalize_shape
 from ..mesh import Mesh
 
-__all__ = ["layout_from_placements", "placements_from_layout", "reshard_dtensor", "nested_chunk_sizes"]
+__all__ = ["layout_from_placements", "placements_from_layout", "reshard_dtensor", "reshard_state_dict",
+           "nested_chunk_sizes"]
+
+PlacementsArg = Union[Sequence[Placement], Mapping[str, Sequence[Placement]], Callable[[str], Sequence[Placement]]]
 
 
 def mesh_ranks_and_names(device_mesh) -> tuple[np.ndarray, tuple[str, ...]]:
@@ -175,6 +184,59 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def _raise(ctx, e, op="reshard"):
+    """Raise `e` here; under a launcher every other rank raises too, naming this one."""
+    if ctx is None:
+        raise e
+    from ..runtime.agreement import raise_together
+    raise_together(ctx, op, e)
+
+
+def _world_rank(ctx) -> int:
+    import torch.distributed as dist
+    if ctx is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError("resharding DTensors across processes needs meshcomm.init(backend=...) first")
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    ctx_rank = getattr(ctx, "rank", rank)
+    if ctx is not None and ctx_rank != rank:
+        raise RuntimeError(f"meshcomm rank {ctx_rank} differs from torch.distributed rank {rank}")
+    return rank
+
+
+def _prepare(dt, device_mesh, placements, dpp, rank):
+    """(src Layout, dst Layout, {device: this rank's tile} or {}, global shape) of one DTensor,
+    or ValueError/TypeError."""
+    if not isinstance(dt, DTensor):
+        raise TypeError(f"need a DTensor, got {type(dt).__name__}")
+    shape = tuple(dt.shape)
+    spec = getattr(dt, "_spec", None)
+    order = getattr(spec, "shard_order", None) if spec is not None else None
+    src = layout_from_placements(dt.device_mesh, dt.placements, shape, devices_per_process=dpp,
+                                 shard_order=order)
+    dst = layout_from_placements(device_mesh, placements, shape, devices_per_process=dpp)
+    me = rank * dpp
+    x = {}
+    if me in src.mesh:
+        local = dt.to_local().detach()
+        want = tuple(b - a for a, b in src.box(me, shape))
+        if tuple(local.shape) != want:
+            raise ValueError(f"rank {rank}: local tensor of shape {tuple(local.shape)} but placements "
+                             f"{tuple(dt.placements)} give it {want} of global shape {shape}")
+        x[me] = local.contiguous()
+    return src, dst, x, shape
+
+
+def _wrap(out, me, like, device_mesh, placements, shape, dtype):
+    """This rank's dst tile (or DTensor's empty tensor outside the mesh) as a DTensor."""
+    if out is None:
+        out = {}
+    local = out.get(me) if isinstance(out, dict) else out
+    if local is None:
+        local = torch.empty(0, dtype=dtype, device=like.device)
+    return DTensor.from_local(local, device_mesh, tuple(placements), run_check=False,
+                              shape=torch.Size(shape), stride=_contiguous_stride(shape))
+
+
 def reshard_dtensor(dt: DTensor, device_mesh, placements: Sequence[Placement], *,
                     backend: str | None = None, async_op: bool = False) -> DTensor:
     """Move `dt` to `device_mesh` (any DeviceMesh of the same world, overlapping or not)
@@ -182,52 +244,91 @@ def reshard_dtensor(dt: DTensor, device_mesh, placements: Sequence[Placement], *
     With `async_op=True` it returns a `meshcomm.Handle` whose `.wait()` gives the DTensor."""
     if not isinstance(dt, DTensor):
         raise TypeError(f"reshard_dtensor needs a DTensor, got {type(dt).__name__}")
-    import torch.distributed as dist
     from .. import api
     ctx, dpp = _ctx_info()
-    shape = tuple(dt.shape)
-    spec = getattr(dt, "_spec", None)
-    order = getattr(spec, "shard_order", None) if spec is not None else None
+    rank = 0
     try:
-        src = layout_from_placements(dt.device_mesh, dt.placements, shape, devices_per_process=dpp,
-                                     shard_order=order)
-        dst = layout_from_placements(device_mesh, placements, shape, devices_per_process=dpp)
+        rank = _world_rank(ctx)
+        src, dst, x, shape = _prepare(dt, device_mesh, placements, dpp, rank)
     except (ValueError, TypeError) as e:
-        if ctx is None:
-            raise
-        from ..runtime.agreement import raise_together
-        raise_together(ctx, "reshard", e)       # the other ranks raise too, naming this one
-    if ctx is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise RuntimeError("reshard_dtensor across processes needs meshcomm.init(backend=...) first")
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    ctx_rank = getattr(ctx, "rank", rank)
-    if ctx is not None and ctx_rank != rank:
-        raise RuntimeError(f"meshcomm rank {ctx_rank} differs from torch.distributed rank {rank}")
+        _raise(ctx, e)
     me = rank * dpp
-    x = {}
-    if me in src.mesh:
-        local = dt.to_local().detach()
-        want = tuple(b - a for a, b in src.box(me, shape))
-        if tuple(local.shape) != want:
-            e = ValueError(f"rank {rank}: local tensor of shape {tuple(local.shape)} but placements "
-                           f"{tuple(dt.placements)} give it {want} of global shape {shape}")
-            if ctx is None:
-                raise e
-            from ..runtime.agreement import raise_together
-            raise_together(ctx, "reshard", e)
-        x[me] = local.contiguous()
     # Without meshcomm.init (a one-rank world) this process owns every device.
     res = api.reshard(x, src, dst, shape=shape, dtype=dt.dtype, backend=backend, async_op=async_op)
     like = dt.to_local()
 
     def finish(out):
-        if out is None:
-            out = {}
-        local = out.get(me) if isinstance(out, dict) else out
-        if local is None:
-            local = torch.empty(0, dtype=dt.dtype, device=like.device)
-        return DTensor.from_local(local, device_mesh, tuple(placements), run_check=False,
-                                  shape=torch.Size(shape), stride=_contiguous_stride(shape))
+        return _wrap(out, me, like, device_mesh, placements, shape, dt.dtype)
+    if async_op:
+        return Handle(lambda: finish(res.wait()))
+    return finish(res)
+
+
+def _placements_of(placements: PlacementsArg, names) -> dict:
+    """{name: placements} from one list for all, a dict by name, or a callable name -> list."""
+    if isinstance(placements, Mapping):
+        extra = [n for n in placements if n not in names]
+        missing = [n for n in names if n not in placements]
+        if extra or missing:
+            raise ValueError("placements by name must name exactly the state dict's entries: " +
+                             (f"no entry {extra[:4]} in the state dict" if extra else "") +
+                             ("; " if extra and missing else "") +
+                             (f"no placements for {missing[:4]}" if missing else ""))
+        return {n: placements[n] for n in names}
+    if callable(placements) and not isinstance(placements, (Sequence, Placement)):
+        return {n: placements(n) for n in names}
+    if isinstance(placements, Placement) or not isinstance(placements, Sequence):
+        raise TypeError(f"placements: a list of Placements (one per mesh dimension), a dict {{name: list}} "
+                        f"or a callable name -> list, got {type(placements).__name__}")
+    return {n: placements for n in names}
+
+
+def reshard_state_dict(sd: Mapping[str, DTensor], device_mesh, placements: PlacementsArg, *,
+                       backend: str | None = None, async_op: bool = False, bucket_mb=None) -> dict:
+    """Move every DTensor of `sd` to `device_mesh` in one batch (`meshcomm.reshard_many`).
+
+    `placements`: one list for every entry, a dict {name: list}, or a callable name -> list.
+    Returns {name: DTensor} (in `sd`'s order); with `async_op=True` a `meshcomm.Handle`
+    whose `.wait()` gives it. Every rank calls it with the same names (SPMD); errors name
+    the entry."""
+    from .. import api
+    ctx, dpp = _ctx_info()
+    rank = 0
+    items = {}
+    try:
+        rank = _world_rank(ctx)
+        if not isinstance(sd, Mapping):
+            raise TypeError(f"reshard_state_dict takes a dict {{name: DTensor}}, got {type(sd).__name__}")
+        names = list(sd)
+        for n in names:
+            if not isinstance(n, str):
+                raise TypeError(f"state dict keys must be str, got {n!r}")
+        per = _placements_of(placements, names)
+        for n in names:
+            try:
+                if not isinstance(sd[n], DTensor):
+                    raise TypeError(f"need a DTensor, got {type(sd[n]).__name__}")
+                pl = per[n]
+                if isinstance(pl, Placement) or not isinstance(pl, Sequence):
+                    raise TypeError(f"placements must be a list of Placements, got {pl!r}")
+                items[n] = _prepare(sd[n], device_mesh, tuple(pl), dpp, rank) + (tuple(pl),)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"state dict entry {n!r}: {e}") from None
+    except (ValueError, TypeError) as e:
+        _raise(ctx, e, "reshard_many")
+    me = rank * dpp
+    if not items:
+        return Handle(result={}) if async_op else {}
+    batch = sorted(items)           # the same batch whatever order each rank built its dict in
+    res = api.reshard_many({n: items[n][2] for n in batch if items[n][2]}, {n: items[n][0] for n in batch},
+                           {n: items[n][1] for n in batch}, shapes={n: items[n][3] for n in batch},
+                           dtypes={n: sd[n].dtype for n in batch}, backend=backend, async_op=async_op,
+                           bucket_mb=bucket_mb)
+
+    def finish(out):
+        out = out or {}
+        return {n: _wrap(out.get(n), me, sd[n].to_local(), device_mesh, items[n][4], items[n][3], sd[n].dtype)
+                for n in items}
     if async_op:
         return Handle(lambda: finish(res.wait()))
     return finish(res)

@@ -19,6 +19,16 @@ device sets may differ in size and overlap arbitrarily.
 When the target is a Layout JAX cannot express (Blocks, an uneven split, a pending sum),
 `reshard_jax` returns a dict {device id: jax.Array} with the tiles this process owns, each
 committed to its device.
+
+Pytrees, as `jax.device_put` takes them: `reshard_jax(params, shardings)` with a tree of
+jax.Arrays and a matching tree of targets (or a prefix of it, or one NamedSharding/Layout for
+every leaf) moves every leaf in ONE batch (`meshcomm.reshard_many` under a launcher: planned
+together, one message per pair of processes per stage) and returns the tree with each leaf
+resharded. A `None` in the target tree leaves its subtree as it is. Host leaves of a tree
+(NumPy arrays, Python and NumPy scalars) are placed on their target as `jax.device_put`
+places them (every process passes the same value); any other leaf is refused with a
+TypeError naming it, and so is a bare host array in place of the tree.
+Errors name the leaf by its path (`jax.tree_util.keystr`), e.g. `['layers'][0]['w']`.
 """
 from __future__ import annotations
 
@@ -257,17 +267,33 @@ def _prepare(x, dst):
 
 
 def reshard_jax(x, dst, *, backend: str | None = None, async_op: bool = False):
-    """Reshard `x` (a jax.Array with a NamedSharding) to `dst`.
+    """Reshard `x` (a jax.Array with a NamedSharding, or a pytree of them) to `dst`.
 
-    `dst` is a `NamedSharding` or a meshcomm `Layout`. Returns a jax.Array with sharding
-    `dst` (or `sharding_from_layout(dst)`); where a Layout is not expressible in JAX, a
-    dict {device id: jax.Array} of the tiles this process owns.
+    `dst` is a `NamedSharding` or a meshcomm `Layout`, or for a pytree `x` a tree of them
+    matching `x` (or a prefix of it; `None` leaves a subtree unchanged), as
+    `jax.device_put` takes them. Returns a jax.Array with sharding `dst` (or
+    `sharding_from_layout(dst)`); where a Layout is not expressible in JAX, a dict
+    {device id: jax.Array} of the tiles this process owns. A pytree comes back with the same
+    structure, every leaf moved in one batch (`meshcomm.reshard_many`).
 
     In one process (no `meshcomm.init`) every device is local. Under a launcher, every
-    process calls `reshard_jax` with its own jax.Array; meshcomm device d belongs to rank
-    d // devices_per_process, and the JAX devices a process addresses must be the ones
-    meshcomm gives it.
+    process calls `reshard_jax` with its own jax.Array (its own tree of the same structure);
+    meshcomm device d belongs to rank d // devices_per_process, and the JAX devices a
+    process addresses must be the ones meshcomm gives it.
     """
+    if isinstance(x, jax.Array) and _is_target(dst):
+        return _reshard_one(x, dst, backend, async_op)
+    if isinstance(x, _HOST):        # a bare host value is not resharded (jax.device_put places it)
+        raise TypeError(f"reshard_jax needs a jax.Array or a pytree of them, got {type(x).__name__}")
+    return _reshard_tree(x, dst, backend, async_op)
+
+
+def _is_target(v) -> bool:
+    return isinstance(v, (jax.sharding.Sharding, Layout))
+
+
+def _reshard_one(x, dst, backend, async_op):
+    """One jax.Array to one NamedSharding or Layout."""
     try:
         src, dst_layout, dst_sharding, shards, shape = _prepare(x, dst)
     except (ValueError, TypeError) as e:
@@ -341,3 +367,130 @@ def _assemble(out, *, shape, dtype, dst, dst_sharding):
 def _addressable_in_order(sharding: NamedSharding):
     addressable = sharding.addressable_devices
     return [d for d in sharding.mesh.devices.flat if d in addressable]
+
+
+# -- pytrees: every leaf in one batch -----------------------------------------------------------
+
+_HOST = (np.ndarray, np.generic, bool, int, float, complex)
+
+
+def _target_leaf(v) -> bool:
+    return v is None or _is_target(v)
+
+
+def _leaf_name(path) -> str:
+    return jax.tree_util.keystr(tuple(path)) or "<root>"
+
+
+def _broadcast_targets(x, dst) -> tuple[list, list, list, Any]:
+    """(leaf paths, leaves, their targets, rebuild(new leaves) -> tree): `dst` is one target,
+    or a tree of targets matching `x` or a prefix of it (jax.device_put's rule)."""
+    tu = jax.tree_util
+    t_paths, t_def = tu.tree_flatten_with_path(dst, is_leaf=_target_leaf)
+    for path, t in t_paths:
+        if not _target_leaf(t):
+            raise TypeError(f"target of leaf {_leaf_name(path)}: a NamedSharding, a meshcomm.Layout or None, "
+                            f"got {type(t).__name__}")
+    try:
+        subs = t_def.flatten_up_to(x)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"the shardings tree does not match the tree of arrays (it must be the same tree or "
+                         f"a prefix of it, as jax.device_put takes): {e}") from None
+    paths, leaves, targets, defs = [], [], [], []
+    for (tpath, t), sub in zip(t_paths, subs):
+        sub_paths, sub_def = tu.tree_flatten_with_path(sub)
+        defs.append((sub_def, len(sub_paths), sub))
+        for p, leaf in sub_paths:
+            paths.append(tuple(tpath) + tuple(p))
+            leaves.append(leaf)
+            targets.append(t)
+
+    def rebuild(new_leaves):
+        out, i = [], 0
+        for sub_def, n, sub in defs:
+            out.append(tu.tree_unflatten(sub_def, new_leaves[i:i + n]))
+            i += n
+        return tu.tree_unflatten(t_def, out)
+    return paths, leaves, targets, rebuild
+
+
+def _host_leaf(leaf, dst):
+    """A host value placed on `dst` as jax.device_put places it (this process's part)."""
+    arr = np.asarray(leaf)
+    arr = arr.astype(jax.dtypes.canonicalize_dtype(arr.dtype), copy=False)
+    shape = arr.shape
+    if isinstance(dst, NamedSharding):
+        layout_from_sharding(dst, shape)                    # validates: names what is wrong
+        sharding = dst
+    elif isinstance(dst, Layout):
+        dst.check_shape(shape)
+        sharding = None if expressible(dst, shape) else sharding_from_layout(dst, shape)
+    else:
+        raise TypeError(f"target must be a NamedSharding or a meshcomm.Layout, got {type(dst).__name__}")
+    if sharding is not None:
+        return jax.make_array_from_callback(shape, sharding, lambda idx: arr[idx], dtype=arr.dtype)
+    owned = _owned_devices((dst,))
+    from ..api import shard
+    tiles = shard(arr, dst)
+    mine = [d for d in dst.mesh.device_ids if owned is None or d in owned]
+    return dict(zip(mine, jax.device_put([tiles[d] for d in mine], [jax_device_by_id(d) for d in mine])))
+
+
+def _reshard_tree(x, dst, backend, async_op):
+    """Every jax.Array leaf of the pytree `x` to its target, as one batch."""
+    from .. import api, runtime
+    ctx = runtime.current()
+    moved = []          # (leaf index, name, src, dst layout, dst sharding, shards, shape, dtype)
+    try:
+        paths, leaves, targets, rebuild = _broadcast_targets(x, dst)
+        out = list(leaves)
+        for i, (path, leaf, t) in enumerate(zip(paths, leaves, targets)):
+            name = _leaf_name(path)
+            if t is None:
+                continue
+            try:
+                if isinstance(leaf, jax.Array):
+                    src, dst_layout, dst_sharding, shards, shape = _prepare(leaf, t)
+                    moved.append((i, name, src, dst_layout, dst_sharding, shards, shape, leaf.dtype))
+                elif isinstance(leaf, _HOST):
+                    out[i] = _host_leaf(leaf, t)
+                else:
+                    raise TypeError(f"{type(leaf).__name__} is not a jax.Array or a host array (jax.device_put "
+                                    "refuses it too)")
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"leaf {name}: {e}") from None
+    except (ValueError, TypeError) as e:
+        if ctx is None:
+            raise
+        from ..runtime.agreement import raise_together
+        raise_together(ctx, "reshard_many", e)       # the other ranks raise too, naming this one
+
+    def finish(results):
+        for (i, name, _, dst_layout, dst_sharding, _, shape, dtype), tiles in zip(moved, results):
+            try:
+                out[i] = _assemble(tiles, shape=shape, dtype=dtype, dst=dst_layout, dst_sharding=dst_sharding)
+            except ValueError as e:
+                raise ValueError(f"leaf {name}: {e}") from None
+        return rebuild(out)
+
+    if ctx is None:
+        runtime.no_context(backend, "reshard_jax")
+        from ..runtime.local_program import one_process
+        results = []
+        for _, name, src, dst_layout, _, shards, shape, dtype in moved:
+            try:
+                results.append(one_process(shards, src, dst_layout, shape, dtype, commit=False)[0])
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"leaf {name}: {e}") from None
+        res = finish(results)
+        return api.Handle(result=res) if async_op else res
+    if not moved:
+        return api.Handle(result=rebuild(out)) if async_op else rebuild(out)
+    names = [m[1] for m in moved]
+    xs = {m[1]: {d: np.asarray(v) for d, v in m[5].items()} for m in moved}
+    res = api.reshard_many(xs, {m[1]: m[2] for m in moved}, {m[1]: m[3] for m in moved},
+                           shapes={m[1]: m[6] for m in moved}, dtypes={m[1]: m[7] for m in moved},
+                           backend=backend, async_op=async_op)
+    if async_op:
+        return api.Handle(lambda: finish([res.wait().get(n) for n in names]))
+    return finish([res.get(n) for n in names])

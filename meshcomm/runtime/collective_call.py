@@ -184,6 +184,14 @@ class CollectiveKernel:
         nat = None if plan_only else native_call.choose(ctx, be, req, a.dtype, a.tile, a.shapes, a.devtype,
                                                         pid=pid)
         self.native = nat
+        # the common run: a bare NumPy tile of this process's one device, of the agreed shape
+        # and a native byte order (checked in prepare without the general validation)
+        self._bare = None
+        if len(self.owned) == 1 and req.op not in GATHERS and a.kind in (None, "numpy") and a.devtype == "cpu":
+            try:
+                self._bare = (self.owned[0], tuple(a.tile), np.dtype(arrays.numpy_dtype(a.dtype[0])).newbyteorder("="))
+            except TypeError:
+                self._bare = None
         self.posts = []
         self.plan = None
         if nat is not None:
@@ -204,6 +212,9 @@ class CollectiveKernel:
         return tuple(sorted((d, tuple(v.shape)) for d, v in st[0].items()))
 
     def prepare(self, x, out):
+        f = self._bare
+        if f is not None and type(x) is np.ndarray and x.shape == f[1] and x.dtype == f[2]:
+            return {f[0]: x}, True, "numpy", fences_of({})     # one device, its own tile: as agreed
         tiles, bare = _owned_tiles(self.ctx, self.req, x, self.owned)
         return self.check(tiles, bare, out)
 

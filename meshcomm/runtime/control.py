@@ -27,7 +27,7 @@ fails (to MESHCOMM_LOG's folder, else a temporary folder named in the error), fo
 from __future__ import annotations
 
 import collections
-import dataclasses
+import typing
 import json
 import os
 import pickle
@@ -41,8 +41,7 @@ __all__ = ["Call", "Channel", "RECORDER", "current", "entering", "dump"]
 POLL_S = 0.002          # seconds between looks at the control channel while waiting
 
 
-@dataclasses.dataclass(frozen=True)
-class Call:
+class Call(typing.NamedTuple):
     """What a process is in: `what` ("construct" or "run"), the Program's number and label,
     the run's number (for a construction: the nonce its Meta travels with)."""
 
@@ -183,14 +182,16 @@ class Channel:
         e.relayed = True
         raise e
 
-    def watch(self, peers, deadline) -> None:
-        """Called by every backend wait between polls (at most every POLL_S seconds):
-        raise a peer's error, detect two processes waiting for each other in different
-        calls, tell the peers waited for what this process is in once it stalls."""
+    def watch(self, pending, deadline) -> None:
+        """Called by every backend wait between polls with its pending works (it acts at
+        most every POLL_S seconds): raise a peer's error, detect two processes waiting for
+        each other in different calls, tell the peers waited for what this process is in
+        once it stalls."""
         now = time.monotonic()
         if now < self._next:
             return
         self._next = now + POLL_S
+        peers = {p for w in pending for p in w.peers}
         call = self.call
         if self._wait_start is None:
             self._wait_start = now
