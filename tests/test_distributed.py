@@ -268,3 +268,36 @@ def test_a_frozen_peer_at_each_stage(tmp_path, init, stage, form):
     # the flight recorder of each survivor says what it waited for when it failed
     flights = {p.name for p in (tmp_path / "log").glob("flight_rank*.jsonl")}
     assert {"flight_rank0.jsonl", "flight_rank1.jsonl", "flight_rank2.jsonl"} <= flights, flights
+
+
+@pytest.mark.mpi
+def test_collective_programs_take_out_buffers(tmp_path):
+    """Collective Programs copy their results into out= buffers and return them."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    code = '''
+import numpy as np, meshcomm as mc
+ctx = mc.init("mpi")
+mesh = mc.Mesh(np.arange(ctx.world_size), "x")
+P = mc.Program.all_reduce(mesh, "x", shape=(4,), dtype="float32")
+buf = np.zeros(4, np.float32)
+r = P(np.ones(4, np.float32), out=buf)
+assert r is buf and (buf == ctx.world_size).all(), buf
+G = mc.Program.all_gather(mesh, "x", shape=(2,), dtype="float32")
+b2 = {ctx.rank: np.zeros(2 * ctx.world_size, np.float32)}
+r = G({ctx.rank: np.full(2, ctx.rank, np.float32)}, out=b2)
+assert r[ctx.rank] is b2[ctx.rank] and (b2[ctx.rank] == np.repeat(np.arange(ctx.world_size), 2)).all()
+try:
+    P(np.ones(4, np.float32), out=np.zeros(3, np.float32))
+except ValueError as e:
+    assert "out= buffer" in str(e)
+else:
+    raise AssertionError("a wrong out= buffer was taken")
+print("OK", flush=True)
+mc.finalize()
+'''
+    f = tmp_path / "out_buffers.py"
+    f.write_text(code)
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(f)], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, MESHCOMM_TIMEOUT="20"))
+    assert r.returncode == 0 and r.stdout.count("OK") == 2, r.stdout[-2000:] + r.stderr[-2000:]

@@ -213,8 +213,8 @@ class CollectiveKernel:
 
     def prepare(self, x, out):
         f = self._bare
-        if f is not None and type(x) is np.ndarray and x.shape == f[1] and x.dtype == f[2]:
-            return {f[0]: x}, True, "numpy", fences_of({})     # one device, its own tile: as agreed
+        if f is not None and out is None and type(x) is np.ndarray and x.shape == f[1] and x.dtype == f[2]:
+            return {f[0]: x}, True, "numpy", fences_of({}), None     # one device, its own tile: as agreed
         tiles, bare = _owned_tiles(self.ctx, self.req, x, self.owned)
         return self.check(tiles, bare, out)
 
@@ -235,14 +235,34 @@ class CollectiveKernel:
         kind = f["kind"] or a.kind or "numpy"
         if kind == "jax":
             tiles = {d: np.asarray(v) for d, v in tiles.items()}
-        return tiles, bare, kind, fences_of(tiles)
+        return tiles, bare, kind, fences_of(tiles), self._check_out(out, bare)
+
+    def _check_out(self, out, bare):
+        """out= buffers ({device: buffer}, or one buffer where x was bare), checked against
+        the result tiles' shapes and dtype; the results are copied into them."""
+        if out is None:
+            return None
+        req, prob = self.req, self.prob
+        if not isinstance(out, Mapping):
+            if not bare:
+                raise TypeError(f"{req.op}: out= must be a dict {{device: buffer}} like x")
+            out = {self.owned[0]: out}
+        shapes = dict(prob.out_shapes)
+        for d, v in out.items():
+            if d not in self.owned or d not in shapes:
+                raise ValueError(f"{req.op}: out= holds a buffer for device {d}, which gets no result on "
+                                 f"rank {self.ctx.rank}")
+            if tuple(v.shape) != tuple(shapes[d]) or arrays.dtype_of(v) != self.a.dtype:
+                raise ValueError(f"{req.op}: out= buffer of device {d} is {tuple(v.shape)} {arrays.dtype_of(v)[0]}, "
+                                 f"the result is {tuple(shapes[d])} {self.a.dtype[0]}")
+        return dict(out)
 
     def run(self, st, deadline, stamp=None):
-        tiles, bare, kind, fences = st
+        tiles, bare, kind, fences, out = st
         if self.native is not None:
             res = native_call.run(self.ctx, self.native, self.posts, self.req, self.prob, tiles, self.a.dtype,
                                   self.a.tile, deadline, stamp)
-            return res, None, kind, bare
+            return res, None, kind, bare, out
         shards = {d: self.prob.in_tile(v) for d, v in tiles.items() if d in self.src_devs}
         like = next(iter(shards.values())) if shards else empty_like(kind, self.a.dtype[0], self.a.devtype)
         t_run = time.time() if stamp is not None else None
@@ -254,13 +274,18 @@ class CollectiveKernel:
             _log.record_reshard(stamp, rank=self.ctx.rank, dpp=self.ctx.devices_per_process, backend=self.be.name,
                                 plan=self.plan, collective_reduce=False, shards=shards, out=res, t_run=t_run,
                                 **log_as)
-        return res, done, kind, bare
+        return res, done, kind, bare, out
 
     def finish(self, r):
-        res, done, kind, bare = r
+        res, done, kind, bare, out = r
         if done is not None:
             consume(res, done)
         res = finish_tiles(self.req, self.prob, res, bare, self.owned)
+        if out is not None:
+            got = {self.owned[0]: res} if bare else res
+            for d, buf in out.items():
+                buf[...] = got[d]
+            return out[self.owned[0]] if bare else {d: out.get(d, v) for d, v in got.items()}
         if kind == "jax":
             import jax
             if bare:
