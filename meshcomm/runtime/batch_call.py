@@ -299,10 +299,5 @@ def reshard_many(ctx, xs, src, dst, *, shapes=None, dtypes=None, backend=None, a
     prog = ctx.call(lambda: eager(ctx, sig, local_key, complete, "reshard_many", fields, err, {"tiles": tiles},
                                   _build(ctx, be, names, srcs, dsts, bucket_mb), agreed_key))
     k = prog._kernel
-    try:
-        st = ({t.name: (k._check(t, got.get(t.name, {})), None) for t in k.tensors}, None)
-    except Exception as e:
-        from . import control
-        prog._fail(control.current(), control.Call("run", prog.id, prog.label, prog.runs + 1), e)
-        raise
-    return prog.start(None, async_op, None, stamp, st)
+    return prog.start_checked(lambda: ({t.name: (k._check(t, got.get(t.name, {})), None) for t in k.tensors}, None),
+                              async_op, stamp)

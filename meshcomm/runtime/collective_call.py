@@ -23,7 +23,7 @@ from ..caches import memo
 from ..collectives.layouts import REDUCE_OPS, gather_sizes, group_axes, groups, problem
 from ..planning import plan as make_plan
 from ..planning import plan
-from . import control, native_call
+from . import native_call
 from .agreement import value
 from .collective_input import GATHERS, local_facts, masked, tiles_of
 from .context import init_hint, no_context
@@ -360,12 +360,7 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
         return (a.tile, None if a.shapes is None else tuple(sorted(a.shapes.items())), a.dtype, a.kind, a.devtype)
     prog = ctx.call(lambda: eager(ctx, sig, local_key, complete, req.op, fields, err, extra, _build(ctx, be, req),
                                   agreed_key, _describe(req)))
-    try:
-        st = prog._kernel.check(tiles, bare, None)
-    except Exception as e:
-        prog._fail(control.current(), control.Call("run", prog.id, prog.label, prog.runs + 1), e)
-        raise
-    return prog.start(x, async_op, None, stamp, st)
+    return prog.start_checked(lambda: prog._kernel.check(tiles, bare, None), async_op, stamp)
 
 
 def program(req: Request, shape, dtype, backend=None, device="cpu") -> Program:

@@ -161,6 +161,16 @@ class Program:
             return Handle(lambda: k.finish(result()))
         return k.finish(result())
 
+    def start_checked(self, check, async_op, stamp):
+        """A run of input the caller has validated already: `check()` gives the kernel's
+        prepared input (an error there fails the run here and on every peer)."""
+        try:
+            st = check()
+        except Exception as e:
+            self._fail(control.current(), control.Call("run", self.id, self.label, self.runs + 1), e)
+            raise
+        return self.start(None, async_op, None, stamp, st)
+
     def _fail(self, ch, call, e) -> None:
         """A run that failed before it communicated: peers are told, and the Program is done."""
         self.failed = f"run {call.run}: {type(e).__name__}"

@@ -21,7 +21,7 @@ from ..layout import normalize_shape
 from ..planning import plan as make_plan
 from ..validate import (check_keys, check_layouts, check_tile_shapes, infer_shape, native_byte_order,
                         normalize_input, resolve_shape_dtype)
-from . import control
+
 from .program import PlanRun, Program, consume, construct, eager, empty_like, facts_of, fences_of, layouts_fp, tags_of
 
 __all__ = ["reshard", "program"]
@@ -236,12 +236,7 @@ def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=
     prog = ctx.call(lambda: eager(ctx, sig, local_key, complete, "reshard",
                                   _fields(src, dst, be, shp, dt, kind, devtype, compression), err, extra,
                                   _build(ctx, be, src, dst, compression), agreed_key, _describe(src, dst)))
-    try:
-        st = prog._kernel.check(shards, bare, None)
-    except Exception as e:
-        prog._fail(control.current(), control.Call("run", prog.id, prog.label, prog.runs + 1), e)
-        raise
-    return prog.start(x, async_op, None, stamp, st)
+    return prog.start_checked(lambda: prog._kernel.check(shards, bare, None), async_op, stamp)
 
 
 def program(src, dst, shape, dtype, backend, compression) -> Program:
