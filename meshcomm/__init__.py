@@ -25,7 +25,6 @@ from .api import plan, reshard, reshard_many, shard, unshard
 from .handle import Handle
 from .caches import clear_caches
 from .runtime import init, finalize
-from .runtime.program import Program
 from . import log  # noqa: F401  (meshcomm.log.start / stop / tag)
 
 __version__ = "0.1.0"
@@ -38,5 +37,6 @@ from .planners.bounds import lower_bound; __all__ += ["lower_bound"]  # noqa: E4
 from .collectives import (all_gather, all_reduce, all_to_all, barrier, broadcast, gather, recv,  # noqa: E402
                           reduce, reduce_scatter, scatter, send)
 from . import compression  # noqa: E402,F401
+from .runtime.programs import Program  # noqa: E402  (after collectives: its layouts come first)
 __all__ += ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather",
             "scatter", "barrier", "send", "recv", "compression"]

@@ -167,7 +167,8 @@ def reshard(x, src: Layout, dst: Layout, *, shape=None, dtype=None, backend: str
     compression = codecs.coerce(compression)
     ctx = runtime.current()
     if ctx is not None and backend != "local":
-        return ctx.reshard(x, src, dst, shape=shape, dtype=dtype, backend=backend, async_op=async_op,
+        from .runtime.reshard_call import reshard as dist
+        return dist(ctx, x, src, dst, shape=shape, dtype=dtype, backend=backend, async_op=async_op,
                            compression=compression)
     runtime.no_context(backend, "reshard")
     result, bare = one_process(x, src, dst, shape, dtype, async_op, compression)

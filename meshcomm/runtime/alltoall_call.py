@@ -19,7 +19,8 @@ from ..planners.alltoall import plan_alltoall
 from ..backends.base import empty_wire, from_wire, to_wire
 from ..planners import Topology
 from .alltoall_input import assemble, axis_groups, local, split_rows, validate_owned  # noqa: F401
-from .program import Program, construct, eager, tags_of
+from .local_program import LocalKernel
+from .program import Program, construct, eager, new, tags_of
 
 __all__ = ["DistRun", "program", "run", "local", "axis_groups"]
 
@@ -218,13 +219,6 @@ class A2AKernel:
         return r
 
 
-class A2AProgram(Program):
-    """`prog(x, send_counts, recv_counts=None, async_op=False)`."""
-
-    def __call__(self, x=None, send_counts=None, recv_counts=None, *, async_op: bool = False):
-        return self.start((x, send_counts, recv_counts), async_op, None, _log.stamp(async_op) if _log.ON else None)
-
-
 def _fields(mesh, axis, be, rows, dtype, kind, topo, algorithm):
     return (("op", "all_to_all_v"), ("mesh", repr(mesh)), ("axes", axis),
             ("backend", getattr(be, "signature", be.name)), ("dtype", dtype), ("rows", rows), ("kind", kind),
@@ -240,7 +234,7 @@ def _build(ctx, be, mesh, axis, groups, topo, algorithm):
             raise ValueError("all_to_all_v: no process holds rows, so their shape and dtype are unknown")
         k = A2AKernel(ctx, be, mesh, axis, groups, tuple(rows), dt[0], topo, algorithm,
                       tags_of(pid, getattr(be, "tag_ub", 1 << 29)))
-        return A2AProgram(ctx, pid, f"all_to_all_v along {axis!r} of {mesh} rows {tuple(rows)} {dt[0]}", k)
+        return new(ctx, pid, f"all_to_all_v along {axis!r} of {mesh} rows {tuple(rows)} {dt[0]}", k)
     return build
 
 
@@ -281,7 +275,6 @@ def program(mesh, axis, rows, dtype, backend, topology, algorithm) -> Program:
     topo = Topology.coerce(topology)
     if ctx is None:
         from .context import no_context
-        from .local_program import local_all_to_all_v
         no_context(backend, "Program.all_to_all_v")
         return local_all_to_all_v(mesh, axis, rows, dtype, topology, algorithm)
     be, err = ctx.resolve_backend(backend)
@@ -289,3 +282,8 @@ def program(mesh, axis, rows, dtype, backend, topology, algorithm) -> Program:
     return ctx.call(lambda: construct(ctx, "all_to_all_v", fields, err, {},
                                       _build(ctx, be, mesh, axis, groups, topo, algorithm)))
 
+
+def local_all_to_all_v(mesh, axis, rows, dtype, topology, algorithm) -> Program:
+    groups = axis_groups(mesh, axis)
+    return new(None, 0, f"all_to_all_v along {axis!r}", LocalKernel(
+        lambda a: local(a[0], a[1], mesh, axis, a[2], False, topology, algorithm, groups), "rows"))

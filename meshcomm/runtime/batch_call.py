@@ -20,7 +20,7 @@ from ..backends import batch as batch_exec
 from ..layout import Layout, normalize_shape
 from ..validate import check_layouts, check_tile_shapes, infer_shape, resolve_shape_dtype
 from .agreement import value
-from .program import Program, construct, eager, empty_like, facts_of, fences_of, layouts_fp, tags_of
+from .program import Program, construct, eager, new, empty_like, facts_of, fences_of, layouts_fp, tags_of
 from .reshard_call import local_input
 
 __all__ = ["program", "reshard_many", "normalize_batch"]
@@ -206,7 +206,7 @@ def _build(ctx, be, names, srcs, dsts, bucket_mb, kinded=True):
         bucket = None if bucket_mb is None else int(bucket_mb * (1 << 20))
         k = BatchKernel(ctx, be, tensors, plans, bucket, pid)
         total = sum(p.bytes_moved for p in plans)
-        return Program(ctx, pid, f"reshard_many of {len(names)} tensors ({total / 2**20:.1f} MiB moved)", k)
+        return new(ctx, pid, f"reshard_many of {len(names)} tensors ({total / 2**20:.1f} MiB moved)", k)
     return make
 
 
@@ -244,7 +244,7 @@ def program(src, dst, shapes, dtypes, backend, bucket_mb, compression) -> Progra
         def run(xs):
             return {n: (one_process(xs.get(n, {}), srcs[n], dsts[n], shp[n], dts[n][0])[0] if srcs[n].mesh.device_ids
                         else {}) for n in names}
-        return Program(None, 0, f"reshard_many of {len(names)} tensors", LocalKernel(run, "plans"))
+        return new(None, 0, f"reshard_many of {len(names)} tensors", LocalKernel(run, "plans"))
     be, err = ctx.resolve_backend(backend)
     fields = _fields(names, srcs, dsts, be, shp, dts, {}, bucket_mb)
     return ctx.call(lambda: construct(ctx, "reshard_many", fields, err, {}, _build(ctx, be, names, srcs, dsts,

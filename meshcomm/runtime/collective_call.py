@@ -28,7 +28,7 @@ from .agreement import value
 from .collective_input import GATHERS, local_facts, masked, tiles_of
 from .context import init_hint, no_context
 from .local_program import LocalKernel
-from .program import PlanRun, Program, consume, construct, eager, empty_like, fences_of, tags_of
+from .program import PlanRun, Program, consume, construct, eager, empty_like, fences_of, new, tags_of
 
 __all__ = ["Request", "run", "program", "tiles_of", "coded_dims", "build", "finish_tiles"]
 
@@ -322,7 +322,7 @@ def _build(ctx, be, req, kinded=True):
         a = _agreed(req, metas, kinded)
         prob = build(req, a.tile, a.shapes)
         k = CollectiveKernel(ctx, be, req, a, prob, pid, deadline)
-        return Program(ctx, pid, f"{req.op} over {req.axes} of {req.mesh} {a.tile} {a.dtype[0]}", k, k.plan)
+        return new(ctx, pid, f"{req.op} over {req.axes} of {req.mesh} {a.tile} {a.dtype[0]}", k, k.plan)
     return make
 
 
@@ -431,7 +431,7 @@ def local_collective(req, tile, dtype) -> Program:
     if tile is not None:
         prob = build(req, tile, None)
         p = plan(prob.shape, arrays.normalize_dtype(dtype)[0], prob.src, prob.dst)
-    return Program(None, 0, f"{req.op} over {req.axes} of {req.mesh}", LocalKernel(lambda x: collective_local(req, x), "plan"), p)
+    return new(None, 0, f"{req.op} over {req.axes} of {req.mesh}", LocalKernel(lambda x: collective_local(req, x), "plan"), p)
 
 
 def collective_local(req, x):

@@ -267,10 +267,6 @@ class Context:
         res = self.call(fn)
         return lambda: res
 
-    def reshard(self, x, src, dst, **kw):
-        from .reshard_call import reshard
-        return reshard(self, x, src, dst, **kw)
-
     def close(self):
         self._pool.shutdown(wait=True)
         from . import control

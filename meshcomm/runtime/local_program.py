@@ -10,9 +10,9 @@ from .. import log as _log
 from ..planning import plan
 from ..validate import check_tile_shapes, normalize_input, resolve_shape_dtype
 from .context import init_hint
-from .program import Program
+from .program import new
 
-__all__ = ["one_process", "reshard_local", "local_reshard", "local_all_to_all_v", "LocalKernel"]
+__all__ = ["one_process", "reshard_local", "local_reshard", "LocalKernel"]
 
 
 class LocalKernel:
@@ -36,9 +36,9 @@ class LocalKernel:
         return r
 
 
-def local_reshard(src, dst, shape, dtype, compression) -> Program:
+def local_reshard(src, dst, shape, dtype, compression):
     p = plan(shape, arrays.normalize_dtype(dtype)[0], src, dst)
-    return Program(None, 0, f"reshard {src} -> {dst} {shape}", LocalKernel(
+    return new(None, 0, f"reshard {src} -> {dst} {shape}", LocalKernel(
         lambda x: _bare(one_process(x, src, dst, shape, dtype, compression=compression), dst), "plan"), p)
 
 
@@ -51,13 +51,6 @@ def _bare(res, dst):
                              f"device; dst mesh has {len(devs)}; pass a dict {{device: tile}}")
         return out[devs[0]]
     return out
-
-
-def local_all_to_all_v(mesh, axis, rows, dtype, topology, algorithm) -> Program:
-    from .alltoall_call import A2AProgram, axis_groups, local
-    groups = axis_groups(mesh, axis)
-    return A2AProgram(None, 0, f"all_to_all_v along {axis!r}", LocalKernel(
-        lambda a: local(a[0], a[1], mesh, axis, a[2], False, topology, algorithm, groups), "rows"))
 
 
 def one_process(x, src, dst, shape, dtype, async_op=False, compression=None, commit=True):

@@ -49,11 +49,10 @@ def tags_of(pid: int, tag_ub: int) -> tuple[int, int]:
 
 
 class Program:
-    """A communication program with fixed layouts, shapes, dtypes, backend and options.
-
-    Construct it on every process with the same arguments (`Program.reshard`,
-    `Program.all_reduce`, ...): that agrees and plans once. `prog(x)` runs it, sending only
-    data; `prog(x, async_op=True)` gives a Handle; `out=` takes result buffers.
+    """A communication program with fixed layouts, shapes, dtypes, backend and options: what
+    every constructor returns (the public class, with the constructors, is
+    meshcomm.runtime.programs.Program). `prog(x)` runs it, sending only data;
+    `prog(x, async_op=True)` gives a Handle; `out=` takes result buffers.
     """
 
     def __init__(self, ctx, pid: int, label: str, kernel, plan=None):
@@ -65,63 +64,12 @@ class Program:
     def __repr__(self) -> str:
         return f"Program(#{self.id} {self.label}, runs={self.runs})"
 
-    # -- constructors -------------------------------------------------------------------
-    @classmethod
-    def reshard(cls, src, dst, *, shape, dtype, backend=None, compression=None) -> "Program":
-        from .reshard_call import program
-        return program(src, dst, shape, dtype, backend, compression)
-
-    @classmethod
-    def reshard_many(cls, src, dst, *, shapes, dtypes, backend=None, bucket_mb=None, compression=None):
-        from .batch_call import program
-        return program(src, dst, shapes, dtypes, backend, bucket_mb, compression)
-
-    @classmethod
-    def all_to_all_v(cls, mesh, axis, *, rows=(), dtype, backend=None, topology=None, algorithm="auto"):
-        """Runs take (x, send_counts, recv_counts=None): counts are data, exchanged per run."""
-        from .alltoall_call import program
-        return program(mesh, axis, rows, dtype, backend, topology, algorithm)
-
-    # collectives: `shape` is this process's tile (None where it owns no device of the mesh,
-    # or is not the root of a broadcast/scatter); `device` "cpu" or "cuda"
-    @classmethod
-    def all_reduce(cls, mesh, axes, *, shape, dtype, op="sum", backend=None, compression=None, device="cpu"):
-        return _collective("all_reduce", mesh, axes, shape, dtype, backend, device, reduce_op=op,
-                           compression=compression)
-
-    @classmethod
-    def all_gather(cls, mesh, axes, *, shape, dtype, dim=0, backend=None, compression=None, device="cpu"):
-        return _collective("all_gather", mesh, axes, shape, dtype, backend, device, dim=dim, compression=compression)
-
-    @classmethod
-    def reduce_scatter(cls, mesh, axes, *, shape, dtype, dim=0, op="sum", backend=None, compression=None,
-                       device="cpu"):
-        return _collective("reduce_scatter", mesh, axes, shape, dtype, backend, device, dim=dim, reduce_op=op,
-                           compression=compression)
-
-    @classmethod
-    def broadcast(cls, mesh, axes, *, shape, dtype, root=0, backend=None, device="cpu"):
-        return _collective("broadcast", mesh, axes, shape, dtype, backend, device, root=root)
-
-    @classmethod
-    def reduce(cls, mesh, axes, *, shape, dtype, root=0, op="sum", backend=None, device="cpu"):
-        return _collective("reduce", mesh, axes, shape, dtype, backend, device, root=root, reduce_op=op)
-
-    @classmethod
-    def all_to_all(cls, mesh, axes, *, shape, dtype, split_dim=0, concat_dim=0, backend=None, device="cpu"):
-        return _collective("all_to_all", mesh, axes, shape, dtype, backend, device, split_dim=split_dim,
-                           concat_dim=concat_dim)
-
-    @classmethod
-    def gather(cls, mesh, axes, *, shape, dtype, root=0, dim=0, backend=None, device="cpu"):
-        return _collective("gather", mesh, axes, shape, dtype, backend, device, root=root, dim=dim)
-
-    @classmethod
-    def scatter(cls, mesh, axes, *, shape, dtype, root=0, dim=0, backend=None, device="cpu"):
-        return _collective("scatter", mesh, axes, shape, dtype, backend, device, root=root, dim=dim)
-
     # -- running --------------------------------------------------------------------------
-    def __call__(self, x=None, *, async_op: bool = False, out=None):
+    def __call__(self, x=None, *more, async_op: bool = False, out=None, recv_counts=None):
+        """Run it on this process's input `x` (all_to_all_v: `prog(x, send_counts,
+        recv_counts=None)`: counts are data)."""
+        if more or recv_counts is not None:
+            x = (x, more[0] if more else None, more[1] if len(more) > 1 else recv_counts)
         return self.start(x, async_op, out, _log.stamp(async_op) if _log.ON else None)
 
     def start(self, x, async_op, out, stamp, st=None):
@@ -200,9 +148,7 @@ class Program:
         return self.plan.simulate(topology)
 
 
-def _collective(op, mesh, axes, shape, dtype, backend, device, **kw) -> Program:
-    from .collective_call import program, request
-    return program(request(op, mesh, axes, **kw), shape, dtype, backend, device)
+CLASS: list = [Program]      # the class Programs are made of (runtime/programs.py's subclass)
 
 
 # -- construction --------------------------------------------------------------------------
@@ -220,6 +166,11 @@ def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable,
         prog = build(pid, metas, deadline)
         ctx.programs = pid
         return prog
+
+
+def new(ctx, pid: int, label: str, kernel, plan=None, cls=None) -> Program:
+    """A Program object: of the public class (runtime/programs.py registers it in CLASS)."""
+    return (cls or CLASS[0])(ctx, pid, label, kernel, plan)
 
 
 @dataclasses.dataclass

@@ -22,7 +22,7 @@ from ..planning import plan as make_plan
 from ..validate import (check_keys, check_layouts, check_tile_shapes, infer_shape, native_byte_order,
                         normalize_input, resolve_shape_dtype)
 
-from .program import PlanRun, Program, consume, construct, eager, empty_like, facts_of, fences_of, layouts_fp, tags_of
+from .program import PlanRun, Program, consume, construct, eager, empty_like, facts_of, fences_of, layouts_fp, new, tags_of
 
 __all__ = ["reshard", "program"]
 
@@ -202,7 +202,7 @@ def _build(ctx, be, src, dst, compression, kinded=True):
         comp = None if compression is None else codec_cost.resolve(
             compression, p, backend=be, world=ctx.world_size, devices_per_process=ctx.devices_per_process)
         k = ReshardKernel(ctx, be, src, dst, p, a, comp, tags_of(pid, getattr(be, "tag_ub", 1 << 29)), deadline)
-        return Program(ctx, pid, f"reshard {src} -> {dst} {a.shape} {a.dtype}", k, p)
+        return new(ctx, pid, f"reshard {src} -> {dst} {a.shape} {a.dtype}", k, p)
     return build
 
 
