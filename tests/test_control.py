@@ -1,0 +1,133 @@
+"""Unit tests of the agreement and of a run's error paths (runtime/agreement.py, control.py),
+in one process: two control channels joined by an in-memory pipe stand in for two processes
+(the real ones run under mpiexec in tests/test_distributed.py)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from meshcomm.errors import PeerError, PeerTimeoutError
+from meshcomm.runtime import agreement, control
+from meshcomm.runtime.agreement import Meta
+from meshcomm.runtime.program import tags_of
+
+
+class Pipe:
+    """A backend's control channel between ranks of one process: ctl_send appends to the
+    peer's inbox, ctl_poll drains this rank's."""
+
+    boxes: dict = {}
+
+    def __init__(self, rank):
+        self.rank = rank
+        Pipe.boxes[rank] = []
+
+    def ctl_send(self, peer, data):
+        Pipe.boxes[peer].append((self.rank, data))
+
+    def ctl_poll(self):
+        out, Pipe.boxes[self.rank] = Pipe.boxes[self.rank], []
+        return out
+
+
+class W:
+    """A pending work, as a wait hands it to the channel's watch."""
+
+    def __init__(self, *peers):
+        self.peers = peers
+
+
+def channels(n=2, timeout=4.0):
+    Pipe.boxes = {}
+    return [control.Channel(Pipe(r), r, n, timeout) for r in range(n)]
+
+
+def test_settle_names_who_differs_and_whose_input_failed():
+    a = Meta("reshard", (("op", "reshard"), ("dtype", ("float32", 4))))
+    b = Meta("reshard", (("op", "reshard"), ("dtype", ("int32", 4))))
+    with pytest.raises(ValueError, match=r"disagree on the dtype: rank\(s\) \[0, 2\]: float32; rank\(s\) \[1\]: int32"):
+        agreement.settle([a, b, a], 0, None)
+    bad = Meta("reshard", (("op", "reshard"),), ("TypeError", "tile of device 3 is int8"))
+    with pytest.raises(ValueError, match="rank 1: TypeError: tile of device 3 is int8"):
+        agreement.settle([a, bad], 0, None)
+    own = TypeError("mine")
+    with pytest.raises(TypeError, match="mine"):
+        agreement.settle([a, bad], 1, own)
+    agreement.settle([a, a], 0, None)                       # agreement: no error
+
+
+def test_a_peers_error_in_this_run_raises_at_once_naming_it():
+    c0, c1 = channels()
+    run = control.Call("run", 7, "reshard", 3)
+    c0.call = c1.call = run
+    c1.fail(ValueError("rank 1: src tile of device 1 has shape (1, 4)"))
+    with pytest.raises(PeerError, match=r"rank 1 failed in run 3 of Program #7.*shape \(1, 4\)") as e:
+        c0.watch([W(1)], None)
+    assert e.value.rank == 1 and isinstance(e.value, ValueError)
+    assert 7 in c0.failed and 7 in c1.failed                # the Program runs no more, anywhere
+
+
+def test_a_peers_failure_in_another_call_waits_for_the_stall_or_the_next_call():
+    c0, c1 = channels()
+    c1.call = control.Call("run", 9, "all_reduce", 1)
+    c1.fail(PeerTimeoutError("rank 1: recv with peer rank(s) [2] did not complete", (2,), "recv"))
+    c0.call = control.Call("run", 8, "reshard", 5)
+    c0.watch([W(2)], None)                                  # not waiting for rank 1: goes on
+    c0.call = None
+    with pytest.raises(PeerTimeoutError, match="rank 1 failed in run 1 of Program #9") as e:
+        c0.raise_pending()                                  # its next meshcomm call
+    assert e.value.peers == (2,)
+
+
+def test_two_ranks_waiting_for_each_other_in_different_calls_raise():
+    c0, c1 = channels(timeout=0.8)                          # stall after 0.1 s
+    c0.call = control.Call("construct", 5, "reshard", 11)
+    c1.call = control.Call("run", 4, "reshard", 2)
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match="not in the same call"):
+        while time.monotonic() - t0 < 5:
+            c1.watch([W(0)], None)
+            c0.watch([W(1)], None)
+            time.sleep(0.003)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_slow_peers_in_the_same_call_are_not_a_mismatch():
+    c0, c1 = channels(timeout=0.8)
+    c0.call = c1.call = control.Call("run", 4, "reshard", 2)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.4:
+        c0.watch([W(1)], None)
+        c1.watch([W(0)], None)
+        time.sleep(0.003)
+
+
+def test_one_incident_raises_once():
+    c0, c1, c2 = channels(3)
+    run = control.Call("run", 2, "reshard", 1)
+    c1.call = c2.call = run
+    c1.fail(ValueError("bad input"))
+    c2.fail(PeerError("rank 1 failed", 1))                  # relayed: nothing more is sent
+    c0.call = None
+    with pytest.raises(PeerError, match="rank 1 failed in run 1 of Program #2"):
+        c0.raise_pending()
+    c0.raise_pending()                                      # nothing left
+
+
+def test_a_construction_that_failed_takes_its_meta_back():
+    c0, c1 = channels()
+    c1.call = control.Call("construct", 3, "reshard", 17)
+    c1.fail(PeerTimeoutError("rank 1: peer rank(s) [2] did not arrive", (2,), "metadata"))
+    c0.poll()
+    assert (1, 17) in c0.retracted
+
+
+def test_programs_have_their_own_tags():
+    seen = set()
+    for pid in range(1, 2000):
+        first, span = tags_of(pid, (1 << 29) - 1)
+        assert first >= span and first + span - 1 <= (1 << 29) - 1
+        assert first not in seen
+        seen.add(first)
+    assert tags_of(1, 32767)[0] + tags_of(1, 32767)[1] - 1 <= 32767
