@@ -188,6 +188,80 @@ def test_single_device_source():
     _check_array(reshard_jax(x, s2), want, s2)
 
 
+@needs_devices
+def test_reshard_pytree_of_arrays():
+    """A tree of jax.Arrays (dicts, lists, tuples, None) with a matching tree of targets, a
+    prefix of it, or one target for all; host leaves placed as jax.device_put places them;
+    None targets leave their subtree alone; Layouts JAX cannot express give dicts."""
+    devs = jax.devices()[:NDEV]
+    rng = np.random.default_rng(3)
+    a = NamedSharding(JMesh(np.array(devs[:4], dtype=object).reshape(2, 2), ("x", "y")), P("x", "y"))
+    b = NamedSharding(JMesh(np.array(devs[4:], dtype=object), ("z",)), P("z"))
+    c = NamedSharding(JMesh(np.array(devs[2:8], dtype=object).reshape(3, 2), ("p", "q")), P(None, "q"))
+    want = {"w": _global((8, 6)), "layers": [{"k": _global((4, 12), np.int32), "v": _global((12,))},
+                                             {"k": _global((4, 12), np.int32), "v": _global((12,), np.float16)}],
+            "pair": (_global((6, 2)), None)}
+    for _ in range(10):
+        s1 = {"w": _random_sharding(rng, devs, (8, 6)),
+              "layers": [{"k": _random_sharding(rng, devs, (4, 12)), "v": _random_sharding(rng, devs, (12,))}
+                         for _ in range(2)],
+              "pair": (_random_sharding(rng, devs, (6, 2)), None)}
+        s2 = jax.tree_util.tree_map(lambda g: _random_sharding(rng, devs, g.shape), want)
+        x = jax.device_put(want, s1)
+        y = reshard_jax(x, s2)
+        assert jax.tree_util.tree_structure(y) == jax.tree_util.tree_structure(want)
+        jax.tree_util.tree_map(_check_array, y, want, s2)
+    x = jax.device_put(want, jax.tree_util.tree_map(lambda g: NamedSharding(a.mesh, P()), want))
+    # one target for every leaf, and a prefix tree
+    one = NamedSharding(b.mesh, P())
+    jax.tree_util.tree_map(lambda v, g: _check_array(v, g, one), reshard_jax(x, one), want)
+    y = reshard_jax(x, {"w": a, "layers": NamedSharding(c.mesh, P()), "pair": None})
+    _check_array(y["w"], want["w"], a)
+    for layer, ref in zip(y["layers"], want["layers"]):
+        for k in ("k", "v"):
+            _check_array(layer[k], ref[k], NamedSharding(c.mesh, P()))
+    assert y["pair"][0] is x["pair"][0] and y["pair"][1] is None
+    # Layout targets: expressible -> jax.Array, not -> {device: jax.Array}; asynchronously
+    lay = mc.Layout(mc.Mesh([1, 3, 5], "r"), ("r", None))          # 8 rows over 3: uneven
+    h = reshard_jax({"w": x["w"], "k": x["layers"][0]["k"]},
+                    {"w": lay, "k": mc.Layout(mc.Mesh([0, 7], "r"), (None, "r"))}, async_op=True)
+    assert isinstance(h, mc.Handle)
+    y = h.wait()
+    assert isinstance(y["w"], dict) and set(y["w"]) == {1, 3, 5}
+    for d, v in y["w"].items():
+        assert v.devices() == {devs[d]}
+        np.testing.assert_array_equal(np.asarray(v), mc.shard(want["w"], lay)[d])
+    _check_array(y["k"], want["layers"][0]["k"],
+                 sharding_from_layout(mc.Layout(mc.Mesh([0, 7], "r"), (None, "r")), (4, 12)))
+    # host leaves: placed like jax.device_put
+    y = reshard_jax({"n": np.arange(8.0), "s": 2.0, "j": x["w"]}, {"n": b, "s": one, "j": c})
+    np.testing.assert_array_equal(np.asarray(y["n"]), np.arange(8.0))
+    assert y["n"].sharding == b and y["s"].sharding == one and float(y["s"]) == 2.0
+    _check_array(y["j"], want["w"], c)
+
+
+@needs_devices
+def test_reshard_pytree_errors_name_the_leaf():
+    devs = jax.devices()[:NDEV]
+    s = NamedSharding(JMesh(np.array(devs[:4], dtype=object), ("z",)), P("z"))
+    x = {"a": jax.device_put(np.zeros((8, 4)), s), "b": [jax.device_put(np.zeros((4,)), s)]}
+    with pytest.raises(ValueError, match=r"leaf \['b'\]\[0\].*dimension 0 of size 4 is split 3 ways"):
+        reshard_jax(x, {"a": s, "b": [NamedSharding(JMesh(np.array(devs[:3], dtype=object), ("k",)), P("k"))]})
+    with pytest.raises(ValueError, match=r"leaf \['b'\]\[0\]: .*2 entries but the tensor has 1"):
+        reshard_jax(x, NamedSharding(s.mesh, P(None, "z")))
+    with pytest.raises(ValueError, match="does not match the tree of arrays.*prefix"):
+        reshard_jax(x, {"a": s, "c": None})
+    with pytest.raises(TypeError, match=r"target of leaf \['a'\].*got str"):
+        reshard_jax(x, {"a": "P(z)", "b": None})
+    with pytest.raises(TypeError, match=r"leaf \['c'\]: str is not a jax.Array"):
+        reshard_jax({"c": "text"}, s)
+    with pytest.raises(ValueError, match=r"leaf \['a'\].*not JAX devices"):
+        reshard_jax({"a": x["a"]}, mc.Layout(mc.Mesh([0, 99999], "x"), ("x",)))
+    # nothing moved: a tree of Nones and an empty tree come back as they are
+    assert reshard_jax({"a": None}, s) == {"a": None}
+    assert reshard_jax([], s) == []
+
+
 def test_adapters_import_lazily():
     import subprocess
     import sys

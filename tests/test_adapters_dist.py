@@ -3,14 +3,16 @@
 * JAX: `mpiexec -n 4`, JAX multi-process on CPU (jax.distributed.initialize, 2 local devices
   per process), meshcomm.init(devices_per_process=2); random NamedShardings -> random
   NamedShardings, disjoint device sets, different device counts and an uneven Layout, with
-  the mpi, torch and mixed backends (tests/workers_adapters/jax_worker.py).
+  the mpi, torch and mixed backends, and pytrees of arrays moved as one batch
+  (tests/workers_adapters/jax_worker.py).
 * DTensor: `mpiexec -n 4`, meshcomm.init(backend="torch") (rank, world and master address
   from MPI; the worker runs unchanged under `torchrun --standalone --nproc-per-node 4`,
   whose start-up costs ~40 s more on this machine); DTensors moved
   between different DeviceMeshes with Shard/Replicate/Partial placements, checked against
   torch's own rule for which rank holds which chunk (compute_local_shape_and_global_offset),
   the global tensor and DTensor's own full_tensor() (tests/workers_adapters/dtensor_worker.py),
-  including DeviceMeshes whose ranks are not ascending.
+  including DeviceMeshes whose ranks are not ascending; state dicts of DTensors moved in
+  one batch (reshard_state_dict).
 * Without a launch: the Layout of every placement on permuted meshes against torch's rule
   for every mesh coordinate.
 """
@@ -68,7 +70,7 @@ def test_jax_adapter_multiprocess():
     assert r.returncode == 0, _tail(r)
     ok = _oks("JAXDIST", r.stdout)        # lines of different ranks may run together
     assert sorted(ok) == [0, 1, 2, 3], _tail(r)
-    assert all(n == 4 * 3 + 3 * 5 for n in ok.values()), _tail(r)
+    assert all(n == 4 * 3 + 3 * 5 + 3 + 1 for n in ok.values()), _tail(r)     # + pytree cases
 
 
 @pytest.mark.mpi
@@ -80,7 +82,8 @@ def test_dtensor_adapter_multiprocess():
     assert r.returncode == 0, _tail(r)
     ok = _oks("DTENSOR", r.stdout)
     assert sorted(ok) == [0, 1, 2, 3], _tail(r)
-    assert all(n == 46 for n in ok.values()), _tail(r)     # 45 cases + the refused placement
+    # 45 cases + the refused placement + 6 state dicts, one async, 3 refused, a plain tensor
+    assert all(n == 46 + 6 + 1 + 3 + 1 for n in ok.values()), _tail(r)
 
 
 def test_dtensor_layout_follows_torch_coordinate_rule():

@@ -7,7 +7,8 @@ an independent nested torch.chunk, and DTensor's own full_tensor() on the new me
 torch's collectives can compute it. Ranks outside the new mesh must hold an empty local
 tensor. Sources are built with DTensor.from_local from chunks cut by torch's rule (not by
 meshcomm). Fixed cases put every DeviceMesh whose ranks are not ascending (1-d and 2-d,
-even and uneven shards) on one side or both.
+even and uneven shards) on one side or both. State dicts of DTensors move in one batch
+(`reshard_state_dict`).
 
 argv: number of random cases, seed. Prints "DTENSOR OK <rank> <cases>" on success."""
 import math
@@ -22,7 +23,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import meshcomm as mc
-from meshcomm.adapters.dtensor import layout_from_placements, reshard_dtensor
+from meshcomm.adapters.dtensor import layout_from_placements, reshard_dtensor, reshard_state_dict
 
 ncases = int(sys.argv[1])
 seed = int(sys.argv[2])
@@ -171,6 +172,73 @@ def order_cases():
     return len(ORDER_CASES)
 
 
+STATE_CASES = [
+    # (src mesh, dst mesh, {name: (shape, src placements, dst placements)}): a model's
+    # weights in one batch; uneven shards, meshes whose ranks are not ascending, Partial
+    ("all4", "perm2x2", {"wte": ((10, 6), [Shard(0)], [Replicate(), Shard(1)]),
+                         "qkv": ((6, 18), [Shard(0)], [Replicate(), Shard(1)]),
+                         "ln": ((6,), [Shard(0)], [Replicate(), Replicate()]),
+                         "fc2": ((7, 5), [Shard(1)], [Shard(0), Shard(1)])}),
+    ("lo", "rev2x2", {"a": ((5, 3), [Shard(0)], [Shard(1), Replicate()]),
+                      "b": ((4,), [Partial()], [Shard(0), Shard(0)]),
+                      "c": ((3, 3, 2), [Replicate()], [Replicate(), Shard(2)])}),
+    ("perm4", "hi", {"x": ((9, 2), [Shard(0)], [Shard(0)]), "y": ((2, 9), [Shard(1)], [Replicate()])}),
+]
+
+
+def state_dict_cases():
+    """reshard_state_dict: every entry moved in one reshard_many call (one placements list,
+    a dict by name, a callable), checked entry by entry as reshard_dtensor's results."""
+    done = 0
+    for k, (a, b, spec) in enumerate(STATE_CASES):
+        g = {n: (torch.arange(math.prod(shp), dtype=torch.int64).reshape(shp) * (k + 2) - 5).to(
+            torch.float32 if i % 2 else torch.int64) for i, (n, (shp, _, _)) in enumerate(spec.items())}
+        sd = {n: make_dtensor(g[n], MESHES[a], pa, seed=200 + k)[0] for n, (_, pa, _) in spec.items()}
+        by_name = {n: pb for n, (_, _, pb) in spec.items()}
+        for how, placements in (("dict", by_name), ("callable", by_name.__getitem__)):
+            out = reshard_state_dict(sd, MESHES[b], placements)
+            assert list(out) == list(sd), (list(out), list(sd))
+            for n, y in out.items():
+                check(y, g[n], MESHES[b], by_name[n], f"state dict case {k} ({how}) {n}")
+            done += 1
+    # one placements list for all, asynchronously, a dict whose order differs between ranks
+    g = {n: torch.arange(24, dtype=torch.float32).reshape(4, 6) + i for i, n in enumerate("pqr")}
+    names = list(g) if rank % 2 else list(reversed(g))
+    sd = {n: make_dtensor(g[n], MESHES["hi"], [Shard(1)], 0)[0] for n in names}
+    h = reshard_state_dict(sd, MESHES["perm4"], [Shard(0)], async_op=True)
+    assert isinstance(h, mc.Handle)
+    out = h.wait()
+    assert list(out) == names
+    for n in names:
+        check(out[n], g[n], MESHES["perm4"], [Shard(0)], f"state dict (one list) {n}")
+    return done + 1
+
+
+def state_dict_errors():
+    """Bad input names the entry, on every rank (last: a failed agreement followed by another
+    of the same Program number can read the failed one's stale metas over the torch store)."""
+    done = 0
+    g = {n: torch.arange(24, dtype=torch.float32).reshape(4, 6) + i for i, n in enumerate("pqr")}
+    sd = {n: make_dtensor(g[n], MESHES["hi"], [Shard(1)], 0)[0] for n in g}
+    for bad, err, what in (({"p": [Shard(0)], "q": [Shard(0)], "r": [Shard(5)]}, ValueError, "'r'"),
+                           ({"p": [Shard(0)], "q": [Shard(0)]}, ValueError, "['r']"),
+                           ([Shard(0), Shard(1)], ValueError, "placement")):
+        try:
+            reshard_state_dict(sd, MESHES["perm4"], bad)
+        except err as e:
+            assert what in str(e), (what, str(e))
+        else:
+            raise AssertionError(f"bad placements {bad} were not refused")
+        done += 1
+    try:
+        reshard_state_dict(dict(sd, t=torch.ones(2)), MESHES["perm4"], [Shard(0)])
+    except TypeError as e:
+        assert "entry 't'" in str(e) and "DTensor" in str(e), str(e)
+    else:
+        raise AssertionError("a plain tensor in the state dict was not refused")
+    return done + 1
+
+
 def main():
     rng = np.random.default_rng(seed)
     names = list(MESHES)
@@ -210,6 +278,7 @@ def main():
     done += 2
     done += order_cases()
     assert gathered >= 10, gathered
+    done += state_dict_cases()
     # one rank passes an invalid placement: every rank raises within seconds, naming it
     import time
     bad = dist.get_world_size() - 1
@@ -226,6 +295,7 @@ def main():
     y = reshard_dtensor(dt, MESHES["hi"], [Shard(1)])       # the next call works
     check(y, g, MESHES["hi"], [Shard(1)], "after a refused placement")
     done += 1
+    done += state_dict_errors()
     dist.barrier()
     print(f"DTENSOR OK {rank} {done}", flush=True)
     mc.finalize()

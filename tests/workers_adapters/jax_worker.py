@@ -83,6 +83,43 @@ def check(y, g, s, what):
 
 
 
+def tree_cases(rng):
+    """A pytree of arrays with a tree of targets (random NamedShardings, an uneven Layout, a
+    None that leaves its leaf alone) moved as one batch per backend; then a bad target
+    named by its leaf on every rank."""
+    done = 0
+    shapes = {"w": (8, 6), "layers": [(4, 12), (12,)], "skip": (2, 2)}
+    want = {"w": np.arange(48, dtype=np.float32).reshape(8, 6),
+            "layers": [(np.arange(48) % 7).astype(np.int32).reshape(4, 12), np.linspace(0, 1, 12, dtype=np.float32)],
+            "skip": np.ones((2, 2), np.float32)}
+    lay = mc.Layout(mc.Mesh([7, 0, 5], "r"), ("r", None))                     # 8 rows over 3
+    for b in backends:
+        s1 = {"w": random_sharding(rng, shapes["w"]), "layers": [random_sharding(rng, s) for s in shapes["layers"]],
+              "skip": random_sharding(rng, shapes["skip"])}
+        s2 = {"w": lay, "layers": [random_sharding(rng, s) for s in shapes["layers"]], "skip": None}
+        x = {"w": make(want["w"], s1["w"]), "layers": [make(g, s) for g, s in zip(want["layers"], s1["layers"])],
+             "skip": make(want["skip"], s1["skip"])}
+        y = reshard_jax(x, s2, backend=b)
+        assert y["skip"] is x["skip"]
+        for g, v, s in zip(want["layers"], y["layers"], s2["layers"]):
+            check(v, g, s, f"tree {b}: layers")
+        ref = mc.shard(want["w"], lay)
+        mine = {d for d in lay.mesh.device_ids if d // LOCAL == comm.rank}
+        assert isinstance(y["w"], dict) and set(y["w"]) == mine, (set(y["w"]), mine)
+        for d, v in y["w"].items():
+            assert v.devices() == {DEVS[d]}
+            np.testing.assert_array_equal(np.asarray(v), ref[d])
+        done += 1
+    x = {"a": make(want["w"], random_sharding(rng, (8, 6)))}
+    try:
+        reshard_jax(x, {"a": NamedSharding(JMesh(np.array(DEVS[:3], dtype=object), ("k",)), P("k"))})
+    except ValueError as e:
+        assert "leaf ['a']" in str(e) and "split 3 ways" in str(e), str(e)
+    else:
+        raise AssertionError("an uneven NamedSharding leaf was not refused")
+    return done + 1
+
+
 def main():
     rng = np.random.default_rng(seed)
     done = 0
@@ -123,6 +160,7 @@ def main():
             np.testing.assert_array_equal(np.asarray(v), ref[d])
         done += 1
 
+    done += tree_cases(rng)
     comm.Barrier()
     mc.finalize()
     print(f"JAXDIST OK {comm.rank} {done}", flush=True)
