@@ -7,8 +7,7 @@ equal-count form where every member's count is the same (Iallgather, Ireduce_sca
 MPICH picks other algorithms for those, measured up to 1.3x faster on 8 processes at 256 KiB
 (an all-gather). Not for gathers and scatters: MPICH's Igather and Iscatter (a tree) were
 up to 2x slower than the v forms (linear) from 256 KiB on 8 processes here.
-`allgather_poster` and the other `*_poster`s validate a group once and give a function that
-only posts (what meshcomm.runtime.numpy_posters calls per repeated call). mpi4py
+mpi4py
 takes the MPI datatype from the NumPy dtype (uint8 bytes, int32/64, float32/64, ...):
 counts are elements. bfloat16 has no MPI datatype (a NumPy array of ml_dtypes' bfloat16 is
 refused by mpi4py with a TypeError); reduce it on torch. Unlike broadcasts and reduces of a
@@ -75,16 +74,6 @@ class MPICollectives:
         req = self._group(ranks).Iallreduce(_OPS["in_place"], buf, op=mop)
         return self._work(req, buf, "allreduce", ranks)
 
-    def allreduce_poster(self, op, ranks):
-        """buf -> the posted in-place allreduce of this group (validated here, once)."""
-        ranks = check_group(self.rank, ranks, "allreduce")
-        mop, in_place = mpi_op(op), _OPS["in_place"]
-        group, work = self._group, self._poster_work("allreduce", ranks)
-
-        def post(buf):
-            return work(group(ranks).Iallreduce(in_place, buf, op=mop), buf)
-        return post
-
     def allgatherv(self, sendbuf, recvbuf, counts, ranks):
         ranks = check_group(self.rank, ranks, "allgatherv")
         counts = check_counts(counts, ranks, "allgatherv")
@@ -92,16 +81,6 @@ class MPICollectives:
         check_len(recvbuf, sum(counts), "allgatherv", "recvbuf")
         req = _iallgather(self._group(ranks), sendbuf, recvbuf, _v_spec(counts))
         return self._work(req, (sendbuf, recvbuf), "allgatherv", ranks)
-
-    def allgather_poster(self, counts, ranks):
-        """(sendbuf, recvbuf) -> the posted allgatherv of this group (validated here, once)."""
-        ranks = check_group(self.rank, ranks, "allgatherv")
-        counts = check_counts(counts, ranks, "allgatherv")
-        spec, group, work = _v_spec(counts), self._group, self._poster_work("allgatherv", ranks)
-
-        def post(sendbuf, recvbuf):
-            return work(_iallgather(group(ranks), sendbuf, recvbuf, spec), (sendbuf, recvbuf))
-        return post
 
     def reduce_scatterv(self, sendbuf, recvbuf, counts, op, ranks):
         ranks = check_group(self.rank, ranks, "reduce_scatterv")
@@ -111,35 +90,10 @@ class MPICollectives:
         req = _ireduce_scatter(self._group(ranks), sendbuf, recvbuf, _v_spec(counts), mpi_op(op))
         return self._work(req, (sendbuf, recvbuf), "reduce_scatterv", ranks)
 
-    def reduce_scatter_poster(self, counts, op, ranks):
-        """(sendbuf, recvbuf) -> the posted reduce_scatterv of this group (validated once)."""
-        ranks = check_group(self.rank, ranks, "reduce_scatterv")
-        counts = check_counts(counts, ranks, "reduce_scatterv")
-        spec, mop = _v_spec(counts), mpi_op(op)
-        group, work = self._group, self._poster_work("reduce_scatterv", ranks)
-
-        def post(sendbuf, recvbuf):
-            return work(_ireduce_scatter(group(ranks), sendbuf, recvbuf, spec, mop), (sendbuf, recvbuf))
-        return post
-
     def alltoall(self, sendbuf, recvbuf, ranks):
         ranks = check_alltoall(self.rank, sendbuf, recvbuf, ranks)
         req = self._group(ranks).Ialltoall(sendbuf, recvbuf)
         return self._work(req, (sendbuf, recvbuf), "alltoall", ranks)
-
-    def alltoall_poster(self, ranks):
-        """(sendbuf, recvbuf) -> the posted alltoall of this group; the buffers' lengths are
-        the caller's to get right (a multiple of the group's size, equal)."""
-        ranks = check_group(self.rank, ranks, "alltoall")
-        group, work = self._group, self._poster_work("alltoall", ranks)
-
-        def post(sendbuf, recvbuf):
-            return work(group(ranks).Ialltoall(sendbuf, recvbuf), (sendbuf, recvbuf))
-        return post
-
-    def _poster_work(self, what, ranks):
-        (desc, peers), cls, rank = self._desc(what, ranks), self.work_cls, self.rank
-        return lambda req, bufs: cls(req, bufs, desc, peers, rank)
 
     def gatherv(self, sendbuf, recvbuf, counts, root, ranks):
         ranks = check_group(self.rank, ranks, "gatherv")

@@ -22,7 +22,6 @@ from .. import arrays
 from ..backends import buffers
 from ..backends.base import empty_wire, from_wire, issued, to_wire
 from ..collectives.layouts import groups
-from .numpy_posters import numpy_poster
 from .program import empty_like
 
 __all__ = ["Native", "choose", "posters", "run", "poster"]
@@ -189,11 +188,6 @@ def poster(ctx, prim, req, g, me, dt, tile, shapes, kind):
     op = "sum" if req.reduce_op == "avg" else req.reduce_op
     root = rank_of(g[req.root]) if req.op in _ROOTED else None
     rooted = ctx.rank == root
-    if kind == "numpy":                 # the common case, with the least Python
-        post = numpy_poster(prim, req, me, dt, tile, shapes, g, ranks, op,
-                            _chunks(tile[0], k) if req.op == "reduce_scatter" else None)
-        if post is not None:
-            return post
     if req.op in ("all_reduce", "reduce"):
         def post(x):
             buf = _flat(x.clone() if arrays.is_torch(x) else buffers.copy(x), wire, True)
