@@ -4,7 +4,9 @@ Links. Every device has an intra-node link each way (NVLink-class, ``intra_node_
 every node a NIC each way (``inter_node_gbps``); all full duplex. A hop between two devices
 of one node loads the sender's ``dev_out`` and the receiver's ``dev_in``; a hop between
 nodes loads the sending node's ``nic_out`` and the receiving node's ``nic_in`` (the same
-accounting as ``Plan.link_loads``). Local copies cost nothing.
+accounting as ``Plan.link_loads``). Local copies cost nothing. With several NICs per node
+(``Topology.nics_per_node``, rails) the hop loads the sender's and the receiver's own NICs
+(``Topology.nic_of``), each of ``inter_node_gbps / nics_per_node``.
 
 Flows. Every non-copy transfer is one flow along its route: a send is one hop; a broadcast
 or reduction is a pipelined chain (NCCL's ring/chain), all its hops streaming at once, so
@@ -42,13 +44,13 @@ __all__ = ["simulate", "SimResult", "simulate_detailed", "max_min_rates", "trans
 
 def transfer_resources(t, topology: Topology) -> dict[tuple[str, int], int]:
     """Links a transfer's route uses, with multiplicity: {("nic_out", node): uses, ...}."""
-    node = topology.node_of
+    node, nic = topology.node_of, topology.nic_of
     use: dict[tuple[str, int], int] = defaultdict(int)
     for u, v in t.hops:
         nu, nv = node(u), node(v)
         if nu != nv:
-            use[("nic_out", nu)] += 1
-            use[("nic_in", nv)] += 1
+            use[("nic_out", nic(u))] += 1
+            use[("nic_in", nic(v))] += 1
         else:
             use[("dev_out", u)] += 1
             use[("dev_in", v)] += 1
@@ -139,7 +141,7 @@ def simulate_detailed(plan, topology: Topology, compression=None) -> SimResult:
     end = [0.0] * n
     if n == 0:
         return SimResult(0.0, start, end)
-    intra, inter = topology.intra_bytes_per_s, topology.inter_bytes_per_s
+    intra, inter = topology.intra_bytes_per_s, topology.nic_bytes_per_s
 
     # static facts per transfer
     res_index: dict[tuple[str, int], int] = {}
