@@ -29,6 +29,11 @@ Order. A device runs its transfers in the plan's global order with non-blocking 
 inside a stage: it posts all its stage-k transfers once it has finished every transfer it
 takes part in of earlier stages; a transfer starts when all its participants have posted
 it. The plan ends when the last transfer completes.
+
+Buckets. A plan with a ``bucket_window`` (a batch plan: planners/batch.py) whose transfers
+carry a ``bucket`` number keeps at most that many buckets in flight per device: a device
+posts a transfer of bucket b only once it has finished every transfer of its own in
+buckets up to b - bucket_window.
 """
 from __future__ import annotations
 
@@ -185,11 +190,16 @@ def simulate_detailed(plan, topology: Topology, compression=None) -> SimResult:
     def earlier_unfinished(d: int, stage: int) -> bool:
         return any(c > 0 for s, c in unfinished[d].items() if s < stage)
 
+    window = getattr(plan, "bucket_window", None)
+    buckets = _Buckets(transfers, queue, window) if window else None
+
     def post(d: int) -> None:
         q = queue[d]
         while ptr[d] < len(q):
             i = q[ptr[d]]
             if earlier_unfinished(d, transfers[i].stage):
+                return
+            if buckets is not None and buckets.blocked(d, i):
                 return
             ptr[d] += 1
             t_end = max(post_clock[d], now) + post_lat[i]
@@ -267,6 +277,41 @@ def simulate_detailed(plan, topology: Topology, compression=None) -> SimResult:
             for d in transfers[i].participants:
                 unfinished[d][transfers[i].stage] -= 1
                 touched.add(d)
+            if buckets is not None:
+                buckets.finished(i)
         for d in sorted(touched):
             post(d)
     return SimResult(max(end), start, end)
+
+
+class _Buckets:
+    """Per device, its unfinished transfers per bucket, for the bucket window (module
+    docstring): a device's buckets rise along its queue (the plan is in bucket order)."""
+
+    def __init__(self, transfers, queue: dict, window: int):
+        self.window = window
+        self.bucket = [getattr(t, "bucket", 0) for t in transfers]
+        self.parts = [t.participants for t in transfers]
+        self.count: dict[int, dict[int, int]] = {}
+        self.order: dict[int, list[int]] = {}
+        self.low: dict[int, int] = {}
+        for d, q in queue.items():
+            c: dict[int, int] = defaultdict(int)
+            for i in q:
+                c[self.bucket[i]] += 1
+            self.count[d] = c
+            self.order[d] = sorted(c)
+            self.low[d] = 0
+
+    def blocked(self, d: int, i: int) -> bool:
+        order, c = self.order[d], self.count[d]
+        k = self.low[d]
+        while k < len(order) and c[order[k]] == 0:
+            k += 1
+        self.low[d] = k
+        return k < len(order) and self.bucket[i] - order[k] >= self.window
+
+    def finished(self, i: int) -> None:
+        b = self.bucket[i]
+        for d in self.parts[i]:
+            self.count[d][b] -= 1
