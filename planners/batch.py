@@ -379,17 +379,18 @@ def _assemble(routes: dict, itemsizes, bucket: int):
 
 def _chunks(kind, srcs, lst, itemsizes, bucket: int) -> list:
     """A route's (tensor, box) pieces, tensor order, as [([(tensor, box)], bytes)] runs of
-    at most `bucket` bytes each (a reduce's root gathers one buffer per contributor)."""
+    at most `bucket` bytes each, every piece counted with the padding after it (a reduce's
+    root gathers one buffer per contributor)."""
     factor = len(srcs) if kind == "reduce" else 1
     out, run, run_nb = [], [], 0
     for tid, box in sorted(lst, key=lambda tb: tb[0]):
         size = itemsizes[tid]
         n = box_size(box)
-        cap = max(1, bucket // (size * factor))
+        cap = max(1, (bucket // factor - PART_ALIGN) // size)
         subs = [box] if kind == "copy" or n <= cap else \
             [sub for lo in range(0, n, cap) for sub in row_major_range(box, lo, min(n, lo + cap))]
         for sub in subs:
-            nb = box_size(sub) * size
+            nb = -(-box_size(sub) * size // PART_ALIGN) * PART_ALIGN   # with its padding
             if run and (run_nb + nb) * factor > bucket and kind != "copy":
                 out.append((run, run_nb))
                 run, run_nb = [], 0

@@ -85,11 +85,11 @@ class Router:
                 self.dev_in[v] += nb
 
     # -- chains ------------------------------------------------------------------------------
-    def chain(self, by_node: dict, nb: int = 0) -> tuple:
+    def chain(self, root: int, by_node: dict, nb: int = 0) -> tuple:
         """The needers of lacking nodes {node: [needers]} in chain order (module docstring).
-        Small pieces reuse the chain last made for the same needers until CHAIN_REUSE_BYTES
-        have gone along it, so that they travel in one message."""
-        key = tuple((n, tuple(devs)) for n, devs in by_node.items())
+        Small pieces from one root reuse the chain last made for the same needers until
+        CHAIN_REUSE_BYTES have gone along it, so that they travel in one message."""
+        key = (root,) + tuple((n, tuple(devs)) for n, devs in by_node.items())
         hit = self.reuse.get(key)
         if hit is not None and hit[1] + nb <= CHAIN_REUSE_BYTES:
             hit[1] += nb
@@ -174,7 +174,7 @@ class Router:
         for tid, box, h_by_nic, lacking in forced:
             (hs,) = h_by_nic.values()
             root = min(hs, key=lambda d: (self.sent[d], d))
-            self.emit(tid, (root,), self.chain(lacking, box_size(box) * self.itemsize[tid]), box)
+            self.emit(tid, (root,), self.chain(root, lacking, box_size(box) * self.itemsize[tid]), box)
         if groups:
             self.assign_senders(groups)
 
@@ -232,7 +232,7 @@ class Router:
                         take = n - pos
                     root = min(h_by_nic[s], key=lambda d: (self.sent[d], d))
                     for sub in row_major_range(box, pos, pos + take):
-                        self.emit(tid, (root,), self.chain(sub_lacking, box_size(sub) * size), sub)
+                        self.emit(tid, (root,), self.chain(root, sub_lacking, box_size(sub) * size), sub)
                     pos += take
                     quotas[qi][1] = left - take * size
                     if quotas[qi][1] <= 0 and qi + 1 < len(quotas):
