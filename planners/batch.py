@@ -337,8 +337,12 @@ def _assemble(routes: dict, itemsizes, bucket: int):
                         calendar[b].append((-width, -left, r))
                         continue
                 b = t
-                for x, f in need:
-                    c = next_free(x, nb * f, t)
+                for x, f in need:             # next_free, inlined: the hot loop
+                    c = cur.get(x)
+                    if c is None or c < t:
+                        continue
+                    if used[x] + nb * f > cap and used[x] > 0:
+                        c += 1
                     if c > b:
                         b, blocker = c, (x, f)
                 if b > t:

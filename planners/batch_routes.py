@@ -100,19 +100,19 @@ class Router:
 
     def make_chain(self, by_node: dict) -> tuple:
         dpn, nics = self.topo.devices_per_node, self.topo.nics_per_node
-
-        def nic(d):
-            return d // dpn * nics + d % dpn % nics
+        nic_in, nic_out = self.nic_in, self.nic_out
         parts = []
         for n, devs in by_node.items():
             if len(devs) == 1:
-                parts.append((self.nic_out[nic(devs[0])], n, (devs[0],)))
+                d = devs[0]
+                parts.append((nic_out.get(n * nics + d % dpn % nics, 0), n, devs))
                 continue
-            entry = min(devs, key=lambda d: (self.nic_in[nic(d)], d))
+            base = n * nics
+            entry = min(devs, key=lambda d: (nic_in.get(base + d % dpn % nics, 0), d))
             rest = [d for d in devs if d != entry]
-            exit_ = min(rest, key=lambda d: (self.nic_out[nic(d)], d))
+            exit_ = min(rest, key=lambda d: (nic_out.get(base + d % dpn % nics, 0), d))
             mid = sorted(d for d in rest if d != exit_)
-            parts.append((self.nic_out[nic(exit_)], n, (entry, *mid, exit_)))
+            parts.append((nic_out.get(base + exit_ % dpn % nics, 0), n, [entry, *mid, exit_]))
         parts.sort()
         return tuple(d for _, _, devs in parts for d in devs)
 

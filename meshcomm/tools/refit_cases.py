@@ -71,8 +71,9 @@ class Tensor:
     stacked: bool = False
 
 
-def model_tensors(model: str, experts: str = "stacked") -> list[Tensor]:
-    """Every tensor of `model` in layer order; `experts`: "separate" or "stacked"."""
+def model_tensors(model: str, experts: str = "stacked", layers: int | None = None) -> list[Tensor]:
+    """Every tensor of `model` in layer order; `experts`: "separate" or "stacked"; `layers`:
+    only the first that many layers (a quick look)."""
     if experts not in ("separate", "stacked"):
         raise ValueError(f"experts must be 'separate' or 'stacked', got {experts!r}")
     cfg = load_models()[model]
@@ -81,7 +82,8 @@ def model_tensors(model: str, experts: str = "stacked") -> list[Tensor]:
     n_exp = int(cfg.get("n_routed_experts", cfg.get("num_experts")))
     dense_k = int(cfg.get("first_k_dense_replace", 0))
     out = [Tensor("model.embed_tokens", shp(cfg["other_tensors"]["embed_tokens"]), -1, "vocab")]
-    for layer in range(int(cfg["num_hidden_layers"])):
+    n_layers = int(cfg["num_hidden_layers"]) if layers is None else min(layers, int(cfg["num_hidden_layers"]))
+    for layer in range(n_layers):
         pre = f"model.layers.{layer}"
         for name, dims in groups["attention"].items():
             role = "col" if name in COL else "row" if name in ROW else "rep"
@@ -162,11 +164,13 @@ def _spec(role: str, tp_axis: str | None, ndim: int, stacked: bool = False):
     return lead + (None, tp_axis) if ndim >= 2 else lead
 
 
-def refit_case(model: str, setup: str, experts: str = "stacked", colocated: bool = False) -> RefitCase:
-    """plan_many's arguments for refitting `model` from the trainer to the generator of `setup`."""
+def refit_case(model: str, setup: str, experts: str = "stacked", colocated: bool = False,
+               layers: int | None = None) -> RefitCase:
+    """plan_many's arguments for refitting `model` from the trainer to the generator of `setup`
+    (`layers`: only the first that many, spread over all the pipeline stages)."""
     s = SETUPS[setup]
-    tensors = model_tensors(model, experts)
-    layers = int(load_models()[model]["num_hidden_layers"])
+    tensors = model_tensors(model, experts, layers)
+    used = n_layers_all(model) if layers is None else min(layers, n_layers_all(model))
     tdev = np.arange(s.trainer_size).reshape(s.pp, s.ep, s.tp)
     gbase = 0 if colocated else s.trainer_size
     gdev = gbase + np.arange(s.generator_size).reshape(s.gen_dp, s.gen_tp)
@@ -176,7 +180,7 @@ def refit_case(model: str, setup: str, experts: str = "stacked", colocated: bool
     t_tp = "tp" if s.tp > 1 else None
 
     def stage_of(layer: int) -> int:
-        return 0 if layer < 0 else s.pp - 1 if layer >= layers else layer * s.pp // layers
+        return 0 if layer < 0 else s.pp - 1 if layer >= used else layer * s.pp // used
 
     def smesh(st: int) -> Mesh:
         if st not in stage_mesh:
@@ -211,4 +215,10 @@ def refit_case(model: str, setup: str, experts: str = "stacked", colocated: bool
             dst[t.name] = layout(gmesh, _spec(t.role, "tp", len(t.shape)))
     where = "colocated" if colocated else "disjoint"
     devices = max(s.trainer_size, gbase + s.generator_size)
-    return RefitCase(f"{model} {setup} {experts} {where}", shapes, src, dst, "bfloat16", devices, len(shapes))
+    part = "" if used == n_layers_all(model) else f" (first {used} layers)"
+    return RefitCase(f"{model} {setup} {experts} {where}{part}", shapes, src, dst, "bfloat16", devices,
+                     len(shapes))
+
+
+def n_layers_all(model: str) -> int:
+    return int(load_models()[model]["num_hidden_layers"])
