@@ -278,8 +278,8 @@ def _assemble(routes: dict, itemsizes, bucket: int):
     half a bucket (larger pieces split); routes over the same devices form one unit whose
     chunks go in turn. Buckets are filled by list scheduling, bucket after
     bucket: a unit's next chunk goes into the current bucket when each of its links has
-    room there (units with most devices, then most bytes left, first), else it waits for
-    the bucket where its busiest link is free again. So a device's bucket numbers rise along
+    room there (first the units whose busiest device has most bytes still to move: the
+    critical ones), else it waits for the bucket where its busiest link is free again. So a device's bucket numbers rise along
     its program, and a link never idles while a unit could use it. Stages are placed one
     after the other; copies stage nothing and go into their stage's first bucket."""
     by_stage: dict[int, list] = defaultdict(list)
@@ -320,8 +320,16 @@ def _assemble(routes: dict, itemsizes, bucket: int):
                 u[1].append((key, need, run, nb))
                 u[3] += nb
         ulist = list(units.values())
+        devs = list(units)
+        remaining: dict = defaultdict(int)         # bytes each device has still to move
+        for d_, u in zip(devs, ulist):
+            for x in d_:
+                remaining[x] += u[3]
+
+        def prio(r):
+            return -max(remaining[x] for x in devs[r])
         calendar: dict[int, list] = defaultdict(list)
-        calendar[base] = [(-u[0], -u[3], r) for r, u in enumerate(ulist)]
+        calendar[base] = [(prio(r), -u[3], r) for r, u in enumerate(ulist)]
         t = base
         while calendar:
             heap = calendar.pop(t, [])
@@ -334,7 +342,7 @@ def _assemble(routes: dict, itemsizes, bucket: int):
                 if blocker is not None:
                     b = next_free(blocker[0], nb * blocker[1], t)
                     if b > t:
-                        calendar[b].append((-width, -left, r))
+                        calendar[b].append((prio(r), -left, r))
                         continue
                 b = t
                 for x, f in need:             # next_free, inlined: the hot loop
@@ -347,7 +355,7 @@ def _assemble(routes: dict, itemsizes, bucket: int):
                         b, blocker = c, (x, f)
                 if b > t:
                     u[4] = blocker
-                    calendar[b].append((-width, -left, r))
+                    calendar[b].append((prio(r), -left, r))
                     continue
                 for x, f in need:
                     if cur.get(x) == t:
@@ -359,8 +367,10 @@ def _assemble(routes: dict, itemsizes, bucket: int):
                 for tid, sub in run:
                     slot.setdefault(tid, []).append(sub)
                 u[2], u[3], u[4] = i + 1, left - nb, None
+                for x in devs[r]:
+                    remaining[x] -= nb
                 if i + 1 < len(chunks):
-                    heapq.heappush(heap, (-width, -u[3], r))
+                    heapq.heappush(heap, (prio(r), -u[3], r))
             t += 1
     order = sorted(placed, key=lambda kb: (kb[0][3], kb[1], _KIND_ORDER[kb[0][0]], kb[0][1], kb[0][2],
                                            kb[0][4], repr(kb[0][5])))
