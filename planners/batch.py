@@ -52,6 +52,7 @@ __all__ = ["Message", "BatchPlan", "plan_batch", "tensor_work", "default_bucket_
 
 PART_ALIGN = 16         # bytes: every part of a message starts at a multiple of this
 BUCKET_WINDOW = 2       # buckets a process has in flight at once
+CHUNKS = 2              # chunks of a route per link and bucket (finer packing of buckets)
 PLANNED: Counter = Counter()    # "pieces": distinct tensor classes worked out; "fallback": plans
 _KIND_ORDER = {"copy": 0, "reduce": 1, "send": 2, "bcast": 3}
 
@@ -220,13 +221,13 @@ def _own_plan(shape, dtype, itemsize, src, dst, topology) -> Plan:
 
 
 def default_bucket_bytes(topology: Topology) -> int:
-    """The bucket the cost model suggests: a chunk (half a bucket: each link's share of a
-    bucket) long enough that its message latency costs little, 256 inter-node latencies of
-    one NIC's bandwidth, rounded up to a power of two, the bucket between 4 MiB and 1 GiB
-    (256 MiB on dgx-h100, 64 MiB flat, 32 MiB p3.8xlarge). Larger buckets mean fewer
-    messages but more memory (two buckets in flight per process) and a longer pipeline
+    """The bucket the cost model suggests: a chunk (a quarter bucket: half of what a link
+    carries per bucket) long enough that its message latency costs little, 256 inter-node
+    latencies of one NIC's bandwidth, rounded up to a power of two, the bucket between 4 MiB
+    and 1 GiB (512 MiB on dgx-h100, 128 MiB flat, 64 MiB p3.8xlarge). Larger buckets mean
+    fewer messages but more memory (two buckets in flight per process) and a longer pipeline
     fill; `meshcomm bench refit --bucket-mb` shows the trade."""
-    raw = 2 * 256 * topology.inter_node_latency_s * topology.nic_bytes_per_s
+    raw = 2 * CHUNKS * 256 * topology.inter_node_latency_s * topology.nic_bytes_per_s
     return 1 << max(22, min(30, int(raw - 1).bit_length()))
 
 
@@ -275,8 +276,8 @@ def _assemble(routes: dict, itemsizes, bucket: int):
     at most half a bucket (a relay of a chain does both with one buffer; a reduce's root
     receives a buffer per contributor), so it stages at most `bucket` bytes and every link
     is busy about as long. Each route's pieces (tensor order) are cut into chunks of at most
-    half a bucket (larger pieces split); routes over the same devices form one unit whose
-    chunks go in turn. Buckets are filled by list scheduling, bucket after
+    a quarter bucket (larger pieces split: two chunks fill a link's share, which packs the
+    buckets better); routes over the same devices form one unit whose chunks go in turn. Buckets are filled by list scheduling, bucket after
     bucket: a unit's next chunk goes into the current bucket when each of its links has
     room there (first the units whose busiest device has most bytes still to move: the
     critical ones), else it waits for the bucket where its busiest link is free again. So a device's bucket numbers rise along
@@ -316,7 +317,7 @@ def _assemble(routes: dict, itemsizes, bucket: int):
                 need[(dsts[0], 0)] = len(srcs)
             need = tuple(need.items())
             u = units.setdefault(tuple(sorted(set(route))), [len(route), [], 0, 0, None])
-            for run, nb in _chunks(kind, srcs, lst, itemsizes, cap):
+            for run, nb in _chunks(kind, srcs, lst, itemsizes, cap // CHUNKS):
                 u[1].append((key, need, run, nb))
                 u[3] += nb
         ulist = list(units.values())
