@@ -1,6 +1,6 @@
 """Batch plans: many tensors resharded by one schedule (`plan_batch`, what ``mc.plan_many`` runs).
 
-The data an executor runs (see also /work/notes/batch.md):
+The data an executor runs:
 
 * ``BatchPlan.names[i]`` is tensor i; ``BatchPlan.plans[i]`` its own ``Plan`` (shape, dtype,
   src, dst, transfers, zero_fill): a complete, verifiable single-tensor plan whose
@@ -26,9 +26,9 @@ tensors are planned once (``tensor_work``, cached; ``PLANNED`` counts the cache 
 tensor with a pending sum to reduce, or a partial dst made from a full value, is planned by
 the single-tensor planner and its transfers join the batch as they are. Every other piece
 is routed by planners/batch_routes.py with the whole batch's bytes on every NIC at once.
-Routes are then cut into buckets (first fit, in tensor order, no process over
-``bucket_bytes`` per bucket, pieces larger than a bucket split) and everything on one route
-in one bucket is one message.
+Routes are then cut into chunks and list-scheduled into buckets (`_assemble`: a bucket is
+a time slot in which every link carries at most half a bucket), and everything on one
+route in one bucket is one message.
 """
 from __future__ import annotations
 
