@@ -7,8 +7,9 @@ let receivers keep their slice are not verifiable plans, only timed.
 
 * ``one_sender``: per tensor, one rank sends it (vLLM/SGLang-style weight sync): the
   tensor's first src device gathers the shards it lacks, then broadcasts the whole tensor
-  along a chain through every dst device (a ring that enters each node once); tensors one
-  after another.
+  to every dst device as NCCL does, over one ring channel per NIC of a node (channel c a
+  chain through every dst device entering each node through rail c, carrying 1/k of the
+  bytes); tensors one after another.
 * ``gather_broadcast``: the same, every tensor gathered to the first trainer rank of the
   batch and broadcast from it.
 * ``per_tensor``: meshcomm's own single-tensor plan (``plan_reshard``), tensors one after
@@ -22,8 +23,9 @@ let receivers keep their slice are not verifiable plans, only timed.
   tensors one after another.
 * ``striped_buckets`` (verl-like): tensors in order packed into buckets; bucket i belongs
   to trainer rank i mod n, which gathers the bucket's shards it lacks and broadcasts the
-  bucket to every generator rank along a chain; each rank keeps at most two of its buckets
-  in flight, all ranks at once. (Optimistic: a broadcast may start before its bucket's
+  bucket to every generator rank along a chain (bucket i's chain enters the nodes through
+  rail i mod k, so concurrent buckets use every NIC, as NCCL's channels would); each rank
+  keeps at most two of its buckets in flight, all ranks at once. (Optimistic: a broadcast may start before its bucket's
   gathers end, as if the gathers were pipelined with it.)
 
 Tensors one after another: the sum of their simulated times. Alike tensors (the same shape,
@@ -71,10 +73,28 @@ def _whole(shape) -> tuple:
     return tuple((0, n) for n in shape)
 
 
-def _ring(root: int, devices, topology: Topology) -> tuple:
-    node = topology.node_of
+def _ring(root: int, devices, topology: Topology, channel: int = 0) -> tuple:
+    """The receivers of a chain from `root`: node by node, the root's node first, then the
+    others in ascending order; inside a node from the device on rail `channel` on (so the
+    chain enters each node through that rail's NIC), as one of NCCL's ring channels."""
+    node, dpn = topology.node_of, topology.devices_per_node
     rn = node(root)
-    return tuple(sorted((d for d in devices if d != root), key=lambda d: (node(d) != rn, node(d), d)))
+    return tuple(sorted((d for d in devices if d != root),
+                        key=lambda d: (node(d) != rn, node(d), (d % dpn - channel) % dpn, d)))
+
+
+def _broadcast(root: int, devices, nbytes: int, topology: Topology, stage: int, src_buf: str,
+               channels: int) -> list:
+    """A broadcast of `nbytes` from `root` to `devices` as NCCL runs one: split over
+    `channels` ring channels, channel c entering every node through rail c."""
+    out = []
+    k = max(1, min(channels, nbytes))
+    for c in range(k):
+        chain = _ring(root, devices, topology, c)
+        nb = nbytes * (c + 1) // k - nbytes * c // k
+        if chain and nb:
+            out.append(Transfer("send" if len(chain) == 1 else "bcast", (root,), chain, (), nb, stage, src_buf))
+    return out
 
 
 def _gather(shape, src, to: int) -> list:
@@ -97,11 +117,8 @@ def one_sender(shape, itemsize: int, src, dst, topology: Topology, owner: int | 
     for h, box in _gather(shape, src, owner):
         items.setdefault(("send", (h,), (owner,), 0, "src"), []).append(box)
     ts = coalesce(items, itemsize)
-    chain = _ring(owner, dst.mesh.device_ids, topology)
-    nb = box_size(_whole(shape)) * itemsize
-    if chain and nb:
-        kind = "send" if len(chain) == 1 else "bcast"
-        ts.append(Transfer(kind, (owner,), chain, (_whole(shape),), nb, 1, "dst"))
+    ts += _broadcast(owner, dst.mesh.device_ids, box_size(_whole(shape)) * itemsize, topology, 1, "dst",
+                     topology.nics_per_node)
     return Schedule(tuple(ts), topology)
 
 
@@ -223,7 +240,7 @@ def striped_buckets(entries, topology: Topology, bucket_bytes: int, window: int 
                 per_holder[h] += box_size(box) * itemsize
         for h, hb in sorted(per_holder.items()):
             out.append(Bucketed("send", (h,), (r,), (), hb, 0, "src", rnd))
-        chain = _ring(r, gens, topology)
+        chain = _ring(r, gens, topology, i % topology.nics_per_node)
         if chain:
             out.append(Bucketed("bcast" if len(chain) > 1 else "send", (r,), chain, (), nb, 0, "dst", rnd))
     return Schedule(tuple(sorted(out, key=lambda t: t.bucket)), topology, window)
