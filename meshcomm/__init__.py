@@ -34,6 +34,7 @@ __all__ = ["Mesh", "Layout", "Blocks", "Topology", "Plan", "Transfer", "plan", "
            "reshard_many"]
 from .alltoall import all_to_all_v; __all__ += ["all_to_all_v"]  # noqa: E402,E702
 from .planners.bounds import lower_bound; __all__ += ["lower_bound"]  # noqa: E402,E702
+from .planning import plan_many; __all__ += ["plan_many"]  # noqa: E402,E702
 from .collectives import (all_gather, all_reduce, all_to_all, barrier, broadcast, gather, recv,  # noqa: E402
                           reduce, reduce_scatter, scatter, send)
 from . import compression  # noqa: E402,F401

@@ -21,6 +21,11 @@ With one group (a dst without pending sums) these are the two rules above.
 The time bound is the largest over links of bytes / bandwidth. The simulator moves bytes
 no faster than link bandwidth, so no plan simulates faster; nor does any plan's
 ``max_link_bytes(topology, "nic")`` fall below ``nic`` here.
+
+Several NICs per node (``Topology.nics_per_node``): the NIC entries of ``links`` stay per
+node (the node's NICs together must carry those bytes: a plan may pass a piece over NVLink
+to whichever GPU's NIC it likes), and ``nic`` is the busiest node's bytes shared evenly over
+its NICs (rounded up), a bound on the busiest single NIC; the seconds are the same.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from collections import defaultdict
 from .boxes import box_size
 from .topology import Topology
 
-__all__ = ["LinkBound", "lower_bound_bytes", "lower_bound"]
+__all__ = ["LinkBound", "lower_bound_bytes", "lower_bound", "link_bound"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,9 +102,17 @@ def lower_bound_bytes(shape, itemsize: int, src, dst, topology: Topology | str |
             if not any(g == {d} for g in groups):
                 links[("dev_out", d)] += nb
     links = dict(links)
-    nic = max((v for (k, _), v in links.items() if k.startswith("nic")), default=0)
+    return link_bound(links, topo)
+
+
+def link_bound(links: dict, topology: Topology) -> LinkBound:
+    """The LinkBound of per-link forced bytes `links` (NIC entries per node): the busiest
+    NIC's share and device link, and the seconds. Forced bytes of different tensors add up,
+    so the sum of several tensors' `links` gives the bound of moving them all."""
+    node_max = max((v for (k, _), v in links.items() if k.startswith("nic")), default=0)
+    nic = -(-node_max // topology.nics_per_node)
     dev = max((v for (k, _), v in links.items() if k.startswith("dev")), default=0)
-    seconds = max(nic / topo.inter_bytes_per_s, dev / topo.intra_bytes_per_s)
+    seconds = max(node_max / topology.inter_bytes_per_s, dev / topology.intra_bytes_per_s)
     return LinkBound(links, nic, dev, seconds)
 
 

@@ -205,9 +205,9 @@ class CodecCost:
         for u, v in hops(t, comp):
             nu, nv = topology.node_of(u), topology.node_of(v)
             if nu != nv:
-                add(("nic_out", nu), ratio)
-                add(("nic_in", nv), ratio)
-                link_s.append(ratio / topology.inter_bytes_per_s)
+                add(("nic_out", topology.nic_of(u)), ratio)
+                add(("nic_in", topology.nic_of(v)), ratio)
+                link_s.append(ratio / topology.nic_bytes_per_s)
             else:
                 add(("dev_out", u), ratio)
                 add(("dev_in", v), ratio)

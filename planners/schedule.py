@@ -167,7 +167,8 @@ class Plan:
         """Bytes per directed link: ("nic_out"|"nic_in", node) and ("dev_out"|"dev_in", device).
 
         Each hop of a route between two nodes loads both NICs; a hop inside a node loads the
-        two devices' intra-node links.
+        two devices' intra-node links. With several NICs per node the keys are NIC ids
+        (``Topology.nic_of``: the node id when a node has one NIC).
         """
         topo = topology or self.topology
         loads: dict[tuple[str, int], int] = defaultdict(int)
@@ -177,8 +178,8 @@ class Plan:
             for u, v in t.hops:
                 nu, nv = topo.node_of(u), topo.node_of(v)
                 if nu != nv:
-                    loads[("nic_out", nu)] += t.nbytes
-                    loads[("nic_in", nv)] += t.nbytes
+                    loads[("nic_out", topo.nic_of(u))] += t.nbytes
+                    loads[("nic_in", topo.nic_of(v))] += t.nbytes
                 else:
                     loads[("dev_out", u)] += t.nbytes
                     loads[("dev_in", v)] += t.nbytes

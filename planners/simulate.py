@@ -4,7 +4,9 @@ Links. Every device has an intra-node link each way (NVLink-class, ``intra_node_
 every node a NIC each way (``inter_node_gbps``); all full duplex. A hop between two devices
 of one node loads the sender's ``dev_out`` and the receiver's ``dev_in``; a hop between
 nodes loads the sending node's ``nic_out`` and the receiving node's ``nic_in`` (the same
-accounting as ``Plan.link_loads``). Local copies cost nothing.
+accounting as ``Plan.link_loads``). Local copies cost nothing. With several NICs per node
+(``Topology.nics_per_node``, rails) the hop loads the sender's and the receiver's own NICs
+(``Topology.nic_of``), each of ``inter_node_gbps / nics_per_node``.
 
 Flows. Every non-copy transfer is one flow along its route: a send is one hop; a broadcast
 or reduction is a pipelined chain (NCCL's ring/chain), all its hops streaming at once, so
@@ -27,6 +29,11 @@ Order. A device runs its transfers in the plan's global order with non-blocking 
 inside a stage: it posts all its stage-k transfers once it has finished every transfer it
 takes part in of earlier stages; a transfer starts when all its participants have posted
 it. The plan ends when the last transfer completes.
+
+Buckets. A plan with a ``bucket_window`` (a batch plan: planners/batch.py) whose transfers
+carry a ``bucket`` number keeps at most that many buckets in flight per device: a device
+posts a transfer of bucket b only once it has finished every transfer of its own in
+buckets up to b - bucket_window.
 """
 from __future__ import annotations
 
@@ -42,13 +49,13 @@ __all__ = ["simulate", "SimResult", "simulate_detailed", "max_min_rates", "trans
 
 def transfer_resources(t, topology: Topology) -> dict[tuple[str, int], int]:
     """Links a transfer's route uses, with multiplicity: {("nic_out", node): uses, ...}."""
-    node = topology.node_of
+    node, nic = topology.node_of, topology.nic_of
     use: dict[tuple[str, int], int] = defaultdict(int)
     for u, v in t.hops:
         nu, nv = node(u), node(v)
         if nu != nv:
-            use[("nic_out", nu)] += 1
-            use[("nic_in", nv)] += 1
+            use[("nic_out", nic(u))] += 1
+            use[("nic_in", nic(v))] += 1
         else:
             use[("dev_out", u)] += 1
             use[("dev_in", v)] += 1
@@ -139,7 +146,7 @@ def simulate_detailed(plan, topology: Topology, compression=None) -> SimResult:
     end = [0.0] * n
     if n == 0:
         return SimResult(0.0, start, end)
-    intra, inter = topology.intra_bytes_per_s, topology.inter_bytes_per_s
+    intra, inter = topology.intra_bytes_per_s, topology.nic_bytes_per_s
 
     # static facts per transfer
     res_index: dict[tuple[str, int], int] = {}
@@ -183,11 +190,16 @@ def simulate_detailed(plan, topology: Topology, compression=None) -> SimResult:
     def earlier_unfinished(d: int, stage: int) -> bool:
         return any(c > 0 for s, c in unfinished[d].items() if s < stage)
 
+    window = getattr(plan, "bucket_window", None)
+    buckets = _Buckets(transfers, queue, window) if window else None
+
     def post(d: int) -> None:
         q = queue[d]
         while ptr[d] < len(q):
             i = q[ptr[d]]
             if earlier_unfinished(d, transfers[i].stage):
+                return
+            if buckets is not None and buckets.blocked(d, i):
                 return
             ptr[d] += 1
             t_end = max(post_clock[d], now) + post_lat[i]
@@ -265,6 +277,41 @@ def simulate_detailed(plan, topology: Topology, compression=None) -> SimResult:
             for d in transfers[i].participants:
                 unfinished[d][transfers[i].stage] -= 1
                 touched.add(d)
+            if buckets is not None:
+                buckets.finished(i)
         for d in sorted(touched):
             post(d)
     return SimResult(max(end), start, end)
+
+
+class _Buckets:
+    """Per device, its unfinished transfers per bucket, for the bucket window (module
+    docstring): a device's buckets rise along its queue (the plan is in bucket order)."""
+
+    def __init__(self, transfers, queue: dict, window: int):
+        self.window = window
+        self.bucket = [getattr(t, "bucket", 0) for t in transfers]
+        self.parts = [t.participants for t in transfers]
+        self.count: dict[int, dict[int, int]] = {}
+        self.order: dict[int, list[int]] = {}
+        self.low: dict[int, int] = {}
+        for d, q in queue.items():
+            c: dict[int, int] = defaultdict(int)
+            for i in q:
+                c[self.bucket[i]] += 1
+            self.count[d] = c
+            self.order[d] = sorted(c)
+            self.low[d] = 0
+
+    def blocked(self, d: int, i: int) -> bool:
+        order, c = self.order[d], self.count[d]
+        k = self.low[d]
+        while k < len(order) and c[order[k]] == 0:
+            k += 1
+        self.low[d] = k
+        return k < len(order) and self.bucket[i] - order[k] >= self.window
+
+    def finished(self, i: int) -> None:
+        b = self.bucket[i]
+        for d in self.parts[i]:
+            self.count[d][b] -= 1

@@ -36,7 +36,11 @@ def _inside(box: Box, tile: Box) -> bool:
 
 
 def verify(plan, devices_per_process: int = 1) -> None:
-    """Raise PlanError naming the first problem found; return None for a correct plan."""
+    """Raise PlanError naming the first problem found; return None for a correct plan. A
+    batch plan (planners/batch.py) is checked by its own `verify_batch`."""
+    batch = getattr(plan, "verify_batch", None)
+    if batch is not None:
+        return batch(devices_per_process)
     src, dst, shape = plan.src, plan.dst, plan.shape
     st, dt = src.tiles(shape), dst.tiles(shape)
     ndim = len(shape)

@@ -1,6 +1,7 @@
 """`meshcomm bench`: meshcomm beside the baselines, in one run.
 
     meshcomm bench sim  [--topology p3.8xlarge] [--json FILE] [--plot FILE.png]
+    meshcomm bench refit [--models deepseek-v3] [--experts stacked] [--json FILE]
     meshcomm bench plan [--topology NAME] [--repeats N] [--max-devices 4096] [--json FILE]
     mpiexec -n 8 meshcomm bench run [--size-mb N] [--json FILE]   (or without mpiexec: it launches)
 
@@ -10,6 +11,10 @@
 (meshcomm.lower_bound). Cases (meshcomm.tools.cases): Alpa's n-to-m and 1-to-m resharding
 cases (meshcomm/data/alpa_resharding_cases.json) and meshcomm's own (uneven, Blocks, partial
 sums, 3-d meshes, MoE all-to-all shapes, same-mesh redistributions where DTensor applies).
+
+``refit`` (bench/refit.py) is simulated: whole-model refits of DeepSeek-V3 and Qwen3-235B
+planned as one batch (mc.plan_many) beside the policies RL frameworks use, against the
+batch's lower bound.
 
 ``plan`` (bench/plan.py) is measured: wall-clock planning time from 8 to 4096 devices, cold
 (every cache cleared: meshcomm.clear_caches) and cached, median of repeats.
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import plan, run, sim
+from . import plan, refit, run, sim
 
 __all__ = ["add_parser"]
 
@@ -33,6 +38,7 @@ Benchmarks of meshcomm beside baselines, each figure reproducible by the command
 
   sim    simulated seconds per case for meshcomm, send_recv, alpa_broadcast,
          allgather_slice and dtensor_style, and the bandwidth lower bound
+  refit  simulated whole-model refits: batch plan beside RL frameworks' policies
   plan   measured planning time from 8 to 4096 devices, cold and cached
   run    measured: real execution on 8 local processes (Program and eager call) beside
          the hand-written exchange, allgather_slice, DTensor and jax.device_put
@@ -68,6 +74,7 @@ def add_parser(sub) -> None:
     s.add_argument("--no-verify", action="store_true", help="skip verifying every plan")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=sim.cmd_sim)
+    refit.add_refit_parser(bsub)
     q = bsub.add_parser("plan", help="planning time from 8 to 4096 devices, cold and cached")
     q.add_argument("--topology", default="p3.8xlarge")
     q.add_argument("--repeats", type=int, default=5, help="cold repeats per case (median)")
