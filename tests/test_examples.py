@@ -171,3 +171,31 @@ def test_examples_torch_backend_n4():
     r, out, codes = run(specs, nproc=4)
     for k in range(3):
         assert codes.get(k) == {q: 0 for q in range(4)}, f"{specs[k]}: {codes.get(k)}\n{out[-4000:]}"
+
+
+@pytest.mark.mpi
+def test_rl_refit_mpiexec_n4():
+    """Trainer ranks 0,1 (FSDP) refit the generator on ranks 2,3 (TP 2) after every step with
+    one Program.reshard_many run: the generator's tiles equal the trainer's weights bitwise
+    for all four methods, its tokens equal a one-process reference's; every refit prints its
+    time and GB/s beside the eager batch, the per-tensor loop and mpi4py by hand. A bad
+    --tp is refused by every rank, printed once."""
+    specs = ["rl_refit --check --steps 2 --repeats 1 --d 32 --layers 1 --new-tokens 3",
+             "rl_refit --tp 3"]
+    r, out, codes = run(specs, nproc=4, timeout=200)
+    assert codes.get(0) == {q: 0 for q in range(4)}, out[-4000:]
+    (diff, ok), = check_line(out, "rl_refit")
+    assert ok == "OK" and float(diff) <= 1e-4, out[-3000:]
+    assert "2 refits: generator tiles bitwise equal to the trainer's for every method, tokens equal: yes" in out
+    assert "trainer ranks (0, 1) (FSDP, dim 0), generator ranks (2, 3) (DP 1 x TP 2)" in out
+    for k in range(2):
+        assert re.search(rf"\[rl_refit\] refit {k}: Program [\d.]+ ms [\d.]+ GB/s \| reshard_many [\d.]+ ms .* \| "
+                         r"per-tensor loop [\d.]+ ms .* \| mpi4py by hand [\d.]+ ms [\d.]+ GB/s", out), out[-3000:]
+    assert re.search(r"throughput vs mpi4py by hand: Program [\d.]+x \(goal >= 0.95x: (met|NOT met)\), "
+                     r"reshard_many [\d.]+x", out)
+    assert codes.get(1) == {q: 2 for q in range(4)}, out[-3000:]
+    assert out.count("--tp 3 must divide the 2 generator ranks") == 1, out[-3000:]
+
+
+def test_rl_refit_help(monkeypatch, capsys):
+    test_help_says_whole_sentences_once("rl_refit", monkeypatch, capsys)
