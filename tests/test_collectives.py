@@ -1,5 +1,7 @@
 """Collectives on mesh axes: one process against NumPy, their plans verified, and real
-multi-process runs (mpiexec) on every backend with the fault matrix."""
+multi-process runs (mpiexec) on every backend: eager calls and Programs, exact results,
+repeated calls that construct no Program, the fault matrix and (over MPI) errors in runs;
+known library bugs as strict xfails (tests/workers/collectives_worker.py KNOWN_BUGS)."""
 from __future__ import annotations
 
 import sys
@@ -162,25 +164,33 @@ def test_mpiexec_4_every_backend_async_mix_and_faults(tmp_path):
     res = _launch(tmp_path, 4, "--init", "mixed", "--backends", "mpi,torch,mixed", "--cases", "90",
                   "--seed", "11", "--faults", "--wide")
     for r in res:
-        assert r["ok"] == 90 and r["fault_raised"] == 13 * 3 and r["fault_next_ok"] == 13 * 3, r
+        assert r["ok"] == 90 and r["program_cases"] > 0 and r["exact"] > 0, r
+        assert r["fault_raised"] == 13 * 3 and r["fault_next_ok"] == 13 * 3, r
         assert r["fault_max_s"] < 15 and r["endian_ok"] == 3, r
         assert r["p2p_ok"] == 9 and r.get("p2p_mismatch_ok", 0) == (3 if r["rank"] % 2 else 0), r
-        assert r["repeat_ok"] == 3 * 6 and r["repeat_fault_raised"] == 6 and r["repeat_fault_next_ok"] == 6, r
+        # repeated calls: no Program constructed, nothing agreed where every process decides alone
+        assert r["repeat_ok"] == 7 * 3 and r["repeated_ops_ok"] == 3, r
+        # Programs of every op and all_to_all_v, run many times, out= buffers used
+        assert r["program_ok"] == 11 * 3 and r["program_out_used"] == r["program_out_tried"] == 2 * 3, r
+        # over MPI: errors in runs raise on every process (a part that completed at once: at
+        # the process's next call), the context works afterwards
+        assert r["early_next_ok"] == 8 * 2 and r["early_raised"] + r.get("early_raised_next", 0) == 8 * 2, r
+        assert r["repeat_fault_raised"] == 2 and r["repeat_fault_next_ok"] == 2, r
+        assert r["program_fault_raised"] == 5 and r["program_failed_earlier"] == 2 and r["program_next_ok"] == 1, r
     assert sum(r["async"] for r in res) > 0
-    assert all(r["native"] > 0 for r in res)          # MESHCOMM_COLLECTIVES=auto: native calls ran
-    assert all(r["optimistic_native"] > 0 for r in res)   # posted beside the hashes, then agreed
-    assert all(r["compiled"] >= 3 for r in res)           # repeated calls ran compiled (collective_call.Fast)
-    assert all(r["compiled_mixed_ok"] == 1 for r in res)  # one rank on the full path beside compiled ones
-    assert all(r["many_signatures_ok"] == 1 for r in res)  # 80 signatures over all ranks, all compiled
-    assert all(r["repeated_ops_ok"] == 3 for r in res)    # every op repeated, NumPy and torch, exact
+    assert all(r["native"] > 0 for r in res)          # native_call.MODE "auto": native calls ran
+    assert sum(r.get("early_raised_next", 0) for r in res) > 0     # some part completed before the others failed
 
 
 @pytest.mark.mpi
 def test_mpiexec_8_and_two_devices_per_process(tmp_path):
-    # every collective as its reshard plan (the native calls are tested on 4 processes)
+    # every collective as its reshard plan (--plan: native_call.MODE = "plan"; the native calls
+    # are tested on 4 processes): the plan's order is fixed, so every result, float reductions
+    # included, is the one-process result bit for bit
     res = _launch(tmp_path / "a", 8, "--init", "mixed", "--backends", "mpi,torch,mixed", "--cases", "45",
-                  "--seed", "12", env={"MESHCOMM_COLLECTIVES": "plan"})
-    assert all(r["ok"] == 45 and r["native"] == 0 and r["zero_d_ok"] == 1 for r in res)
+                  "--seed", "12", "--plan")
+    assert all(r["ok"] == 45 and r["native"] == 0 and r["zero_d_ok"] == 1 for r in res), res
+    assert all(r["exact"] == r["ok"] + r.get("program_cases", 0) for r in res), res
     res = _launch(tmp_path / "b", 3, "--init", "mixed", "--backends", "mpi,torch", "--dpp", "2",
                   "--cases", "40", "--seed", "13", "--wide")
     assert all(r["ok"] == 40 and r["zero_d_ok"] == 1 for r in res)    # 0-d tiles received into
@@ -188,7 +198,7 @@ def test_mpiexec_8_and_two_devices_per_process(tmp_path):
 
 @pytest.mark.mpi
 def test_mpiexec_8_every_element_type_and_torch_tiles(tmp_path):
-    # MESHCOMM_COLLECTIVES=auto on 8 processes: int8 to uint64, float16, bool and complex64
+    # native_call.MODE "auto" on 8 processes: int8 to uint64, float16, bool and complex64
     # beside the usual four, some calls with torch tiles (gloo cannot reduce int16 or the
     # unsigned types, and torch cannot add uint16/32/64: both are built around)
     res = _launch(tmp_path, 8, "--init", "mixed", "--backends", "mpi,torch,mixed", "--cases", "150",
@@ -196,28 +206,54 @@ def test_mpiexec_8_every_element_type_and_torch_tiles(tmp_path):
     assert all(r["ok"] == 150 and r["native"] > 0 for r in res), res
 
 
+def _bug(name, reason, stat, count):
+    return pytest.param(name, stat, count, id=name, marks=pytest.mark.xfail(
+        reason=f"library bug ({reason}; /work/notes/tests_migration.md)", strict=True))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case,stat,count", [
+    _bug("cached-bad-argument", "a bad argument on a cached call signature skips the run: calls mix",
+         "cached_fault_next_ok", 2),
+    _bug("none-after-tiles", "a broadcast whose non-roots pass None after passing tiles: the root runs alone",
+         "none_after_tiles_ok", 6),
+    _bug("gather-size-one", "an uneven all_gather whose size changes on one process raises everywhere",
+         "gather_size_one_ok", 5),
+    _bug("stale-broadcast", "native MPI broadcasts inside one host share one communicator and tag",
+         "stale_broadcast_ok", 2),
+    _bug("relayed-error", "a relayed run error is not forwarded: relays wait to the timeout",
+         "relayed_error_ok", 1),
+])
+def test_known_library_bug(tmp_path, case, stat, count):
+    """4 processes, one case each (collectives_worker.py KNOWN_BUGS): what the semantics say
+    (every process raises in the same call, no result is wrong, the next call works)."""
+    res = _launch(tmp_path, 4, "--init", "mixed", "--known-bug", case, env={"MESHCOMM_TIMEOUT": "20"},
+                  timeout=120)
+    assert all(r[stat] == count for r in res), res
+
+
 @pytest.mark.mpi
 def test_processes_that_never_finalize_exit_cleanly():
     # gloo's teardown at interpreter exit aborted 3 of 8 such runs before the context was
-    # finalized at exit; six runs here
+    # finalized at exit; six runs here (--plan: the reduces run as gloo reduces of the plan)
     import subprocess
 
     from test_distributed import MPIEXEC
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
     worker = Path(__file__).resolve().parent / "workers" / "exit_worker.py"
-    env = {**__import__("os").environ, "MESHCOMM_COLLECTIVES": "plan", "MESHCOMM_TIMEOUT": "30"}
+    env = {**__import__("os").environ, "MESHCOMM_TIMEOUT": "30"}
     for _ in range(6):
-        p = subprocess.run([MPIEXEC, "-n", "4", sys.executable, str(worker)], capture_output=True, text=True,
-                           timeout=300, env=env)
+        p = subprocess.run([MPIEXEC, "-n", "4", sys.executable, str(worker), "--plan"], capture_output=True,
+                           text=True, timeout=300, env=env)
         assert p.returncode == 0 and p.stdout.count("ok") == 4, p.stdout[-2000:] + p.stderr[-2000:]
 
 
-def _launch(tmp_path, n, *args, env=None):
+def _launch(tmp_path, n, *args, env=None, timeout=400):
     from test_distributed import MPIEXEC, launch
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
     res = launch([MPIEXEC, "-n", str(n), sys.executable, "-m", "mpi4py", str(WORKER), *args],
-                 {"MESHCOMM_TIMEOUT": "30", **(env or {})}, 400, tmp_path / "out")
+                 {"MESHCOMM_TIMEOUT": "30", **(env or {})}, timeout, tmp_path / "out")
     assert [r["rank"] for r in res] == list(range(n)), res
     return res
