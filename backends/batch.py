@@ -42,12 +42,12 @@ class BatchItem:
 
 
 def coalescable(plans: Sequence, dpp: int) -> bool:
-    """Whether every step of every plan is local or between two processes (decided from the
-    plans alone, so every process decides alike)."""
+    """Whether every step of every plan is local, a send, or a broadcast (which the batch
+    sends from its root to each member, coalesced per peer): no reduction across processes
+    (decided from the plans alone, so every process decides alike)."""
     for p in plans:
         for t in p.transfers:
-            ranks = {d // dpp for d in t.participants}
-            if len(ranks) > 2 or (t.kind == "reduce" and len(ranks) > 1):
+            if t.kind == "reduce" and len({d // dpp for d in t.participants}) > 1:
                 return False
     return True
 
@@ -92,15 +92,16 @@ def run_batch(items: Sequence[BatchItem], *, rank: int, devices_per_process: int
                     if s.prim == "local":
                         run.local(t)
                         continue
-                    peer = s.ranks[0] if s.ranks[1] == rank else s.ranks[1]
                     mine = [d for d in t.dsts if rank_of(d) == rank]
-                    if s.root == rank:
+                    if s.root == rank:              # a send, or a broadcast from here to each member
                         v = run._packed(t, t.srcs[0])
                         for d in mine:
                             run._unpack_to(t, d, v)
-                        sends.setdefault(peer, []).append(v)
+                        for peer in s.ranks:
+                            if peer != rank:
+                                sends.setdefault(peer, []).append(v)
                     else:
-                        recvs.setdefault(peer, []).append((run, t, s.nbytes, mine))
+                        recvs.setdefault(s.root, []).append((run, t, s.nbytes, mine))
             # pieces start on ALIGN-byte boundaries in a message (mixed dtypes view cleanly)
             works, fins = [], []
             tag = tag0 + (k * len(buckets) + bi) % span
@@ -110,7 +111,7 @@ def run_batch(items: Sequence[BatchItem], *, rank: int, devices_per_process: int
                 works.append(b.irecv(buf, peer, tag))
                 fins.append((buf, parts))
             for peer, parts in sorted(sends.items()):
-                works.append(b.isend(to_wire(_cat(parts), b.wire), peer, tag))
+                works.append(b.isend(_cat(parts, b.wire), peer, tag))
                 base.issued[(b.name, "p2p_batched")] += 1
             inflight.append((works, fins))
             if len(inflight) >= 2:              # at most two buckets in flight
@@ -139,21 +140,22 @@ def _padded(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _cat(parts):
-    """The pieces as one byte message, each padded to ALIGN bytes."""
-    flat = [base._as_bytes(p) for p in parts]
-    if len(flat) == 1 and (int(flat[0].numel()) if base._is_torch(flat[0]) else flat[0].size) % ALIGN == 0:
+def _cat(parts, wire):
+    """The pieces (of any tensors' kinds) as one byte message of the backend's wire kind, each
+    padded to ALIGN bytes."""
+    flat = [to_wire(p, wire) for p in parts]
+    size = (lambda f: int(f.numel())) if wire == "torch" else (lambda f: f.size)
+    if len(flat) == 1 and size(flat[0]) % ALIGN == 0:
         return flat[0]
-    torch_ = base._is_torch(flat[0])
-    if torch_:
+    if wire == "torch":
         import torch
-        out = torch.empty(sum(_padded(int(f.numel())) for f in flat), dtype=torch.uint8, device=flat[0].device)
+        out = torch.empty(sum(_padded(size(f)) for f in flat), dtype=torch.uint8, device=flat[0].device)
     else:
         import numpy as np
-        out = np.empty(sum(_padded(f.size) for f in flat), np.uint8)
+        out = np.empty(sum(_padded(size(f)) for f in flat), np.uint8)
     off = 0
     for f in flat:
-        n = int(f.numel()) if torch_ else f.size
+        n = size(f)
         out[off:off + n] = f
         off += _padded(n)
     return out

@@ -301,3 +301,19 @@ mc.finalize()
     r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(f)], capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, MESHCOMM_TIMEOUT="20"))
     assert r.returncode == 0 and r.stdout.count("OK") == 2, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+@pytest.mark.mpi
+def test_mpiexec_8_random_batches_every_backend(tmp_path):
+    """reshard_many and Program.reshard_many on random batches (layouts, dtypes, pending sums,
+    uneven and Blocks splits, NumPy and torch tiles) exact on 8 processes, every backend."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    r = subprocess.run([MPIEXEC, "-n", "8", sys.executable, str(ROOT / "tests" / "workers" / "batch_worker.py"),
+                        "--init", "mixed", "--backends", "mpi,torch,mixed", "--batches", "3", "--seed", "30"],
+                       capture_output=True, text=True, timeout=400, env=dict(os.environ, MESHCOMM_TIMEOUT="60"))
+    res = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert r.returncode == 0 and len(res) == 8, r.stdout[-3000:] + r.stderr[-3000:]
+    for x in res:
+        for be in ("mpi", "torch", "mixed"):
+            assert x[f"ok_{be}_eager"] == 6 and x[f"ok_{be}_program"] == 3, x

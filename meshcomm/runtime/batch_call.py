@@ -170,16 +170,12 @@ class BatchKernel:
 
 
 def _plans(tensors: list[Tensor], bucket_mb):
-    """Every tensor's plan, planned as one batch where the planner can (plan_many)."""
-    from ..planning import plan
-    try:
-        from ..planning import batch_plans
-    except ImportError:
-        batch_plans = None
-    if batch_plans is not None:
-        return batch_plans({t.name: t.shape for t in tensors}, {t.name: t.dtype for t in tensors},
-                           {t.name: t.src for t in tensors}, {t.name: t.dst for t in tensors})
-    return [plan(t.shape, t.dtype, t.src, t.dst) for t in tensors]
+    """Every tensor's plan, planned as one batch (`plan_many`: senders balanced over every
+    tensor's bytes at once); each is a complete single-tensor plan, run together."""
+    from ..planning import plan_many
+    bp = plan_many({t.name: t.shape for t in tensors}, {t.name: t.dtype for t in tensors},
+                   {t.name: t.src for t in tensors}, {t.name: t.dst for t in tensors}, bucket_mb=bucket_mb)
+    return [bp.plan_of(t.name) for t in tensors]
 
 
 def _build(ctx, be, names, srcs, dsts, bucket_mb, kinded=True):
@@ -233,6 +229,8 @@ def program(src, dst, shapes, dtypes, backend, bucket_mb, compression) -> Progra
         raise TypeError("Program.reshard_many needs shapes= and dtypes= (a dict by tensor name; one dtype "
                         "for all)")
     names, srcs, dsts, shp, dts = normalize_batch(src, dst, shapes, dtypes)
+    # a torch dtype names the kind of the tiles a process without src tiles gets back
+    kinds = {n: ("torch" if type(d).__module__.startswith("torch") else None) for n, d in dts.items()}
     dts = {n: arrays.normalize_dtype(d) for n, d in dts.items()}
     ctx = current()
     if ctx is None:
@@ -246,9 +244,9 @@ def program(src, dst, shapes, dtypes, backend, bucket_mb, compression) -> Progra
                         else {}) for n in names}
         return new(None, 0, f"reshard_many of {len(names)} tensors", LocalKernel(run, "plans"))
     be, err = ctx.resolve_backend(backend)
-    fields = _fields(names, srcs, dsts, be, shp, dts, {}, bucket_mb)
+    fields = _fields(names, srcs, dsts, be, shp, dts, kinds, bucket_mb)
     return ctx.call(lambda: construct(ctx, "reshard_many", fields, err, {}, _build(ctx, be, names, srcs, dsts,
-                                                                                   bucket_mb, kinded=False)))
+                                                                                   bucket_mb)))
 
 
 def reshard_many(ctx, xs, src, dst, *, shapes=None, dtypes=None, backend=None, async_op=False, bucket_mb=None,
