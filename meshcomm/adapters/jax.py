@@ -20,15 +20,11 @@ When the target is a Layout JAX cannot express (Blocks, an uneven split, a pendi
 `reshard_jax` returns a dict {device id: jax.Array} with the tiles this process owns, each
 committed to its device.
 
-Pytrees, as `jax.device_put` takes them: `reshard_jax(params, shardings)` with a tree of
-jax.Arrays and a matching tree of targets (or a prefix of it, or one NamedSharding/Layout for
-every leaf) moves every leaf in ONE batch (`meshcomm.reshard_many` under a launcher: planned
-together, one message per pair of processes per stage) and returns the tree with each leaf
-resharded. A `None` in the target tree leaves its subtree as it is. Host leaves of a tree
-(NumPy arrays, Python and NumPy scalars) are placed on their target as `jax.device_put`
-places them (every process passes the same value); any other leaf is refused with a
-TypeError naming it, and so is a bare host array in place of the tree.
-Errors name the leaf by its path (`jax.tree_util.keystr`), e.g. `['layers'][0]['w']`.
+Pytrees, as `jax.device_put` takes them: `reshard_jax(params, shardings)` (a tree of targets
+matching the tree, a prefix of it, or one target for every leaf; `None` leaves a subtree
+alone) moves every jax.Array leaf in ONE batch (`meshcomm.reshard_many`). Host leaves (NumPy
+arrays, scalars) are placed as `jax.device_put` places them (the same value on every
+process); other leaves raise TypeError. Errors name the leaf (`['layers'][0]['w']`).
 """
 from __future__ import annotations
 
@@ -47,6 +43,9 @@ from ..mesh import Mesh
 
 __all__ = ["layout_from_sharding", "sharding_from_layout", "reshard_jax", "jax_device_by_id",
            "meshcomm_id"]
+
+_HOST = (np.ndarray, np.generic, bool, int, float, complex)     # host leaves (jax.device_put places them)
+_TARGETS = (jax.sharding.Sharding, Layout)                         # a target of a leaf
 
 
 def _mesh_from_jax(jmesh) -> Mesh:
@@ -112,10 +111,6 @@ def _check_even(layout, shape, what):
 
 def _devices_key() -> tuple:
     return tuple(jax.devices())
-
-
-def _sorted_devices() -> list:
-    return list(_ordered(_devices_key()))
 
 
 @memo(maxsize=8)
@@ -267,29 +262,20 @@ def _prepare(x, dst):
 
 
 def reshard_jax(x, dst, *, backend: str | None = None, async_op: bool = False):
-    """Reshard `x` (a jax.Array with a NamedSharding, or a pytree of them) to `dst`.
+    """Reshard `x` (a jax.Array with a NamedSharding, or a pytree of them) to `dst`: a
+    `NamedSharding` or a meshcomm `Layout` (for a pytree, a tree of them as `jax.device_put`
+    takes). Returns a jax.Array with sharding `dst` (or `sharding_from_layout(dst)`), or where
+    JAX cannot express the Layout a dict {device id: jax.Array} of this process's tiles; a
+    pytree comes back with the same structure, every leaf moved in one batch.
 
-    `dst` is a `NamedSharding` or a meshcomm `Layout`, or for a pytree `x` a tree of them
-    matching `x` (or a prefix of it; `None` leaves a subtree unchanged), as
-    `jax.device_put` takes them. Returns a jax.Array with sharding `dst` (or
-    `sharding_from_layout(dst)`); where a Layout is not expressible in JAX, a dict
-    {device id: jax.Array} of the tiles this process owns. A pytree comes back with the same
-    structure, every leaf moved in one batch (`meshcomm.reshard_many`).
-
-    In one process (no `meshcomm.init`) every device is local. Under a launcher, every
-    process calls `reshard_jax` with its own jax.Array (its own tree of the same structure);
-    meshcomm device d belongs to rank d // devices_per_process, and the JAX devices a
-    process addresses must be the ones meshcomm gives it.
-    """
-    if isinstance(x, jax.Array) and _is_target(dst):
+    Under a launcher every process calls it with its own array (tree of the same structure);
+    meshcomm device d belongs to rank d // devices_per_process, and the JAX devices a process
+    addresses must be the ones meshcomm gives it."""
+    if isinstance(x, jax.Array) and isinstance(dst, _TARGETS):
         return _reshard_one(x, dst, backend, async_op)
     if isinstance(x, _HOST):        # a bare host value is not resharded (jax.device_put places it)
         raise TypeError(f"reshard_jax needs a jax.Array or a pytree of them, got {type(x).__name__}")
     return _reshard_tree(x, dst, backend, async_op)
-
-
-def _is_target(v) -> bool:
-    return isinstance(v, (jax.sharding.Sharding, Layout))
 
 
 def _reshard_one(x, dst, backend, async_op):
@@ -307,9 +293,7 @@ def _reshard_one(x, dst, backend, async_op):
     finish = functools.partial(_assemble, shape=shape, dtype=x.dtype, dst=dst_layout, dst_sharding=dst_sharding)
     if runtime.current() is None:
         runtime.no_context(backend, "reshard_jax")
-        # One process: the JAX tiles go in as they are and the dst tiles come back as host
-        # arrays (one copy per piece, none for a dst tile that is a contiguous run of a src
-        # tile), committed below in one batched transfer that adopts them (CPU devices).
+        # One process: JAX tiles in, host tiles out (one copy per piece), committed in one batch
         from ..runtime.local_program import one_process
         out, _ = one_process(shards, src, dst_layout, shape, x.dtype, async_op, commit=False)
         return api.Handle(result=finish(out)) if async_op else finish(out)
@@ -371,90 +355,61 @@ def _addressable_in_order(sharding: NamedSharding):
 
 # -- pytrees: every leaf in one batch -----------------------------------------------------------
 
-_HOST = (np.ndarray, np.generic, bool, int, float, complex)
-
-
-def _target_leaf(v) -> bool:
-    return v is None or _is_target(v)
-
-
-def _leaf_name(path) -> str:
-    return jax.tree_util.keystr(tuple(path)) or "<root>"
-
-
-def _broadcast_targets(x, dst) -> tuple[list, list, list, Any]:
-    """(leaf paths, leaves, their targets, rebuild(new leaves) -> tree): `dst` is one target,
+def _flatten(x, dst) -> tuple[list, list, list, Any]:
+    """(leaf names, leaves, their targets, rebuild(new leaves) -> tree): `dst` is one target,
     or a tree of targets matching `x` or a prefix of it (jax.device_put's rule)."""
-    tu = jax.tree_util
-    t_paths, t_def = tu.tree_flatten_with_path(dst, is_leaf=_target_leaf)
+    tu, is_t = jax.tree_util, (lambda v: v is None or isinstance(v, _TARGETS))
+    t_paths, t_def = tu.tree_flatten_with_path(dst, is_leaf=is_t)
     for path, t in t_paths:
-        if not _target_leaf(t):
-            raise TypeError(f"target of leaf {_leaf_name(path)}: a NamedSharding, a meshcomm.Layout or None, "
+        if not is_t(t):
+            raise TypeError(f"target of leaf {tu.keystr(path)}: a NamedSharding, a meshcomm.Layout or None, "
                             f"got {type(t).__name__}")
     try:
         subs = t_def.flatten_up_to(x)
     except (ValueError, TypeError) as e:
         raise ValueError(f"the shardings tree does not match the tree of arrays (it must be the same tree or "
                          f"a prefix of it, as jax.device_put takes): {e}") from None
-    paths, leaves, targets, defs = [], [], [], []
+    names, leaves, targets, defs = [], [], [], []
     for (tpath, t), sub in zip(t_paths, subs):
         sub_paths, sub_def = tu.tree_flatten_with_path(sub)
-        defs.append((sub_def, len(sub_paths), sub))
-        for p, leaf in sub_paths:
-            paths.append(tuple(tpath) + tuple(p))
-            leaves.append(leaf)
-            targets.append(t)
+        defs.append((sub_def, len(sub_paths)))
+        names += [tu.keystr(tuple(tpath) + tuple(p)) or "<root>" for p, _ in sub_paths]
+        leaves += [leaf for _, leaf in sub_paths]
+        targets += [t] * len(sub_paths)
 
-    def rebuild(new_leaves):
-        out, i = [], 0
-        for sub_def, n, sub in defs:
-            out.append(tu.tree_unflatten(sub_def, new_leaves[i:i + n]))
-            i += n
-        return tu.tree_unflatten(t_def, out)
-    return paths, leaves, targets, rebuild
+    starts = np.cumsum([0] + [n for _, n in defs]).tolist()
+
+    def rebuild(new):
+        return tu.tree_unflatten(t_def, [tu.tree_unflatten(d, new[i:i + n]) for (d, n), i in zip(defs, starts)])
+    return names, leaves, targets, rebuild
 
 
 def _host_leaf(leaf, dst):
     """A host value placed on `dst` as jax.device_put places it (this process's part)."""
     arr = np.asarray(leaf)
     arr = arr.astype(jax.dtypes.canonicalize_dtype(arr.dtype), copy=False)
-    shape = arr.shape
     if isinstance(dst, NamedSharding):
-        layout_from_sharding(dst, shape)                    # validates: names what is wrong
-        sharding = dst
-    elif isinstance(dst, Layout):
-        dst.check_shape(shape)
-        sharding = None if expressible(dst, shape) else sharding_from_layout(dst, shape)
+        layout_from_sharding(dst, arr.shape)                # validates, naming what is wrong
     else:
-        raise TypeError(f"target must be a NamedSharding or a meshcomm.Layout, got {type(dst).__name__}")
-    if sharding is not None:
-        return jax.make_array_from_callback(shape, sharding, lambda idx: arr[idx], dtype=arr.dtype)
-    owned = _owned_devices((dst,))
-    from ..api import shard
-    tiles = shard(arr, dst)
-    mine = [d for d in dst.mesh.device_ids if owned is None or d in owned]
-    return dict(zip(mine, jax.device_put([tiles[d] for d in mine], [jax_device_by_id(d) for d in mine])))
+        dst = sharding_from_layout(dst, arr.shape)
+    return jax.make_array_from_callback(arr.shape, dst, lambda idx: arr[idx], dtype=arr.dtype)
 
 
 def _reshard_tree(x, dst, backend, async_op):
     """Every jax.Array leaf of the pytree `x` to its target, as one batch."""
     from .. import api, runtime
     ctx = runtime.current()
-    moved = []          # (leaf index, name, src, dst layout, dst sharding, shards, shape, dtype)
+    moved = {}          # name -> (leaf index, src, dst layout, dst sharding, shards, shape, dtype)
     try:
-        paths, leaves, targets, rebuild = _broadcast_targets(x, dst)
+        names, leaves, targets, rebuild = _flatten(x, dst)
         out = list(leaves)
-        for i, (path, leaf, t) in enumerate(zip(paths, leaves, targets)):
-            name = _leaf_name(path)
-            if t is None:
-                continue
+        for i, (name, leaf, t) in enumerate(zip(names, leaves, targets)):
             try:
-                if isinstance(leaf, jax.Array):
-                    src, dst_layout, dst_sharding, shards, shape = _prepare(leaf, t)
-                    moved.append((i, name, src, dst_layout, dst_sharding, shards, shape, leaf.dtype))
-                elif isinstance(leaf, _HOST):
+                if t is not None and isinstance(leaf, jax.Array):
+                    moved[name] = (i, *_prepare(leaf, t), leaf.dtype)
+                elif t is not None and isinstance(leaf, _HOST):
                     out[i] = _host_leaf(leaf, t)
-                else:
+                elif t is not None:
                     raise TypeError(f"{type(leaf).__name__} is not a jax.Array or a host array (jax.device_put "
                                     "refuses it too)")
             except (ValueError, TypeError) as e:
@@ -466,9 +421,9 @@ def _reshard_tree(x, dst, backend, async_op):
         raise_together(ctx, "reshard_many", e)       # the other ranks raise too, naming this one
 
     def finish(results):
-        for (i, name, _, dst_layout, dst_sharding, _, shape, dtype), tiles in zip(moved, results):
+        for name, (i, _, lay, sharding, _, shape, dtype) in moved.items():
             try:
-                out[i] = _assemble(tiles, shape=shape, dtype=dtype, dst=dst_layout, dst_sharding=dst_sharding)
+                out[i] = _assemble(results.get(name), shape=shape, dtype=dtype, dst=lay, dst_sharding=sharding)
             except ValueError as e:
                 raise ValueError(f"leaf {name}: {e}") from None
         return rebuild(out)
@@ -476,21 +431,17 @@ def _reshard_tree(x, dst, backend, async_op):
     if ctx is None:
         runtime.no_context(backend, "reshard_jax")
         from ..runtime.local_program import one_process
-        results = []
-        for _, name, src, dst_layout, _, shards, shape, dtype in moved:
+        results = {}
+        for name, (_, src, lay, _, shards, shape, dtype) in moved.items():
             try:
-                results.append(one_process(shards, src, dst_layout, shape, dtype, commit=False)[0])
+                results[name] = one_process(shards, src, lay, shape, dtype, commit=False)[0]
             except (ValueError, TypeError) as e:
                 raise type(e)(f"leaf {name}: {e}") from None
-        res = finish(results)
-        return api.Handle(result=res) if async_op else res
+        return api.Handle(result=finish(results)) if async_op else finish(results)
     if not moved:
         return api.Handle(result=rebuild(out)) if async_op else rebuild(out)
-    names = [m[1] for m in moved]
-    xs = {m[1]: {d: np.asarray(v) for d, v in m[5].items()} for m in moved}
-    res = api.reshard_many(xs, {m[1]: m[2] for m in moved}, {m[1]: m[3] for m in moved},
-                           shapes={m[1]: m[6] for m in moved}, dtypes={m[1]: m[7] for m in moved},
+    res = api.reshard_many({n: {d: np.asarray(v) for d, v in m[4].items()} for n, m in moved.items()},
+                           {n: m[1] for n, m in moved.items()}, {n: m[2] for n, m in moved.items()},
+                           shapes={n: m[5] for n, m in moved.items()}, dtypes={n: m[6] for n, m in moved.items()},
                            backend=backend, async_op=async_op)
-    if async_op:
-        return api.Handle(lambda: finish([res.wait().get(n) for n in names]))
-    return finish([res.get(n) for n in names])
+    return api.Handle(lambda: finish(res.wait())) if async_op else finish(res)
