@@ -207,9 +207,11 @@ class Backend:
     def irecv(self, buf, peer: int, tag: int) -> Work: raise NotImplementedError
     def bcast(self, buf, root: int, ranks: tuple[int, ...], tag: int = 7) -> Work: raise NotImplementedError
     def reduce(self, buf, root: int, ranks: tuple[int, ...], op: str = "sum") -> Work: raise NotImplementedError
-    def allgather_obj(self, obj, deadline: float | None, tag: int | None = None, accept=None) -> list:
-        """Every rank's small picklable `obj` (rank order), within the deadline. `tag`: the
-        round (default: a per-backend counter); `accept(rank, obj)` False drops a stale one."""
+    def allgather_obj(self, obj, deadline: float | None, tag: int | None = None, accept=None,
+                      ranks=None) -> list:
+        """The small picklable `obj` of every rank of `ranks` (sorted, holding this rank;
+        default all), in that order, within the deadline. `tag`: the round (default: a
+        per-backend counter); `accept(rank, obj)` -> "take" | "drop" (stale) | "later"."""
         raise NotImplementedError
 
     # -- native collectives: ONE collective call of the backend on the group `ranks` --------
@@ -259,6 +261,10 @@ class Backend:
 
     def barrier(self, deadline: float | None) -> None:
         self.allgather_obj(None, deadline)
+
+    def bcast_group(self, ranks: tuple[int, ...], device_kind: str = "cpu") -> bool:
+        """Whether a broadcast over `ranks` runs on a group (else point to point from the root)."""
+        return True
 
     def prepare_groups(self, groups: Sequence[tuple[int, ...]], deadline: float | None) -> None:
         """Create (collectively, in this order) the groups not cached yet, within `deadline`."""
@@ -520,13 +526,17 @@ def wire_bytes(plan, rank: int, devices_per_process: int, collective_reduce: boo
 
 
 def groups_needed(plan, devices_per_process: int, collective_reduce: bool,
-                  choose: Callable[[Step], "Backend"]) -> dict[str, list[tuple[int, ...]]]:
-    """{backend name: [rank tuples of every collective in the plan, in plan order]} (the
-    same on every rank: it depends on the plan only)."""
+                  choose: Callable[[Step], "Backend"], device_kind: str = "cpu") -> dict[str, list[tuple[int, ...]]]:
+    """{backend name: [rank tuples of every collective in the plan that runs on a group, in
+    plan order]} (the same on every rank: it depends on the plan only). Broadcasts a
+    backend sends point to point need none (`Backend.bcast_group`)."""
     out: dict[str, list] = {}
     for s in _all_steps(plan, devices_per_process, collective_reduce):
         if s.prim in ("bcast", "reduce"):
-            lst = out.setdefault(choose(s).name, [])
+            b = choose(s)
+            if s.prim == "bcast" and not b.bcast_group(s.ranks, device_kind):
+                continue
+            lst = out.setdefault(b.name, [])
             if s.ranks not in lst:
                 lst.append(s.ranks)
     return out
@@ -555,7 +565,8 @@ def groups_ready(plan, backend: Backend, dpp: int, device_kind: str = "cpu") -> 
     """Whether an Execution of `plan` (uncompressed) on `backend` would create no group: what
     `Execution.groups_ready` says, before the Execution is built."""
     coll = collective_reduce_ok(plan.dtype, backend)
-    need = groups_needed(plan, dpp, coll, lambda s: backend.choose(s.table_op, s.nbytes, len(s.ranks), device_kind))
+    need = groups_needed(plan, dpp, coll, lambda s: backend.choose(s.table_op, s.nbytes, len(s.ranks), device_kind),
+                         device_kind)
     return all(b.has_groups(need.get(b.name, [])) for b in backend.members())
 
 
@@ -607,7 +618,7 @@ class Execution:
     def groups(self) -> dict[str, list]:
         if self.compression is not None:
             return {}                   # compressed plans move point to point only
-        return groups_needed(self.plan, self.dpp, self.coll, self._choose)
+        return groups_needed(self.plan, self.dpp, self.coll, self._choose, self.device_kind)
 
     def peers(self) -> set:
         """The other ranks this rank exchanges anything with, in any stage."""

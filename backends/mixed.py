@@ -131,11 +131,11 @@ class MixedBackend(Backend):
             if finish is not None:
                 finish()
 
-    def allgather_obj(self, obj, deadline, tag=None, accept=None):
-        return self.mpi.allgather_obj(obj, deadline, tag, accept)
+    def allgather_obj(self, obj, deadline, tag=None, accept=None, ranks=None):
+        return self.mpi.allgather_obj(obj, deadline, tag, accept, ranks)
 
-    def retract(self, obj, tag):
-        self.mpi.retract(obj, tag)
+    def retract(self, obj, tag, ranks=None):
+        self.mpi.retract(obj, tag, ranks)
 
     def ctl_send(self, peer, data):
         self.mpi.ctl_send(peer, data)

@@ -103,22 +103,23 @@ def _dumps(obj):
     return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
 
 
-def timed_allgather(comm, obj, deadline, tag, timeout, what, why, accept=None, stash=None):
-    """Every rank's `obj` (small, picklable) through point-to-point messages, polled with a
-    deadline: ranks that did not send in time are named in the PeerTimeoutError.
+def timed_allgather(comm, obj, deadline, tag, timeout, what, why, accept=None, stash=None, ranks=None):
+    """Every rank's `obj` (small, picklable; of `ranks`, a sorted subset holding this rank, or
+    all) through point-to-point messages, in rank order, polled with a deadline: ranks that
+    did not send in time are named in the PeerTimeoutError.
 
-    With `accept(rank, obj)`: a message it refuses is dropped (left over from an attempt its
-    sender took back: the sender's ("RETRACT", nonce) follows it on the same tag, so a
-    RETRACT already here behind an accepted message drops that one too); a message read
-    behind the accepted one belongs to a later round and waits in `stash` (a dict)."""
+    With `accept(rank, obj)` -> "take" | "drop" | "later": a dropped message is left over
+    from an attempt its sender gave up (the sender's ("RETRACT", nonce) follows it on the
+    same tag, so a RETRACT already here behind a taken message drops that one too); a later
+    one belongs to another round and waits in `stash` (a dict) for it."""
     MPI = _mpi()
-    rank, n = comm.Get_rank(), comm.Get_size()
+    rank = comm.Get_rank()
+    ranks = list(range(comm.Get_size())) if ranks is None else list(ranks)
     data = _dumps(obj)
-    out = [None] * n
-    out[rank] = obj
+    out = {rank: obj}
     sends = [MPIWork(comm.Isend(data, dest=r, tag=tag), data, f"{what} send", (r,), rank)
-             for r in range(n) if r != rank]
-    pending = [r for r in range(n) if r != rank]
+             for r in ranks if r != rank]
+    pending = [r for r in ranks if r != rank]
     status = MPI.Status()
     stash = {} if stash is None else stash
     spins = 0
@@ -136,21 +137,26 @@ def timed_allgather(comm, obj, deadline, tag, timeout, what, why, accept=None, s
     while pending:
         got = []
         for r in pending:
-            v, cand = next_message(r), _NONE
+            v, cand, later = next_message(r), _NONE, []
             while v is not _NONE:
                 if accept is None:
                     cand = v
                     break
-                if cand is _NONE:
-                    if accept(r, v):
-                        cand = v
-                elif v[0] == "RETRACT" and v[1] == cand[1]:
+                if v[0] == "RETRACT" and cand is not _NONE and v[1] == cand[1]:
                     accept(r, v)
                     cand = _NONE            # taken back
-                else:                       # a later round's: it waits for that round
-                    stash.setdefault((r, tag), []).insert(0, v)
+                elif cand is _NONE:
+                    verdict = accept(r, v)
+                    if verdict == "take":
+                        cand = v
+                    elif verdict == "later":
+                        later.append(v)
+                else:                       # behind the taken one: a later round's
+                    later.append(v)
                     break
                 v = next_message(r)
+            if later:                       # they wait, in order, for their rounds
+                stash[(r, tag)] = later + stash.get((r, tag), [])
             if cand is not _NONE:
                 out[r] = cand
                 got.append(r)
@@ -168,7 +174,7 @@ def timed_allgather(comm, obj, deadline, tag, timeout, what, why, accept=None, s
         spins += 1
         backoff(spins)
     wait_polling(sends, deadline, rank, timeout)
-    return out
+    return [out[r] for r in ranks]
 
 
 _NONE = object()
@@ -262,6 +268,9 @@ class MPIBackend(MPICollectives, Backend):
             return True
         return len({self.hosts[r] for r in ranks}) == 1
 
+    def bcast_group(self, ranks, device_kind="cpu") -> bool:
+        return not self.bcast_p2p(ranks)
+
     def bcast(self, buf, root, ranks, tag=BCAST_TAG):
         what = f"bcast in group {list(ranks)}"
         if self.bcast_p2p(ranks):       # on the data communicator, with the step's own tag
@@ -317,13 +326,6 @@ class MPIBackend(MPICollectives, Backend):
         for g in new:                       # every member creates its groups in plan order
             self._groups[g] = self._create(g, deadline) if self.rank in g else None
 
-    def retract(self, obj, tag) -> None:
-        """Send `obj` to every other rank on the metadata communicator's `tag`, behind what
-        this rank sent there before (MPI keeps their order)."""
-        data = _dumps(obj)
-        self._ctl_out.extend((self.meta.Isend(data, dest=r, tag=tag % TAG_MOD), data)
-                             for r in range(self.world_size) if r != self.rank)
-
     def communicator(self, ranks, deadline):
         """A new communicator of the group `ranks` (this rank a member) for one Program's
         native collectives: nothing else ever posts on it."""
@@ -366,13 +368,24 @@ class MPIBackend(MPICollectives, Backend):
         return out
 
     # -- metadata: an allgather of small objects that names missing peers --------------
-    def allgather_obj(self, obj, deadline, tag=None, accept=None):
+    def allgather_obj(self, obj, deadline, tag=None, accept=None, ranks=None):
         if tag is None:
             tag = self._meta_seq % TAG_MOD
             self._meta_seq += 1
+        elif isinstance(tag, tuple):        # (the group's key, its round): the group's tag
+            tag = tag[0]
         return timed_allgather(self.meta, obj, deadline, tag % TAG_MOD, self.timeout,
                                "the agreement of a Program", "did not construct the same Program", accept,
-                               self._stash)
+                               self._stash, ranks)
+
+    def retract(self, obj, tag, ranks=None) -> None:
+        """Send `obj` to the other `ranks` (all) on the metadata communicator's `tag`, behind
+        what this rank sent there before (MPI keeps their order)."""
+        data = _dumps(obj)
+        ranks = range(self.world_size) if ranks is None else ranks
+        tag = tag[0] if isinstance(tag, tuple) else tag
+        self._ctl_out.extend((self.meta.Isend(data, dest=r, tag=tag % TAG_MOD), data)
+                             for r in ranks if r != self.rank)
 
     def close(self):
         for c in list(self._groups.values()) + self._own:

@@ -67,6 +67,27 @@ class _TorchWork(Work):
         return self.work is not None and self.work.is_completed()
 
 
+class _AllOf(Work):
+    """Several works completing together (a broadcast sent point to point)."""
+
+    def __init__(self, works, op, peers):
+        self.works, self.op, self.peers = works, op, peers
+        self.work = self                        # waited through torch's waiters, each one
+
+    def is_completed(self) -> bool:
+        return all(w.work is not None and w.work.is_completed() for w in self.works)
+
+    def wait(self, timeout=None):
+        for w in self.works:
+            if timeout is None:
+                w.work.wait()
+            else:
+                w.work.wait(timeout=timeout)
+
+    def test(self) -> bool:
+        return self.is_completed()
+
+
 class _Peer:
     """A peer the store's allgather still waits for, as the control channel's watch takes it."""
 
@@ -187,7 +208,20 @@ class TorchBackend(TorchCollectives, Backend):
             raise RuntimeError(f"rank {self.rank}: no process group for ranks {ranks}; "
                                "prepare_groups was not called for this plan") from None
 
+    # gloo (host tensors): broadcasts go point to point from the root, and integer reduces
+    # gather to the root (collective_reduce_ok), so a plan needs no process group: a Program
+    # of some processes is constructed by those alone (groups need every member, in order)
+    gather_reduces = True
+
+    def bcast_group(self, ranks, device_kind="cpu") -> bool:
+        return device_kind == "cuda"
+
     def bcast(self, buf, root, ranks, tag=0):
+        if buf.device.type != "cuda":
+            if self.rank == root:               # point to point from the root (host tensors)
+                works = [self.isend(buf, r, tag) for r in ranks if r != root]
+                return _AllOf(works, f"bcast in group {list(ranks)}", tuple(r for r in ranks if r != root))
+            return self.irecv(buf, root, tag)
         self.flush()
         pace = pacing.pacer(self.rank)
         if pace is not None and self.rank == root:      # the root waits for its slot (k-1 messages)
@@ -211,15 +245,18 @@ class TorchBackend(TorchCollectives, Backend):
         return all(g in self._groups or len(g) == self.world_size for g in groups)
 
     def prepare_groups(self, groups: Sequence[tuple[int, ...]], deadline):
-        # Called by EVERY rank with the same list (the plan's groups, in plan order):
-        # new_group is collective over the whole world, members or not.
+        # The members of each group create it, in the plan's order (new_group with local
+        # synchronization: processes outside a group take no part, so a Program of some
+        # processes constructs without the others)
         for g in groups:
             if g in self._groups or len(g) == self.world_size:
                 continue
+            if self.rank not in g:
+                continue
             kw = {}
             if deadline is not None:
-                kw["timeout"] = _td(deadline - time.monotonic())
-            self._groups[g] = self.dist.new_group(list(g), **kw)
+                kw["timeout"] = _td(max(deadline - time.monotonic(), 1e-3))
+            self._groups[g] = self.dist.new_group(list(g), use_local_synchronization=True, **kw)
 
     def wait_all(self, works, deadline):
         """Blocking waits (gloo's point-to-point works say they are done only once waited
@@ -245,10 +282,6 @@ class TorchBackend(TorchCollectives, Backend):
             finish = getattr(w, "finish", None)     # native collectives: unpad (torch_collectives)
             if finish is not None:
                 finish()
-
-    def retract(self, obj, tag) -> None:
-        """Overwrite this rank's value of round `tag` (its last Meta there) with `obj`."""
-        self.store.set(f"meshcomm/meta/{tag}/{self.rank}", pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
     def wait_async(self, works, deadline):
         """[(work, Future of its blocking wait)]: one waiter thread each; the Future raises
@@ -290,16 +323,19 @@ class TorchBackend(TorchCollectives, Backend):
             w.peers, w.op)
 
     # -- metadata through the store --------------------------------------------------------
-    def allgather_obj(self, obj, deadline, tag=None, accept=None):
+    def allgather_obj(self, obj, deadline, tag=None, accept=None, ranks=None):
+        """Through the store: this rank's value of round `tag` under its own key, the others'
+        read (a value `accept` calls "drop" or "later" is waited past: the next write
+        replaces it)."""
         if tag is None:
             tag = self._meta_seq
             self._meta_seq += 1
+        tag = "/".join(map(str, tag)) if isinstance(tag, tuple) else tag
         key = lambda r, s=tag: f"meshcomm/meta/{s}/{r}"  # noqa: E731
         self.store.set(key(self.rank), pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-        others = [r for r in range(self.world_size) if r != self.rank]
-        out = [None] * self.world_size
-        out[self.rank] = obj
-        pending, spins = list(others), 0
+        ranks = list(range(self.world_size)) if ranks is None else list(ranks)
+        out = {self.rank: obj}
+        pending, spins = [r for r in ranks if r != self.rank], 0
         while pending:
             try:
                 ready = [r for r in pending if self.store.check([key(r)])]
@@ -310,7 +346,7 @@ class TorchBackend(TorchCollectives, Backend):
             if ready:
                 for r, v in zip(ready, self.store.multi_get([key(r) for r in ready])):
                     v = pickle.loads(bytes(v))
-                    if accept is None or accept(r, v):
+                    if accept is None or accept(r, v) == "take":
                         out[r] = v
                         got.append(r)
             pending = [r for r in pending if r not in got]
@@ -326,7 +362,12 @@ class TorchBackend(TorchCollectives, Backend):
                 _base.WATCH([_Peer(r) for r in pending], deadline)
             spins += 1
             time.sleep(min(0.002, 1e-5 * spins))
-        return out
+        return [out[r] for r in ranks]
+
+    def retract(self, obj, tag, ranks=None) -> None:
+        """Overwrite this rank's value of round `tag` (its last Meta there) with `obj`."""
+        tag = "/".join(map(str, tag)) if isinstance(tag, tuple) else tag
+        self.store.set(f"meshcomm/meta/{tag}/{self.rank}", pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
     # -- the control channel (meshcomm.runtime.control), through the store ---------------
     def ctl_send(self, peer, data: bytes) -> None:

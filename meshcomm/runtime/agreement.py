@@ -49,35 +49,49 @@ def error_of(e: BaseException | None) -> tuple[str, str] | None:
     return None if e is None else (type(e).__name__, str(e))
 
 
-def agree(ctx, pid: int, nonce: int, meta: Meta, own_error: BaseException | None = None,
+def group_key(ranks) -> int:
+    """A number naming a group of processes, the same on every process."""
+    import zlib
+    return zlib.crc32(repr(tuple(ranks)).encode()) & 0x3FFFFFFF
+
+
+def agree(ctx, ranks, counter, nonce: int, meta: Meta, own_error: BaseException | None = None,
           describe: Mapping[str, Callable[[Any, Meta], str]] | None = None, deadline: float | None = None) -> list:
-    """Every process's Meta for Program `pid`, after `settle` found them in agreement (else
-    raises, on every process alike). Each Meta travels with a nonce of its sender's; a Meta
-    whose sender gave its attempt up (it raised there, and said so on the control channel)
-    is dropped, so an attempt left behind by a failure never answers a later agreement."""
+    """The Metas of the processes `ranks` (sorted, this one among them) for their Program
+    number `counter`, after `settle` found them in agreement (else raises, on each of them
+    alike). Each Meta travels with its group, round and a nonce of its sender's: a Meta of
+    another group or a later round waits for it; one of an earlier round, or whose sender
+    gave its attempt up (a ("RETRACT", nonce) follows it), is dropped, so an attempt left
+    behind by a failure never answers a later agreement."""
     from . import control
     if deadline is None:
         deadline = time.monotonic() + ctx.timeout
     ch = control.current()
     retracted = ch.retracted if ch is not None else set()
+    g = group_key(ranks)
 
     def accept(r, v):
         if v[0] == "RETRACT":           # its sender gave that attempt up (sent after its Meta)
             retracted.add((r, v[1]))
-            return False
-        return v[0] == pid and (r, v[1]) not in retracted
+            return "drop"
+        if v[0] != g:
+            return "later"
+        if (r, v[2]) in retracted or v[1] < counter:
+            return "drop"
+        return "take" if v[1] == counter else "later"
     try:
-        got = ctx.backend.allgather_obj((pid, nonce, meta), deadline, tag=pid, accept=accept)
+        got = ctx.backend.allgather_obj((g, counter, nonce, meta), deadline, tag=(g, counter), accept=accept,
+                                        ranks=tuple(ranks))
     except BaseException:
         # this attempt's Meta may wait at the others: take it back, behind it on its channel
-        ctx.backend.retract(("RETRACT", nonce), tag=pid)
+        ctx.backend.retract(("RETRACT", nonce), tag=(g, counter), ranks=tuple(ranks))
         raise
-    metas = [v if r == ctx.rank else v[2] for r, v in enumerate(got)]
-    metas[ctx.rank] = meta
+    me = list(ranks).index(ctx.rank)
+    metas = [meta if i == me else v[3] for i, v in enumerate(got)]
     try:
-        settle(metas, ctx.rank, own_error, describe)
+        settle(metas, me, own_error, describe, ranks=tuple(ranks))
     except Exception as e:
-        e.shared = True         # every process raises it now: nothing to tell them
+        e.shared = True         # every process of the group raises it now: nothing to tell them
         raise
     return metas
 
@@ -92,14 +106,16 @@ def value(metas: Sequence[Meta], name: str, default=None):
 
 
 def settle(metas: Sequence[Meta], me: int, own_error: BaseException | None,
-           describe: Mapping[str, Callable[[Any, Meta], str]] | None = None) -> None:
+           describe: Mapping[str, Callable[[Any, Meta], str]] | None = None, ranks=None) -> None:
     """Raise, identically on every process, when any process had a local error or the
-    processes disagree on a field. `own_error` is re-raised as is on the process that had it."""
+    processes disagree on a field. `own_error` is re-raised as is on the process that had it.
+    `metas[i]` is rank `ranks[i]`'s (default: rank i)."""
     if own_error is not None:
         raise own_error
-    errs = [(r, m) for r, m in enumerate(metas) if m.err is not None]
+    rank = (lambda i: i) if ranks is None else (lambda i: ranks[i])
+    errs = [(rank(i), m) for i, m in enumerate(metas) if m.err is not None]
     if errs:
-        op = metas[errs[0][0]].op
+        op = errs[0][1].op
         raise ValueError(f"{op} failed on other process(es): " +
                          "; ".join(f"rank {r}: {m.err[0]}: {m.err[1]}" for r, m in errs[:4]))
     names = [k for k, _ in metas[me].fields]
@@ -110,10 +126,10 @@ def settle(metas: Sequence[Meta], me: int, own_error: BaseException | None,
     for key in names:
         groups: dict = {}
         first: dict = {}
-        for r, m in enumerate(metas):
+        for i, m in enumerate(metas):
             v = m.get(key)
             if v is not None:
-                groups.setdefault(_hashable(v), []).append(r)
+                groups.setdefault(_hashable(v), []).append(rank(i))
                 first.setdefault(_hashable(v), m)
         if len(groups) > 1:
             fmt = (describe or {}).get(key)
@@ -141,9 +157,10 @@ def raise_together(ctx, op: str, err: BaseException):
     ch = control.current()
 
     def go():
-        pid = ctx.programs + 1
+        ranks = tuple(range(ctx.world_size))
+        counter = ctx.counters.get(ranks, 0) + 1
         ctx.attempts += 1
-        with control.entering(ch, control.Call("construct", pid, op, ctx.attempts)):
-            agree(ctx, pid, ctx.attempts, Meta(op, (("op", op),), error_of(err)), err)
+        with control.entering(ch, control.Call("construct", group_key((ranks, counter)), op, ctx.attempts)):
+            agree(ctx, ranks, counter, ctx.attempts, Meta(op, (("op", op),), error_of(err)), err)
     ctx.run(go, False)()
     raise err

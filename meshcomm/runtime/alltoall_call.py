@@ -20,7 +20,8 @@ from ..backends.base import empty_wire, from_wire, to_wire
 from ..planners import Topology
 from .alltoall_input import assemble, axis_groups, local, split_rows, validate_owned  # noqa: F401
 from .local_program import LocalKernel
-from .program import Program, construct, eager, new, tags_of
+from ..handle import Handle
+from .program import Program, construct, eager, new, outside, participants, tags_of
 
 __all__ = ["DistRun", "program", "run", "local", "axis_groups"]
 
@@ -241,6 +242,9 @@ def _build(ctx, be, mesh, axis, groups, topo, algorithm):
 def run(ctx, x, send_counts, recv_counts, mesh, axis, groups, backend, async_op, topo, algorithm, stamp):
     """The eager all_to_all_v: the cached Program of its arguments, then one run."""
     be, err = ctx.resolve_backend(backend)
+    ranks = participants(ctx, mesh)
+    if ctx.rank not in ranks:               # no device of the mesh here: nothing to agree or move
+        return Handle(result=None) if async_op else None
     a = None
     try:
         if err is not None:
@@ -260,9 +264,9 @@ def run(ctx, x, send_counts, recv_counts, mesh, axis, groups, backend, async_op,
         from .agreement import value
         return (value(metas, "rows"), value(metas, "dtype"), value(metas, "kind"))
     prog = ctx.call(lambda: eager(ctx, sig, (rows, dt, kind) if complete else None, complete, "all_to_all_v",
-                                  fields, err, {}, _build(ctx, be, mesh, axis, groups, topo, algorithm), agreed_key))
-    st = prog._kernel.check(a, not isinstance(x, dict))
-    return prog.start(None, async_op, None, stamp, st)
+                                  fields, err, {}, _build(ctx, be, mesh, axis, groups, topo, algorithm), agreed_key,
+                                  None, ranks))
+    return prog.start_checked(lambda: prog._kernel.check(a, not isinstance(x, dict)), async_op, stamp)
 
 
 def program(mesh, axis, rows, dtype, backend, topology, algorithm) -> Program:
@@ -278,9 +282,12 @@ def program(mesh, axis, rows, dtype, backend, topology, algorithm) -> Program:
         no_context(backend, "Program.all_to_all_v")
         return local_all_to_all_v(mesh, axis, rows, dtype, topology, algorithm)
     be, err = ctx.resolve_backend(backend)
+    ranks = participants(ctx, mesh)
+    if ctx.rank not in ranks:
+        return outside(ctx, f"all_to_all_v along {axis!r} of {mesh}", empty=lambda: None)
     fields = _fields(mesh, axis, be, rows, (name, itemsize), None, topo, algorithm)
     return ctx.call(lambda: construct(ctx, "all_to_all_v", fields, err, {},
-                                      _build(ctx, be, mesh, axis, groups, topo, algorithm)))
+                                      _build(ctx, be, mesh, axis, groups, topo, algorithm), None, ranks))
 
 
 def local_all_to_all_v(mesh, axis, rows, dtype, topology, algorithm) -> Program:

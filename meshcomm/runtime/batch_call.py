@@ -20,7 +20,8 @@ from ..backends import batch as batch_exec
 from ..layout import Layout, normalize_shape
 from ..validate import check_layouts, check_tile_shapes, infer_shape, resolve_shape_dtype
 from .agreement import value
-from .program import Program, construct, eager, new, empty_like, facts_of, fences_of, layouts_fp, tags_of
+from ..handle import Handle
+from .program import Program, construct, eager, new, outside, participants, empty_like, facts_of, fences_of, layouts_fp, tags_of
 from .reshard_call import local_input
 
 __all__ = ["program", "reshard_many", "normalize_batch"]
@@ -245,8 +246,11 @@ def program(src, dst, shapes, dtypes, backend, bucket_mb, compression) -> Progra
         return new(None, 0, f"reshard_many of {len(names)} tensors", LocalKernel(run, "plans"))
     be, err = ctx.resolve_backend(backend)
     fields = _fields(names, srcs, dsts, be, shp, dts, kinds, bucket_mb)
+    ranks = participants(ctx, *(l.mesh for n in names for l in (srcs[n], dsts[n])))
+    if ctx.rank not in ranks:
+        return outside(ctx, f"reshard_many of {len(names)} tensors", empty=lambda: {n: {} for n in names})
     return ctx.call(lambda: construct(ctx, "reshard_many", fields, err, {}, _build(ctx, be, names, srcs, dsts,
-                                                                                   bucket_mb)))
+                                                                                   bucket_mb), None, ranks))
 
 
 def reshard_many(ctx, xs, src, dst, *, shapes=None, dtypes=None, backend=None, async_op=False, bucket_mb=None,
@@ -258,6 +262,10 @@ def reshard_many(ctx, xs, src, dst, *, shapes=None, dtypes=None, backend=None, a
         raise TypeError(f"reshard_many takes {{name: this process's src tiles}}, got {type(xs).__name__}")
     names = None if any(isinstance(d, Mapping) for d in (src, dst, shapes, dtypes)) else tuple(sorted(xs))
     names, srcs, dsts, shp, dts = normalize_batch(src, dst, shapes, dtypes, names)
+    ranks = participants(ctx, *(l.mesh for n in names for l in (srcs[n], dsts[n])))
+    if ctx.rank not in ranks:               # no device of the batch here: nothing to agree or move
+        res = {n: {} for n in names}
+        return Handle(result=res) if async_op else res
     be, err = ctx.resolve_backend(backend)
     got, facts, tiles = {}, {}, {}
     try:
@@ -295,7 +303,7 @@ def reshard_many(ctx, xs, src, dst, *, shapes=None, dtypes=None, backend=None, a
             tuple(sorted((n, tuple(sorted(m.extra.get("tiles", {}).get(n, {}).items())))
                          for m in metas for n in names))
     prog = ctx.call(lambda: eager(ctx, sig, local_key, complete, "reshard_many", fields, err, {"tiles": tiles},
-                                  _build(ctx, be, names, srcs, dsts, bucket_mb), agreed_key))
+                                  _build(ctx, be, names, srcs, dsts, bucket_mb), agreed_key, None, ranks))
     k = prog._kernel
     return prog.start_checked(lambda: ({t.name: (k._check(t, got.get(t.name, {})), None) for t in k.tensors}, None),
                               async_op, stamp)

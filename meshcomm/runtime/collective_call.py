@@ -28,7 +28,9 @@ from .agreement import value
 from .collective_input import GATHERS, local_facts, masked, tiles_of
 from .context import init_hint, no_context
 from .local_program import LocalKernel
-from .program import PlanRun, Program, consume, construct, eager, empty_like, fences_of, new, tags_of
+from ..handle import Handle
+from .program import (PlanRun, Program, consume, construct, eager, empty_like, fences_of, new, outside,
+                      participants, tags_of)
 
 __all__ = ["Request", "run", "program", "tiles_of", "coded_dims", "build", "finish_tiles"]
 
@@ -182,7 +184,7 @@ class CollectiveKernel:
         self.owned = ctx.ownership.owned(req.mesh)
         plan_only = req.compression is not None or settings.get("EMULATE_GBPS") is not None
         nat = None if plan_only else native_call.choose(ctx, be, req, a.dtype, a.tile, a.shapes, a.devtype,
-                                                        pid=pid)
+                                                        counter=ctx.counters.get(participants(ctx, req.mesh), 0) + 1)
         self.native = nat
         # the common run: a bare NumPy tile of this process's one device, of the agreed shape
         # and a native byte order (checked in prepare without the general validation)
@@ -335,6 +337,10 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
     stamp = _log.stamp(async_op) if _log.ON else None
     be, err = ctx.resolve_backend(backend)
     owned = ctx.ownership.owned(req.mesh)
+    if not owned:                           # no device of the mesh here: nothing to agree or move
+        _owned_tiles(ctx, req, x, owned)
+        res = None if not isinstance(x, Mapping) else {}
+        return Handle(result=res) if async_op else res
     tiles, bare, f = {}, not isinstance(x, Mapping), {"dtype": None, "kind": None, "devtype": None, "tile": None}
     try:
         if err is not None:
@@ -359,7 +365,7 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
         a = _agreed(req, metas)
         return (a.tile, None if a.shapes is None else tuple(sorted(a.shapes.items())), a.dtype, a.kind, a.devtype)
     prog = ctx.call(lambda: eager(ctx, sig, local_key, complete, req.op, fields, err, extra, _build(ctx, be, req),
-                                  agreed_key, _describe(req)))
+                                  agreed_key, _describe(req), participants(ctx, req.mesh)))
     return prog.start_checked(lambda: prog._kernel.check(tiles, bare, None), async_op, stamp)
 
 
@@ -384,11 +390,13 @@ def program(req: Request, shape, dtype, backend=None, device="cpu") -> Program:
         codec_cost.check(req.compression, name, device, req.op)
     except (ValueError, TypeError) as e:
         err = err or e
+    if not owned:
+        return outside(ctx, f"{req.op} over {req.axes} of {req.mesh}", empty=lambda: None)
     tiles = {d: tile for d in owned} if tile is not None else {}
     fields = _fields(req, be, (name, itemsize), None, device, masked(req, tile))
     extra = {"tiles": tiles, "tile": tile}
     return ctx.call(lambda: construct(ctx, req.op, fields, err, extra, _build(ctx, be, req, kinded=False),
-                                      _describe(req)))
+                                      _describe(req), participants(ctx, req.mesh)))
 
 
 def coded_dims(req: Request, prob) -> int:

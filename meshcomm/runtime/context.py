@@ -193,9 +193,9 @@ class Context:
         self._lock = threading.Lock()       # one communication at a time, in call order
         self._last: concurrent.futures.Future | None = None
         self.eager: dict = {}       # eager call signature -> its Programs (runtime/program.py)
-        self.programs = 0           # Programs constructed (the next one is number programs + 1)
+        self.programs = 0           # Programs this process constructed (a count)
+        self.counters: dict = {}    # processes (sorted ranks) -> Programs they constructed together
         self.attempts = 0           # agreements this process took part in (their nonces)
-        self.native_comms = 0       # native MPI Programs given communicators (native_call.choose)
         from . import control
         self.channel = control.Channel(self.backend, self.rank, self.world_size, timeout)
 

@@ -38,7 +38,8 @@ _TYPED_OK = {"mpi": ("float32", "float64", "int32", "int64", "int8", "uint8", "i
 
 
 # Programs whose native MPI calls get communicators of their own: every process can hold about
-# 2040 communicators (MPICH's context ids); past this many, a collective Program runs its plan
+# 2040 communicators (MPICH's context ids); past this many Programs of one group of processes
+# (their count is the same on each of them), a collective Program runs its plan
 OWN_COMMS_MAX = 1024
 
 
@@ -52,7 +53,7 @@ class Native:
 MODE = "auto"
 
 
-def choose(ctx, be, req, dt, tile, shapes, devtype, pid=0) -> Native | None:
+def choose(ctx, be, req, dt, tile, shapes, devtype, counter=0) -> Native | None:
     if MODE == "plan" or devtype != "cpu" or tile is None:
         return None
     rank_of = ctx.ownership.rank_of
@@ -74,10 +75,8 @@ def choose(ctx, be, req, dt, tile, shapes, devtype, pid=0) -> Native | None:
     prim = be.choose(TABLE_OP[req.op], nbytes, k, "cpu")
     if req.op in _REDUCING and name not in _TYPED_OK.get(prim.name, ()):
         return None
-    if prim.name == "mpi":              # a communicator of its own per Program, up to a cap
-        ctx.native_comms += 1
-        if ctx.native_comms > OWN_COMMS_MAX:
-            return None
+    if prim.name == "mpi" and counter > OWN_COMMS_MAX:
+        return None                     # a communicator of its own per Program, up to a cap
     return Native(prim, tuple(tuple(sorted(rank_of(d) for d in g)) for g in gs))
 
 

@@ -58,6 +58,7 @@ class Program:
     def __init__(self, ctx, pid: int, label: str, kernel, plan=None):
         self.ctx, self.id, self.label, self._kernel = ctx, pid, label, kernel
         self.plan = plan
+        self.ranks, self.counter = (), 0    # its processes, and its number among their Programs
         self.runs = 0
         self.failed: str | None = None
 
@@ -75,7 +76,7 @@ class Program:
     def start(self, x, async_op, out, stamp, st=None):
         """A run: `st` is the kernel's prepared input where the caller checked it already."""
         ctx, k = self.ctx, self._kernel
-        if ctx is None:                             # one process owns every device
+        if ctx is None or type(k) is Outside:       # one process owns every device, or none of it
             res = k.finish(k.run(k.prepare(x, out) if st is None else st, None, stamp))
             return Handle(result=res) if async_op else res
         self.runs += 1
@@ -133,8 +134,8 @@ class Program:
         """MESHCOMM_CHECK=every: the run's own agreement (debugging)."""
         ctx = self.ctx
         ctx.attempts += 1
-        agreement.agree(ctx, -self.id, ctx.attempts, Meta(self.label, (("program", self.id), ("run", self.runs),
-                                                         ("input", self._kernel.facts(st)))))
+        agreement.agree(ctx, self.ranks, (self.counter, self.runs), ctx.attempts,
+                        Meta(self.label, (("program", self.id), ("run", self.runs), ("input", self._kernel.facts(st)))))
 
     # -- what it does -----------------------------------------------------------------------
     def explain(self) -> str:
@@ -151,21 +152,67 @@ class Program:
 CLASS: list = [Program]      # the class Programs are made of (runtime/programs.py's subclass)
 
 
+class Outside:
+    """The kernel of a Program on a process that owns none of its devices: it takes part in
+    nothing (neither the agreement nor a run); a run checks that nothing was passed and
+    returns `empty()`."""
+
+    def __init__(self, label, empty):
+        self.label, self.empty = label, empty
+
+    def describe(self) -> str:
+        return "nothing on this process"
+
+    def prepare(self, x, out=None):
+        if x is not None and not (isinstance(x, (dict, tuple)) and not any(
+                v for v in (x.values() if isinstance(x, dict) else x[:1]))):
+            raise ValueError(f"{self.label}: this process owns no device of it but passed input")
+        return None
+
+    def run(self, st, deadline, stamp=None):
+        return None
+
+    def finish(self, r):
+        return self.empty()
+
+
+def outside(ctx, label: str, empty=dict) -> "Program":
+    """The Program of a process outside it (no agreement, no communication)."""
+    return new(ctx, 0, label, Outside(label, empty))
+
+
 # -- construction --------------------------------------------------------------------------
 
-def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable, describe=None):
-    """The one construction path: agree on `fields` (+ the Program's number), then
-    `build(pid, metas, deadline)` -> Program. Every process raises together on a mismatch."""
-    pid = ctx.programs + 1              # counted once constructed: a failed attempt leaves no gap
+def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable, describe=None, ranks=None):
+    """The one construction path, for the processes `ranks` (the Program's: those owning a
+    device it involves; default all): agree on `fields`, then `build(pid, metas, deadline)`
+    -> Program. Each of them raises together on a mismatch. The Program's number `pid` is
+    the same on each of them: their group and how many Programs it constructed before."""
+    ranks = tuple(range(ctx.world_size)) if ranks is None else tuple(ranks)
+    counter = ctx.counters.get(ranks, 0) + 1    # counted once constructed: no gap after a failure
+    pid = program_id(ranks, counter)
     ctx.attempts += 1                   # this process's agreements: its Meta's nonce
     ch = control.current()
     with control.entering(ch, control.Call("construct", pid, label, ctx.attempts)):
         deadline = time.monotonic() + ctx.timeout
-        metas = agreement.agree(ctx, pid, ctx.attempts, Meta(label, fields, agreement.error_of(err), extra),
+        metas = agreement.agree(ctx, ranks, counter, ctx.attempts, Meta(label, fields, agreement.error_of(err), extra),
                                 err, describe, deadline)
         prog = build(pid, metas, deadline)
-        ctx.programs = pid
+        prog.ranks, prog.counter = ranks, counter
+        ctx.counters[ranks] = counter
+        ctx.programs += 1
         return prog
+
+
+def program_id(ranks, counter) -> int:
+    """A Program's number: the same on each of its processes, different between Programs."""
+    return agreement.group_key((tuple(ranks), counter))
+
+
+def participants(ctx, *meshes) -> tuple:
+    """The processes owning a device of these meshes (sorted ranks)."""
+    dpp = ctx.devices_per_process
+    return tuple(sorted({d // dpp for m in meshes for d in m.device_ids}))
 
 
 def new(ctx, pid: int, label: str, kernel, plan=None, cls=None) -> Program:
@@ -183,7 +230,7 @@ class Entry:
 
 
 def eager(ctx, sig, local_key, complete: bool, label: str, fields, err, extra, build, agreed_key,
-          describe=None) -> Program:
+          describe=None, ranks=None) -> Program:
     """The Program of an eager call: found by `local_key` when every process decided alone
     last time, else constructed (or, in exchange mode, looked up after the agreement)."""
     entry = ctx.eager.get(sig)
@@ -220,7 +267,7 @@ def eager(ctx, sig, local_key, complete: bool, label: str, fields, err, extra, b
             e.programs[key] = prog
         found.append(prog)
         return prog
-    construct(ctx, label, fields, err, extra, build_or_find, describe)
+    construct(ctx, label, fields, err, extra, build_or_find, describe, ranks)
     if len(ctx.eager) > 256:
         ctx.eager.pop(next(iter(ctx.eager)))
     return found[0]
@@ -277,7 +324,7 @@ class PlanRun:
         if comp is None:
             coll = base.collective_reduce_ok(p.dtype, be)
             need = base.groups_needed(p, ctx.devices_per_process, coll,
-                                      lambda s: be.choose(s.table_op, s.nbytes, len(s.ranks), device_kind))
+                                      lambda s: be.choose(s.table_op, s.nbytes, len(s.ranks), device_kind), device_kind)
             for b in be.members():
                 b.prepare_groups(need.get(b.name, []), deadline)
 

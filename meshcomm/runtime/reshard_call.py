@@ -22,7 +22,9 @@ from ..planning import plan as make_plan
 from ..validate import (check_keys, check_layouts, check_tile_shapes, infer_shape, native_byte_order,
                         normalize_input, resolve_shape_dtype)
 
-from .program import PlanRun, Program, consume, construct, eager, empty_like, facts_of, fences_of, layouts_fp, new, tags_of
+from ..handle import Handle
+from .program import (PlanRun, Program, consume, construct, eager, empty_like, facts_of, fences_of, layouts_fp, new,
+                      outside, participants, tags_of)
 
 __all__ = ["reshard", "program"]
 
@@ -214,6 +216,10 @@ def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=
     """The eager reshard: the cached Program of these arguments (constructed on first use)."""
     stamp = _log.stamp(async_op) if _log.ON else None
     check_layouts(src, dst)
+    ranks = participants(ctx, src.mesh, dst.mesh)
+    if ctx.rank not in ranks:               # no device of it here: nothing to agree or move
+        local_input(ctx, x, src, dst)
+        return Handle(result={}) if async_op else {}
     be, err = ctx.resolve_backend(backend)
     e2, shards, bare, shp, dt, kind, devtype = _facts(ctx, x, src, dst, shape, dtype, compression)
     err = err or e2
@@ -235,7 +241,7 @@ def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=
         return (a.shape, a.dtype, a.kind, a.devtype)
     prog = ctx.call(lambda: eager(ctx, sig, local_key, complete, "reshard",
                                   _fields(src, dst, be, shp, dt, kind, devtype, compression), err, extra,
-                                  _build(ctx, be, src, dst, compression), agreed_key, _describe(src, dst)))
+                                  _build(ctx, be, src, dst, compression), agreed_key, _describe(src, dst), ranks))
     return prog.start_checked(lambda: prog._kernel.check(shards, bare, None), async_op, stamp)
 
 
@@ -264,6 +270,10 @@ def program(src, dst, shape, dtype, backend, compression) -> Program:
         err = err or e
     fields = _fields(src, dst, be, shape, (name, itemsize), None, None, compression)
     extra = {"desc": f"src={src!r} dst={dst!r}"}
+    ranks = participants(ctx, src.mesh, dst.mesh)
+    if ctx.rank not in ranks:
+        return outside(ctx, f"reshard {src} -> {dst}")
     return ctx.call(lambda: construct(ctx, "reshard", fields, err, extra, _build(ctx, be, src, dst, compression,
-                                                                                   kinded=False), _describe(src, dst)))
+                                                                                   kinded=False), _describe(src, dst),
+                                      ranks))
 
