@@ -69,6 +69,10 @@ def agree(ctx, ranks, counter, nonce: int, meta: Meta, own_error: BaseException 
     ch = control.current()
     retracted = ch.retracted if ch is not None else set()
     g = group_key(ranks)
+    # the round: the Program's number, and how many attempts at it failed together before
+    # (the store keeps a value after its round: a later attempt must not read it)
+    tries = getattr(ctx, "tries", {})
+    counter = (counter, tries.get((g, counter), 0))
 
     def accept(r, v):
         if v[0] == "RETRACT":           # its sender gave that attempt up (sent after its Meta)
@@ -80,11 +84,11 @@ def agree(ctx, ranks, counter, nonce: int, meta: Meta, own_error: BaseException 
             return "drop"
         return "take" if v[1] == counter else "later"
     try:
-        got = ctx.backend.allgather_obj((g, counter, nonce, meta), deadline, tag=(g, counter), accept=accept,
+        got = ctx.backend.allgather_obj((g, counter, nonce, meta), deadline, tag=(g,) + counter, accept=accept,
                                         ranks=tuple(ranks))
     except BaseException:
         # this attempt's Meta may wait at the others: take it back, behind it on its channel
-        ctx.backend.retract(("RETRACT", nonce), tag=(g, counter), ranks=tuple(ranks))
+        ctx.backend.retract(("RETRACT", nonce), tag=(g,) + counter, ranks=tuple(ranks))
         raise
     me = list(ranks).index(ctx.rank)
     metas = [meta if i == me else v[3] for i, v in enumerate(got)]
@@ -92,6 +96,8 @@ def agree(ctx, ranks, counter, nonce: int, meta: Meta, own_error: BaseException 
         settle(metas, me, own_error, describe, ranks=tuple(ranks))
     except Exception as e:
         e.shared = True         # every process of the group raises it now: nothing to tell them
+        if hasattr(ctx, "tries"):
+            ctx.tries[(g, counter[0])] = counter[1] + 1
         raise
     return metas
 

@@ -195,6 +195,7 @@ class Context:
         self.eager: dict = {}       # eager call signature -> its Programs (runtime/program.py)
         self.programs = 0           # Programs this process constructed (a count)
         self.counters: dict = {}    # processes (sorted ranks) -> Programs they constructed together
+        self.tries: dict = {}       # (group key, counter) -> attempts that failed together (agreement)
         self.attempts = 0           # agreements this process took part in (their nonces)
         from . import control
         self.channel = control.Channel(self.backend, self.rank, self.world_size, timeout)
