@@ -205,7 +205,7 @@ class Backend:
 
     def isend(self, buf, peer: int, tag: int) -> Work: raise NotImplementedError
     def irecv(self, buf, peer: int, tag: int) -> Work: raise NotImplementedError
-    def bcast(self, buf, root: int, ranks: tuple[int, ...], tag: int = 7) -> Work: raise NotImplementedError
+    def bcast(self, buf, root: int, ranks: tuple[int, ...], tag: int | None = None) -> Work: raise NotImplementedError
     def reduce(self, buf, root: int, ranks: tuple[int, ...], op: str = "sum") -> Work: raise NotImplementedError
     def allgather_obj(self, obj, deadline: float | None, tag: int | None = None, accept=None,
                       ranks=None) -> list:

@@ -72,9 +72,9 @@ class MixedBackend(Backend):
         b, (x,) = self._pick("allreduce", _nbytes(buf), ranks, buf)
         return b.allreduce(x, op, ranks)
 
-    def bcast(self, buf, root, ranks, tag=7):
+    def bcast(self, buf, root, ranks, tag=None):
         b, (x,) = self._pick("bcast", _nbytes(buf), ranks, buf)
-        return b.bcast(x, root, ranks, tag=tag)
+        return b.bcast(x, root, ranks) if tag is None else b.bcast(x, root, ranks, tag=tag)
 
     def reduce(self, buf, root, ranks, op="sum"):
         b, (x,) = self._pick("reduce", _nbytes(buf), ranks, buf)

@@ -271,7 +271,8 @@ class MPIBackend(MPICollectives, Backend):
     def bcast_group(self, ranks, device_kind="cpu") -> bool:
         return not self.bcast_p2p(ranks)
 
-    def bcast(self, buf, root, ranks, tag=BCAST_TAG):
+    def bcast(self, buf, root, ranks, tag=None):
+        tag = BCAST_TAG if tag is None else tag
         what = f"bcast in group {list(ranks)}"
         if self.bcast_p2p(ranks):       # on the data communicator, with the step's own tag
             comm = self.comm

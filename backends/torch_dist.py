@@ -208,17 +208,18 @@ class TorchBackend(TorchCollectives, Backend):
             raise RuntimeError(f"rank {self.rank}: no process group for ranks {ranks}; "
                                "prepare_groups was not called for this plan") from None
 
-    # gloo (host tensors): broadcasts go point to point from the root, and integer reduces
-    # gather to the root (collective_reduce_ok), so a plan needs no process group: a Program
-    # of some processes is constructed by those alone (groups need every member, in order)
+    # gloo (host tensors): a plan's broadcasts (the executor passes their tag) go point to
+    # point from the root, and integer reduces gather to the root (collective_reduce_ok), so
+    # a plan needs no process group: a Program of some processes is constructed by those
+    # alone. A native broadcast (no tag) runs on its group.
     gather_reduces = True
 
     def bcast_group(self, ranks, device_kind="cpu") -> bool:
         return device_kind == "cuda"
 
-    def bcast(self, buf, root, ranks, tag=0):
-        if buf.device.type != "cuda":
-            if self.rank == root:               # point to point from the root (host tensors)
+    def bcast(self, buf, root, ranks, tag=None):
+        if tag is not None and buf.device.type != "cuda":
+            if self.rank == root:               # a plan's broadcast: point to point from the root
                 works = [self.isend(buf, r, tag) for r in ranks if r != root]
                 return _AllOf(works, f"bcast in group {list(ranks)}", tuple(r for r in ranks if r != root))
             return self.irecv(buf, root, tag)
