@@ -25,7 +25,10 @@ import dataclasses
 from typing import Sequence
 
 from . import base
-from .base import Execution, empty_wire, from_wire, issue_steps, to_wire
+from meshcomm.planners.boxes import box_size, local_slices
+
+from .base import Execution, _is_torch, _Run, empty_wire, from_wire, issue_steps, to_wire
+from .pack import pack, unpack
 
 __all__ = ["BatchItem", "coalescable", "run_batch"]
 
@@ -66,71 +69,151 @@ def run_batch(items: Sequence[BatchItem], *, rank: int, devices_per_process: int
             ex.start()
             outs.append(ex.finish(deadline)[0])
         return outs
-    b = backend.members()[0] if len(backend.members()) == 1 else backend.choose("send", 1 << 20, 2, device_kind)
-    runs, outs = [], []
-    rank_of = lambda d: d // dpp  # noqa: E731
-    for it in items:
-        p = it.plan
-        ex = Execution(p, it.shards, it.like, rank=rank, devices_per_process=dpp, backend=backend,
-                       device_kind=device_kind, producer_fences=fences, out=it.out)
-        runs.append((p, ex.run, issue_steps(p, rank, dpp, False)))
-        outs.append(ex.out)
-    nstages = max((s.stage for _, _, steps in runs for s in steps), default=-1) + 1
-    buckets = _buckets(runs, rank, bucket_bytes)
-    tag0, span = tags
-    inflight: list = []
-    for k in range(nstages):
-        for bi, bucket in enumerate(buckets):
-            sends: dict = {}                    # peer -> [packed piece, ...]
-            recvs: dict = {}                    # peer -> [(run, transfer, nbytes, my dsts)]
-            for ri in bucket:
-                p, run, steps = runs[ri]
-                for s in steps:
-                    if s.stage != k:
-                        continue
-                    t = p.transfers[s.index]
-                    if s.prim == "local":
-                        run.local(t)
-                        continue
-                    mine = [d for d in t.dsts if rank_of(d) == rank]
-                    if s.root == rank:              # a send, or a broadcast from here to each member
-                        v = run._packed(t, t.srcs[0])
-                        for d in mine:
-                            run._unpack_to(t, d, v)
-                        for peer in s.ranks:
-                            if peer != rank:
-                                sends.setdefault(peer, []).append(v)
-                    else:
-                        recvs.setdefault(s.root, []).append((run, t, s.nbytes, mine))
-            # pieces start on ALIGN-byte boundaries in a message (mixed dtypes view cleanly)
+    runner = Runner([it.plan for it in items], rank=rank, devices_per_process=dpp, backend=backend,
+                    bucket_bytes=bucket_bytes, device_kind=device_kind)
+    return runner.run(items, tags, deadline)
+
+
+class Runner:
+    """The coalesced batch of one rank, worked out once (a Program keeps it): per stage and
+    bucket, the local steps, and per peer the pieces sent and received with their offsets in
+    the one message; a run allocates the dst tiles, packs each piece straight into its
+    message, posts, waits and unpacks from the message."""
+
+    def __init__(self, plans, *, rank, devices_per_process, backend, bucket_bytes=None, device_kind="cpu"):
+        dpp = self.dpp = devices_per_process
+        self.plans, self.rank = plans, rank
+        self.b = backend.members()[0] if len(backend.members()) == 1 else \
+            backend.choose("send", 1 << 20, 2, device_kind)
+        rank_of = lambda d: d // dpp  # noqa: E731
+        steps = [issue_steps(p, rank, dpp, False) for p in plans]
+        self.nstages = max((st.stage for ss in steps for st in ss), default=-1) + 1
+        self.buckets = _buckets([(p, None, None) for p in plans], rank, bucket_bytes)
+        self.rounds = []                # per (stage, bucket): (locals, sends, recvs, sizes)
+        for k in range(self.nstages):
+            for bucket in self.buckets:
+                local, sends, recvs = [], {}, {}
+                for i in bucket:
+                    p = plans[i]
+                    st_, dt_ = p.src.tiles(p.shape), p.dst.tiles(p.shape)
+                    for s in steps[i]:
+                        if s.stage != k:
+                            continue
+                        t = p.transfers[s.index]
+                        if s.prim == "local":
+                            local.append((i, t))
+                            continue
+                        mine = [(d, [local_slices(bx, dt_.boxes[d]) for bx in t.boxes])
+                                for d in t.dsts if rank_of(d) == rank]
+                        if s.root == rank:
+                            origin = (st_ if t.src_buf == "src" else dt_).boxes[t.srcs[0]]
+                            piece = (i, t, [local_slices(bx, origin) for bx in t.boxes], mine)
+                            for peer in s.ranks:
+                                if peer != rank:
+                                    sends.setdefault(peer, []).append(piece)
+                        else:
+                            recvs.setdefault(s.root, []).append((i, t, mine))
+                self.rounds.append((local, _offsets(sends), _offsets(recvs)))
+        self.out_shapes = []
+        for p in plans:
+            dt_, zero = p.dst.tiles(p.shape), set(p.zero_fill)
+            self.out_shapes.append([(d, tuple(hi - lo for lo, hi in bx), d in zero or box_size(bx) == 0)
+                                    for d, bx in dt_.boxes.items() if rank_of(d) == rank])
+
+    def run(self, items, tags, deadline):
+        from .local import alloc_like
+        b, rank, dpp = self.b, self.rank, self.dpp
+        outs, runs = [], []
+        for it, p, shapes in zip(items, self.plans, self.out_shapes):
+            out = {}
+            for d, shape, zero in shapes:
+                if it.out is not None and d in it.out:
+                    out[d] = it.out[d]
+                    if zero:
+                        out[d][...] = alloc_like(it.like, shape, True, p.fill_op)
+                else:
+                    out[d] = alloc_like(it.like, shape, zero, p.fill_op)
+            outs.append(out)
+            runs.append(_Run(p, it.shards, out, it.like, rank, lambda d: d // dpp, p.src.tiles(p.shape),
+                             p.dst.tiles(p.shape), None))
+        tag0, span = tags
+        inflight: list = []
+        nb_ = len(self.buckets)
+        for r, (local, sends, recvs) in enumerate(self.rounds):
+            for i, t in local:
+                runs[i].local(t)
             works, fins = [], []
-            tag = tag0 + (k * len(buckets) + bi) % span
-            for peer, parts in sorted(recvs.items()):
-                n = sum(_padded(nb) for _, _, nb, _ in parts)
-                buf = empty_wire(n, b.wire, parts[0][0].like)
+            tag = tag0 + r % span
+            for peer, (parts, offs, n) in recvs.items():
+                buf = empty_wire(n, b.wire, runs[parts[0][0]].like)
                 works.append(b.irecv(buf, peer, tag))
-                fins.append((buf, parts))
-            for peer, parts in sorted(sends.items()):
-                works.append(b.isend(_cat(parts, b.wire), peer, tag))
+                fins.append((buf, parts, offs))
+            for peer, (parts, offs, n) in sends.items():
+                works.append(b.isend(self._message(runs, parts, offs, n), peer, tag))
                 base.issued[(b.name, "p2p_batched")] += 1
-            inflight.append((works, fins))
-            if len(inflight) >= 2:              # at most two buckets in flight
-                _finish(b, inflight.pop(0), deadline)
-        while inflight:                         # a stage ends before the next reads its results
+            inflight.append((works, runs, fins))
+            if len(inflight) >= 2 or (r + 1) % nb_ == 0:    # two buckets at most; a stage ends
+                while inflight and (len(inflight) >= 2 or (r + 1) % nb_ == 0):
+                    _finish(b, inflight.pop(0), deadline)
+        while inflight:
             _finish(b, inflight.pop(0), deadline)
-    return outs
+        return outs
+
+    def _message(self, runs, parts, offs, n):
+        """The pieces for one peer packed straight into one buffer of the wire kind (a lone
+        contiguous piece is sent from its tile)."""
+        wire = self.b.wire
+        if len(parts) == 1 and offs[0] == 0:
+            i, t, slices, mine = parts[0]
+            v = runs[i]._packed(t, t.srcs[0])
+            for d, sl in mine:
+                unpack(v, runs[i].out[d], sl)
+            if _size(v) % ALIGN == 0 or _size(v) == n:
+                return to_wire(v, wire)
+        like = runs[parts[0][0]].like
+        buf = empty_wire(n, wire, like)
+        for (i, t, slices, mine), off in zip(parts, offs):
+            run = runs[i]
+            bufs = run.shards if t.src_buf == "src" else run.out
+            tile = bufs[t.srcs[0]]
+            m = t.nbytes
+            view = buf[off:off + m]
+            if _is_torch(tile) == _is_torch(view) and (not _is_torch(tile) or tile.device == view.device):
+                pack(tile, slices, out=view.view(tile.dtype))
+                v = view.view(tile.dtype)
+            else:
+                v = pack(tile, slices)
+                view[...] = to_wire(v, wire)
+            for d, sl in mine:
+                unpack(v, run.out[d], sl)
+        return buf
+
+
+def _offsets(by_peer):
+    """{peer: (parts, their byte offsets in the message, the message's size)}, peers sorted."""
+    out = {}
+    for peer in sorted(by_peer):
+        parts, offs, n = by_peer[peer], [], 0
+        for part in parts:
+            offs.append(n)
+            n += _padded(part[1].nbytes)
+        out[peer] = (parts, offs, n)
+    return out
+
+
+def _size(v) -> int:
+    return int(v.numel()) * v.element_size() if _is_torch(v) else v.nbytes
 
 
 def _finish(b, entry, deadline):
-    works, fins = entry
+    works, runs, fins = entry
     b.wait_all(works, deadline)
-    for buf, parts in fins:
-        off = 0
-        for run, t, nb, mine in parts:
-            v = from_wire(buf[off:off + nb], run.like)
-            for d in mine:
-                run._unpack_to(t, d, v)
-            off += _padded(nb)
+    for buf, parts, offs in fins:
+        for (i, t, mine), off in zip(parts, offs):
+            run = runs[i]
+            v = from_wire(buf[off:off + t.nbytes], run.like)
+            for d, sl in mine:
+                unpack(v, run.out[d], sl)
 
 
 ALIGN = 16
@@ -138,27 +221,6 @@ ALIGN = 16
 
 def _padded(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-def _cat(parts, wire):
-    """The pieces (of any tensors' kinds) as one byte message of the backend's wire kind, each
-    padded to ALIGN bytes."""
-    flat = [to_wire(p, wire) for p in parts]
-    size = (lambda f: int(f.numel())) if wire == "torch" else (lambda f: f.size)
-    if len(flat) == 1 and size(flat[0]) % ALIGN == 0:
-        return flat[0]
-    if wire == "torch":
-        import torch
-        out = torch.empty(sum(_padded(size(f)) for f in flat), dtype=torch.uint8, device=flat[0].device)
-    else:
-        import numpy as np
-        out = np.empty(sum(_padded(size(f)) for f in flat), np.uint8)
-    off = 0
-    for f in flat:
-        n = size(f)
-        out[off:off + n] = f
-        off += _padded(n)
-    return out
 
 
 def _buckets(runs, rank, bucket_bytes):

@@ -96,6 +96,9 @@ class BatchKernel:
             tiling = t.src.tiles(t.shape)
             self.want[t.name] = {d: tuple(b - a for a, b in tiling.boxes[d]) for d in own.owned(t.src)}
         self.groups_ready(ctx, be)
+        self.runner = batch_exec.Runner(plans, rank=ctx.rank, devices_per_process=ctx.devices_per_process,
+                                        backend=be, bucket_bytes=bucket_bytes) \
+            if batch_exec.coalescable(plans, ctx.devices_per_process) else None
 
     def groups_ready(self, ctx, be):
         if not batch_exec.coalescable(self.plans, ctx.devices_per_process):
@@ -155,9 +158,12 @@ class BatchKernel:
             kinds.append(kind)
         t_run = time.time() if stamp is not None else None
         fences = fences_of({i: v for i, it in enumerate(items) for v in list(it.shards.values())[:1]})
-        res = batch_exec.run_batch(items, rank=ctx.rank, devices_per_process=ctx.devices_per_process,
-                                   backend=self.be, tags=self.tags, deadline=deadline,
-                                   bucket_bytes=self.bucket_bytes, fences=fences)
+        if self.runner is not None:         # worked out at construction
+            res = self.runner.run(items, self.tags, deadline)
+        else:
+            res = batch_exec.run_batch(items, rank=ctx.rank, devices_per_process=ctx.devices_per_process,
+                                       backend=self.be, tags=self.tags, deadline=deadline,
+                                       bucket_bytes=self.bucket_bytes, fences=fences)
         if stamp is not None:
             for t, p, it, r in zip(self.tensors, self.plans, items, res):
                 _log.record_reshard(stamp, rank=ctx.rank, dpp=ctx.devices_per_process, backend=self.be.name,
