@@ -246,18 +246,19 @@ class TorchBackend(TorchCollectives, Backend):
         return all(g in self._groups or len(g) == self.world_size for g in groups)
 
     def prepare_groups(self, groups: Sequence[tuple[int, ...]], deadline):
-        # The members of each group create it, in the plan's order (new_group with local
-        # synchronization: processes outside a group take no part, so a Program of some
-        # processes constructs without the others)
+        # Called by EVERY rank with the same list, in the same order: new_group is collective
+        # over the whole world, members or not. Programs on host tensors need no group (a
+        # plan's broadcasts go point to point, integer reduces gather, native collectives on
+        # sub-groups run as plans: runtime/native_call.py), so only device tensors (NCCL) and
+        # direct users of the primitives get here; a Program of some processes on device
+        # tensors must then be constructed by every process (see docs/runtime.md).
         for g in groups:
             if g in self._groups or len(g) == self.world_size:
-                continue
-            if self.rank not in g:
                 continue
             kw = {}
             if deadline is not None:
                 kw["timeout"] = _td(max(deadline - time.monotonic(), 1e-3))
-            self._groups[g] = self.dist.new_group(list(g), use_local_synchronization=True, **kw)
+            self._groups[g] = self.dist.new_group(list(g), **kw)
 
     def wait_all(self, works, deadline):
         """Blocking waits (gloo's point-to-point works say they are done only once waited

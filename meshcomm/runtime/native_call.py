@@ -77,6 +77,8 @@ def choose(ctx, be, req, dt, tile, shapes, devtype, counter=0) -> Native | None:
         return None
     if prim.name == "mpi" and counter > OWN_COMMS_MAX:
         return None                     # a communicator of its own per Program, up to a cap
+    if prim.name == "torch" and devtype == "cpu" and k < ctx.world_size:
+        return None                     # gloo groups need every member's history alike: the plan
     return Native(prim, tuple(tuple(sorted(rank_of(d) for d in g)) for g in gs))
 
 

@@ -238,15 +238,10 @@ def eager(ctx, sig, local_key, complete: bool, label: str, fields, err, extra, b
     if ch is not None:
         ch.poll()                   # Programs a peer reported failed are constructed again
     if entry is not None and not entry.exchange:
-        if err is not None:
-            # the others run this signature's Program without agreeing again: raise here, tell
-            # them (they raise within milliseconds), and fail its Programs everywhere
-            for p in entry.programs.values():
-                p.failed = f"rank {ctx.rank}: {type(err).__name__}"
-            if ch is not None:
-                ch.fail(err, [p.id for p in entry.programs.values()])
-            raise err
-        prog = entry.programs.get(local_key)
+        # a local error takes part as on a first call (its Meta carries it): where the others
+        # construct, all raise in that agreement; where they run, both sides stall on each
+        # other in different calls and raise, failing the run's Program
+        prog = entry.programs.get(local_key) if err is None else None
         if prog is not None and prog.failed is None and (ch is None or prog.id not in ch.failed):
             ctx.eager[sig] = ctx.eager.pop(sig)         # most recently used last
             return prog
