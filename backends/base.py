@@ -606,7 +606,7 @@ class Execution:
             if prog is not None and program.fits(prog, shards):
                 self.fast = prog
         self.device = streams.device_of(like)
-        self.run = _Run(plan, shards, self.out, like, rank, rank_of, st, dt, self.device, tags)
+        self.run = Run(plan, shards, self.out, like, rank, rank_of, st, dt, self.device, tags)
         self.producer_fences = producer_fences
         self.pending: list = []
         self._gen = None
@@ -710,7 +710,7 @@ class Execution:
         self._done = streams.record(cur_stream)
 
 
-class _Run:
+class Run:
     """The per-call state of `execute`: tiles, boxes and the issue/finish of one step."""
 
     def __init__(self, plan, shards, out, like, rank, rank_of, st, dt, device, tags=(0, TAG_MOD)):

@@ -27,7 +27,9 @@ from typing import Sequence
 from . import base
 from meshcomm.planners.boxes import box_size, local_slices
 
-from .base import Execution, _is_torch, _Run, empty_wire, from_wire, issue_steps, to_wire
+from meshcomm.arrays import is_torch as _is_torch
+
+from .base import Execution, Run, empty_wire, from_wire, issue_steps, to_wire
 from .pack import pack, unpack
 
 __all__ = ["BatchItem", "coalescable", "run_batch"]
@@ -134,7 +136,7 @@ class Runner:
                 else:
                     out[d] = alloc_like(it.like, shape, zero, p.fill_op)
             outs.append(out)
-            runs.append(_Run(p, it.shards, out, it.like, rank, lambda d: d // dpp, p.src.tiles(p.shape),
+            runs.append(Run(p, it.shards, out, it.like, rank, lambda d: d // dpp, p.src.tiles(p.shape),
                              p.dst.tiles(p.shape), None))
         tag0, span = tags
         inflight: list = []

@@ -1,19 +1,112 @@
-"""A collective's input on one process: its tiles, checked (keys, kinds, shapes, dtypes), and
+"""A collective call as validated (`Request`), and its input on one process: its tiles, checked (keys, kinds, shapes, dtypes), and
 the facts every process then agrees on (dtype, array kind, device type, tile shape)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 import numpy as np
 
 from .. import arrays
-from ..collectives.layouts import groups
+from ..caches import memo
+from ..collectives.layouts import REDUCE_OPS, group_axes, groups
 from ..validate import native_byte_order
 
-__all__ = ["tiles_of", "local_facts"]
+__all__ = ["Request", "request", "tiles_of", "local_facts"]
 
 ROOTED = ("broadcast", "scatter")          # only the root's tile carries data
 GATHERS = ("all_gather", "gather")         # tiles may differ along `dim`
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A collective call as the user made it (validated names, not yet its tiles)."""
+
+    op: str
+    mesh: Any
+    axes: tuple
+    dim: int = 0
+    root: int = 0
+    reduce_op: str = "sum"
+    split_dim: int = 0
+    concat_dim: int = 0
+    compression: Any = None         # the compression= argument (all_gather, reduce_scatter, all_reduce)
+    _hash: int | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        # computed once: a repeated call looks its compiled form up by it
+        h = self._hash
+        if h is None:
+            h = hash((self.op, self.mesh, self.axes, self.params, self.compression))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    @property
+    def params(self) -> tuple:
+        return (self.dim, self.root, self.reduce_op, self.split_dim, self.concat_dim)
+
+
+# -- the arguments, validated --------------------------------------------------------------------
+
+def _check_op(op: str, reduce_op) -> str:
+    if reduce_op not in REDUCE_OPS:
+        raise ValueError(f"{op}: op must be one of {', '.join(REDUCE_OPS)}, got {reduce_op!r}")
+    return reduce_op
+
+
+def _check_int(op: str, name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{op}: {name} must be an int, got {v!r}")
+    return int(v)
+
+
+def _check_compression(op: str, compression):
+    """The compression= argument as a codec, "auto" or None (ValueError/TypeError naming a bad one)."""
+    if compression is None:
+        return None
+    from .. import compression as codecs
+    try:
+        return codecs.coerce(compression)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{op}: {e}") from None
+
+
+_CHECKED = {"all_reduce": ("reduce_op", "compression"), "all_gather": ("dim", "compression"),
+            "reduce_scatter": ("dim", "reduce_op", "compression"), "broadcast": ("root",),
+            "reduce": ("root", "reduce_op"), "all_to_all": ("split_dim", "concat_dim"),
+            "gather": ("root", "dim"), "scatter": ("root", "dim")}
+
+
+def request(op: str, mesh, axes, dim=0, root=0, reduce_op="sum", split_dim=0, concat_dim=0,
+             compression=None) -> Request:
+    """The validated Request of a call (ValueError/TypeError naming a bad argument); the same
+    object for the same arguments, so a repeated call finds its compiled form at once."""
+    args = (op, mesh, axes, dim, root, reduce_op, split_dim, concat_dim)
+    if compression is None:
+        try:
+            hash(args)
+        except TypeError:
+            pass
+        else:
+            return _request_of(*args)
+    return _build_request(*args, compression)
+
+
+@memo(256, typed=True)
+def _request_of(*args) -> Request:
+    return _build_request(*args)
+
+
+def _build_request(op, mesh, axes, dim, root, reduce_op, split_dim, concat_dim, compression=None) -> Request:
+    ax = group_axes(mesh, axes)
+    checked = _CHECKED[op]
+    kw = {"compression": _check_compression(op, compression)} if "compression" in checked else {}
+    for name, v in (("dim", dim), ("root", root), ("split_dim", split_dim), ("concat_dim", concat_dim)):
+        if name in checked:
+            kw[name] = _check_int(op, name, v)
+    if "reduce_op" in checked:
+        kw["reduce_op"] = _check_op(op, reduce_op)
+    return Request(op, mesh, ax, **kw)
 
 
 def tiles_of(req, x, owned: tuple[int, ...], where: str) -> tuple[dict, bool]:
