@@ -80,8 +80,10 @@ class DistRun:
         if wrong:
             # raised after the exchange ran with the senders' counts, so no peer waits on us
             f, given, sent = wrong[0]
-            raise ValueError(f"recv_counts of device {f} are {list(given)} but the senders along "
-                             f"the axis send it {list(sent)}")
+            e = ValueError(f"recv_counts of device {f} are {list(given)} but the senders along "
+                           f"the axis send it {list(sent)}")
+            e.local_only = True     # every process's exchange completed: only this one raises
+            raise e
         return out
 
     def _owner(self, d):

@@ -127,6 +127,8 @@ class Channel:
         call = self.call
         if self.entry is not None:
             Recorder.done(self.entry, "failed")
+        if getattr(err, "local_only", False):
+            return                          # raised after a run that completed everywhere
         if programs is None:
             programs = [call.program] if call is not None and call.what == "run" else []
         self.failed.update(programs)

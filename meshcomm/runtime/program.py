@@ -103,7 +103,8 @@ class Program:
                         self._agree_run(st)
                     return k.run(st, time.monotonic() + ctx.timeout, stamp)
                 except Exception as e:
-                    self.failed = f"run {call.run}: {type(e).__name__}"
+                    if not getattr(e, "local_only", False):
+                        self.failed = f"run {call.run}: {type(e).__name__}"
                     raise
         result = ctx.run(go, async_op)
         if async_op:
@@ -210,7 +211,10 @@ def program_id(ranks, counter) -> int:
 
 
 def participants(ctx, *meshes) -> tuple:
-    """The processes owning a device of these meshes (sorted ranks)."""
+    """The processes owning a device of these meshes (sorted ranks); a device without a
+    process is a ValueError (the same on every process: no agreement needed)."""
+    for m in meshes:
+        ctx.ownership.check_mesh(m)
     dpp = ctx.devices_per_process
     return tuple(sorted({d // dpp for m in meshes for d in m.device_ids}))
 
