@@ -113,11 +113,10 @@ def test_mpiexec_8_every_backend(tmp_path):
 
 
 def test_mpiexec_two_devices_per_process_and_reinit(tmp_path):
-    # init("mpi") -> finalize -> init("torch") (rendezvous derived from MPI) -> init("mixed");
-    # integer reduces through the backends' own reduce (REDUCE_MODE "collective")
+    # init("mpi") -> finalize -> init("torch") (rendezvous derived from MPI) -> init("mixed")
     cases = 16
     res = mpiexec(4, "--init", "mpi,torch,mixed", "--dpp", "2", "--cases", str(cases), "--seed", "2",
-                  "--reduce", "collective", out=tmp_path / "out")
+                  out=tmp_path / "out")
     check_cases(res, 4, cases, ("mpi", "torch", "mixed"))
 
 
@@ -133,7 +132,6 @@ def test_torchrun_and_a_peer_that_dies(tmp_path):
     for r in res[:2]:
         assert r["ok_torch"] == cases
         assert r["timeout_construct_torch"] < TIMEOUT + 4
-        assert r["timeout_run_torch"] < TIMEOUT + 4
 
 
 # -- in-process checks of the tuning table (no launch) ----------------------------------
@@ -242,7 +240,7 @@ def test_no_init_under_a_launcher_refuses_to_run_alone(tmp_path):
 
 
 FREEZE = [("mpi", st, form) for st in ("agreement", "create", "transfer") for form in ("eager", "program")] + \
-    [("torch", "agreement", "program"), ("torch", "create", "eager"), ("torch", "transfer", "program")]
+    [("torch", "agreement", "program"), ("torch", "transfer", "program"), ("torch", "transfer", "eager")]
 
 
 @pytest.mark.mpi
@@ -309,10 +307,13 @@ def test_mpiexec_8_random_batches_every_backend(tmp_path):
     uneven and Blocks splits, NumPy and torch tiles) exact on 8 processes, every backend."""
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
+    out = tmp_path / "out"
+    out.mkdir()
     r = subprocess.run([MPIEXEC, "-n", "8", sys.executable, str(ROOT / "tests" / "workers" / "batch_worker.py"),
-                        "--init", "mixed", "--backends", "mpi,torch,mixed", "--batches", "3", "--seed", "30"],
+                        "--init", "mixed", "--backends", "mpi,torch,mixed", "--batches", "3", "--seed", "30",
+                        "--out", str(out)],
                        capture_output=True, text=True, timeout=400, env=dict(os.environ, MESHCOMM_TIMEOUT="60"))
-    res = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    res = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     assert r.returncode == 0 and len(res) == 8, r.stdout[-3000:] + r.stderr[-3000:]
     for x in res:
         for be in ("mpi", "torch", "mixed"):

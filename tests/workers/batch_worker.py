@@ -29,6 +29,7 @@ def main():
     ap.add_argument("--batches", type=int, default=4)
     ap.add_argument("--size", type=int, default=6, help="tensors per batch")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="", help="a folder for one rank<r>.json per process")
     a = ap.parse_args()
     ctx = mc.init(backend=a.init)
     ndev = ctx.world_size * ctx.devices_per_process
@@ -68,7 +69,11 @@ def main():
                             raise AssertionError(f"batch {b} [{be} {form}] tensor {n} {shapes[n]} {dtypes[n]} "
                                                  f"{src[n]} -> {dst[n]}: rank {ctx.rank} device {d} differs")
                 stats[f"ok_{be}_{form}"] += 1
-    print("RESULT " + json.dumps({"rank": ctx.rank, **stats}), flush=True)
+    line = json.dumps({"rank": ctx.rank, **stats})
+    print("RESULT " + line, flush=True)
+    if a.out:
+        with open(os.path.join(a.out, f"rank{ctx.rank}.json"), "w") as f:
+            f.write(line)
     mc.finalize()
 
 
