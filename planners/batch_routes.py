@@ -55,7 +55,7 @@ class Router:
         self.dev_out = defaultdict(int)
         self.dev_in = defaultdict(int)
         self.sent = defaultdict(int)
-        self.reuse: dict = {}                       # needers -> [chain, bytes sent along it]
+        self.reuse: dict = {}                       # (root, needers) -> [chain, bytes along it]
         self.classes: dict = {}                     # (holders, needers) -> classify's answer
 
     # -- emission and loads -----------------------------------------------------------------
