@@ -10,6 +10,10 @@ NICs (rails) and the errors of bad input.
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -364,3 +368,27 @@ def test_bad_input_names_the_tensor():
     with pytest.raises(TypeError, match="tensor 'a'"):
         mc.plan_many({"a": (8.0, 4)}, "float32", src, dst)
     assert len(mc.plan_many({}, "float32", src, dst).transfers) == 0
+
+
+_SAME_EVERYWHERE = """
+import hashlib, meshcomm as mc
+L = lambda devs: mc.Layout(mc.Mesh(devs, "r"), ())
+holders = [[0, 1], [1, 2], [2, 0], [0, 1, 2], [1, 3], [3, 0]]     # overlapping sender sets: a max-flow
+shapes = {f"t{i}": (1000 + 17 * i,) for i in range(len(holders))}
+p = mc.plan_many(shapes, "float32", {f"t{i}": L(h) for i, h in enumerate(holders)}, L([5]), topology="flat")
+print(hashlib.sha1(repr([(m.srcs, m.dsts, m.parts) for m in p.transfers] + [q.transfers for q in p.plans]).encode()).hexdigest())
+"""
+
+
+def test_every_process_plans_the_same_batch():
+    """Processes hash strings differently (PYTHONHASHSEED): the plan must not depend on it
+    (the flow over sender NICs once did, through networkx's sets of string-labelled nodes)."""
+    root = Path(__file__).resolve().parent.parent
+    digests = set()
+    for seed in ("1", "6"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=str(root))
+        r = subprocess.run([sys.executable, "-c", _SAME_EVERYWHERE], capture_output=True, text=True, env=env,
+                           cwd=root, timeout=300)
+        assert r.returncode == 0, r.stderr
+        digests.add(r.stdout.strip())
+    assert len(digests) == 1
