@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from . import arrays
-from .layout import Layout, normalize_shape
+from .layout import Layout, exact_shape, normalize_shape
 from .reduceops import check_dtype
 
 __all__ = ["batch_entries", "per_name"]
@@ -47,19 +47,30 @@ def batch_entries(shapes, dtypes, src, dst) -> tuple[tuple, ...]:
     srcs = per_name(src, names, "src", Layout)
     dsts = per_name(dst, names, "dst", Layout)
     out = []
+    seen: set = set()       # (shape, dtype, src, dst) already checked: alike tensors repeat them
     for n in names:
         try:
-            shape = normalize_shape(shapes[n])
-            s, d = srcs[n], dsts[n]
-            for what, lay in (("src", s), ("dst", d)):
-                if not isinstance(lay, Layout):
-                    raise TypeError(f"{what} must be a meshcomm.Layout, got {type(lay).__name__}")
-                lay.check_shape(shape)
-            name, itemsize = arrays.normalize_dtype(dts[n])
-            if s.num_addends > 1:
-                check_dtype(s.partial_op, name)
-            if d.num_addends > 1:
-                check_dtype(d.partial_op, name)
+            shape = shapes[n]
+            s, d, dtype = srcs[n], dsts[n], dts[n]
+            try:
+                key = (shape, dtype, s, d) if exact_shape(shape) else None
+                done = key in seen
+            except TypeError:           # an unhashable dtype spelling
+                key, done = None, False
+            if not done:
+                shape = normalize_shape(shape)
+                for what, lay in (("src", s), ("dst", d)):
+                    if not isinstance(lay, Layout):
+                        raise TypeError(f"{what} must be a meshcomm.Layout, got {type(lay).__name__}")
+                    lay.check_shape(shape)
+            name, itemsize = arrays.normalize_dtype(dtype)
+            if not done:
+                if s.num_addends > 1:
+                    check_dtype(s.partial_op, name)
+                if d.num_addends > 1:
+                    check_dtype(d.partial_op, name)
+                if key is not None:
+                    seen.add(key)
         except (TypeError, ValueError) as e:
             raise type(e)(f"tensor {n!r}: {e}") from None
         out.append((n, shape, name, itemsize, s, d))

@@ -327,8 +327,10 @@ def _assemble(routes: dict, itemsizes, bucket: int):
             for x in d_:
                 remaining[x] += u[3]
 
+        get = remaining.__getitem__
+
         def prio(r):
-            return -max(remaining[x] for x in devs[r])
+            return -max(map(get, devs[r]))
         calendar: dict[int, list] = defaultdict(list)
         calendar[base] = [(prio(r), -u[3], r) for r, u in enumerate(ulist)]
         t = base

@@ -55,8 +55,9 @@ class Router:
         self.dev_out = defaultdict(int)
         self.dev_in = defaultdict(int)
         self.sent = defaultdict(int)
-        self.reuse: dict = {}                       # needers -> [chain, bytes sent along it]
+        self.reuse: dict = {}                       # (root, needers) -> [chain, bytes along it]
         self.classes: dict = {}                     # (holders, needers) -> classify's answer
+        self.links: dict = {}                       # route -> [(load table, key)] per hop
 
     # -- emission and loads -----------------------------------------------------------------
     def emit(self, tid: int, srcs: tuple, dsts: tuple, box: Box, *, kind: str | None = None,
@@ -72,17 +73,21 @@ class Router:
             self.add_route(route, box_size(box) * self.itemsize[tid])
 
     def add_route(self, route: tuple, nb: int) -> None:
-        dpn, nics = self.topo.devices_per_node, self.topo.nics_per_node
-        for u, v in zip(route[:-1], route[1:]):
-            self.sent[u] += nb
-            nu, lu = divmod(u, dpn)
-            nv, lv = divmod(v, dpn)
-            if nu != nv:
-                self.nic_out[nu * nics + lu % nics] += nb
-                self.nic_in[nv * nics + lv % nics] += nb
-            else:
-                self.dev_out[u] += nb
-                self.dev_in[v] += nb
+        links = self.links.get(route)
+        if links is None:               # the loads a route's hops put, worked out once per route
+            dpn, nics = self.topo.devices_per_node, self.topo.nics_per_node
+            links = []
+            for u, v in zip(route[:-1], route[1:]):
+                links.append((self.sent, u))
+                nu, lu = divmod(u, dpn)
+                nv, lv = divmod(v, dpn)
+                if nu != nv:
+                    links += [(self.nic_out, nu * nics + lu % nics), (self.nic_in, nv * nics + lv % nics)]
+                else:
+                    links += [(self.dev_out, u), (self.dev_in, v)]
+            self.links[route] = links
+        for table, key in links:
+            table[key] += nb
 
     # -- chains ------------------------------------------------------------------------------
     def chain(self, root: int, by_node: dict, nb: int = 0) -> tuple:
@@ -332,20 +337,24 @@ def water_fill(senders, nb: int, load: dict) -> dict:
 
 
 def _flow_search(demands, load) -> list[dict]:
+    # integer node labels only: networkx keeps sets of nodes, and ints hash the same in every
+    # process (strings do not), so every process finds the same flow
     senders_all = sorted({s for senders, _ in demands for s in senders})
     total = sum(nb for _, nb in demands)
+    S, T, nd = 0, 1, len(demands)
+    node = {s: 2 + nd + k for k, s in enumerate(senders_all)}
     g = nx.DiGraph()
     for i, (senders, nb) in enumerate(demands):
-        g.add_edge("S", ("d", i), capacity=nb)
+        g.add_edge(S, 2 + i, capacity=nb)
         for s in senders:
-            g.add_edge(("d", i), ("n", s))
+            g.add_edge(2 + i, node[s])
     for s in senders_all:
-        g.add_edge(("n", s), "T", capacity=0)
+        g.add_edge(node[s], T, capacity=0)
 
     def feasible(cap: int):
         for s in senders_all:
-            g[("n", s)]["T"]["capacity"] = max(0, cap - load[s])
-        value, fd = nx.maximum_flow(g, "S", "T")
+            g[node[s]][T]["capacity"] = max(0, cap - load[s])
+        value, fd = nx.maximum_flow(g, S, T)
         return value >= total, fd
 
     base = sum(load[s] for s in senders_all)
@@ -363,9 +372,10 @@ def _flow_search(demands, load) -> list[dict]:
                 hi, best = mid, fd
             else:
                 lo = mid
+    back = {v: s for s, v in node.items()}
     out = []
     for i in range(len(demands)):
-        out.append({s: v for (_, s), v in best[("d", i)].items() if v > 0})
+        out.append({back[x]: v for x, v in best[2 + i].items() if v > 0})
     for f in out:
         for s, v in f.items():
             load[s] += v
