@@ -112,10 +112,13 @@ class Runner:
                             piece = (i, t, [local_slices(bx, origin) for bx in t.boxes], mine)
                             for peer in s.ranks:
                                 if peer != rank:
-                                    sends.setdefault(peer, []).append(piece)
+                                    sends.setdefault(peer, []).append(((i, s.index), piece))
                         else:
-                            recvs.setdefault(s.root, []).append((i, t, mine))
-                self.rounds.append((local, _offsets(sends), _offsets(recvs)))
+                            recvs.setdefault(s.root, []).append(((i, s.index), (i, t, mine)))
+                # both sides lay a message out in (tensor, transfer) order: a rank issues its
+                # steps by role (a broadcast's before a send's), which its peer may not share
+                order = lambda d: {q: [x for _, x in sorted(v, key=lambda e: e[0])] for q, v in d.items()}  # noqa: E731
+                self.rounds.append((local, _offsets(order(sends)), _offsets(order(recvs))))
         self.out_shapes = []
         for p in plans:
             dt_, zero = p.dst.tiles(p.shape), set(p.zero_fill)
