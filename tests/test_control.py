@@ -131,3 +131,16 @@ def test_programs_have_their_own_tags():
         assert first not in seen
         seen.add(first)
     assert tags_of(1, 32767)[0] + tags_of(1, 32767)[1] - 1 <= 32767
+
+
+def test_two_slow_ranks_in_the_same_construction_are_not_a_mismatch():
+    """Each construction's Call carries its own process's nonce: the same construction on two
+    processes is still the same call."""
+    c0, c1 = channels(timeout=0.8)
+    c0.call = control.Call("construct", 5, "reshard", 11)
+    c1.call = control.Call("construct", 5, "reshard", 17)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.4:
+        c0.watch([W(1)], None)
+        c1.watch([W(0)], None)
+        time.sleep(0.003)

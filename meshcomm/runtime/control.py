@@ -211,7 +211,7 @@ class Channel:
             return
         for p in peers:
             st = self.status.get(p)
-            if st is not None and st[2] >= self._wait_start and st[0] != call and self.rank in st[1]:
+            if st is not None and st[2] >= self._wait_start and st[0].key != call.key and self.rank in st[1]:
                 self.handled.add((p, st[0].key))
                 if st[0].what == "construct":       # its Meta answers no later agreement
                     self.retracted.add((p, st[0].run))
