@@ -142,9 +142,10 @@ def timed_allgather(comm, obj, deadline, tag, timeout, what, why, accept=None, s
                 if accept is None:
                     cand = v
                     break
-                if v[0] == "RETRACT" and cand is not _NONE and v[1] == cand[1]:
-                    accept(r, v)
-                    cand = _NONE            # taken back
+                if v[0] == "RETRACT" and cand is not _NONE:
+                    accept(r, v)            # recorded; the one taken may be what it takes back
+                    if accept(r, cand) == "drop":
+                        cand = _NONE
                 elif cand is _NONE:
                     verdict = accept(r, v)
                     if verdict == "take":
