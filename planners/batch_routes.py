@@ -58,6 +58,7 @@ class Router:
         self.reuse: dict = {}                       # (root, needers) -> [chain, bytes along it]
         self.classes: dict = {}                     # (holders, needers) -> classify's answer
         self.links: dict = {}                       # route -> [(load table, key)] per hop
+        self.lacking_keys: dict = {}                # id(needers by node) -> (it, its key)
 
     # -- emission and loads -----------------------------------------------------------------
     def emit(self, tid: int, srcs: tuple, dsts: tuple, box: Box, *, kind: str | None = None,
@@ -94,7 +95,11 @@ class Router:
         """The needers of lacking nodes {node: [needers]} in chain order (module docstring).
         Small pieces from one root reuse the chain last made for the same needers until
         CHAIN_REUSE_BYTES have gone along it, so that they travel in one message."""
-        key = (root,) + tuple((n, tuple(devs)) for n, devs in by_node.items())
+        nkey = self.lacking_keys.get(id(by_node))
+        if nkey is None or nkey[0] is not by_node:
+            nkey = (by_node, tuple((n, tuple(devs)) for n, devs in by_node.items()))
+            self.lacking_keys[id(by_node)] = nkey
+        key = (root, nkey[1])
         hit = self.reuse.get(key)
         if hit is not None and hit[1] + nb <= CHAIN_REUSE_BYTES:
             hit[1] += nb
@@ -221,7 +226,7 @@ class Router:
             work = []
             for served, plist in parts:
                 for tid, box, h_by_nic, lacking in plist:
-                    sub = {ln: lacking[ln] for ln in served}
+                    sub = lacking if len(served) == len(lacking) else {ln: lacking[ln] for ln in served}
                     work.append((tuple(d for ln in served for d in lacking[ln]), len(work), tid, box,
                                  h_by_nic, sub))
             work.sort(key=lambda w: w[:2])
