@@ -12,9 +12,10 @@ whole batch by the planner) and runs this rank's part of all of them together:
 * Buckets: the tensors are cut into consecutive buckets of at most `bucket_bytes` of
   messages each; a bucket's messages are posted, the next bucket is packed while they
   travel, and at most two buckets are in flight (the extra memory bound).
-* A batch whose plans use broadcasts or reductions among 3+ processes (collective groups)
-  runs each tensor's plan through the step executor instead, one after another (same tags
-  space, each tensor's steps offset), which every process decides alike from the plans.
+* Broadcasts are sent from their root to each member, coalesced like sends. A batch whose
+  plans reduce across processes runs each tensor's plan through the step executor instead,
+  one after another (each tensor its own share of the tags), which every process decides
+  alike from the plans (`coalescable`).
 
 The planner chose what moves; this module only packs, posts and unpacks (backends never
 decide what to send).
