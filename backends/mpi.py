@@ -40,7 +40,7 @@ import numpy as np
 from meshcomm.errors import PeerTimeoutError
 
 from . import base as _base, pacing
-from .base import TAG_MOD, Backend, Work, backoff, wait_polling
+from .base import QUICK, TAG_MOD, Backend, Work, backoff, wait_polling
 from .mpi_collectives import MPICollectives
 
 __all__ = ["MPIBackend"]
@@ -230,7 +230,7 @@ class MPIBackend(MPICollectives, Backend):
         self.timeout = timeout
         self._groups: dict[tuple[int, ...], object] = {}
         self._own: list = []             # communicators made for Programs (freed at close)
-        self._pin = None                 # the communicator `pinned` routes collectives to
+        self._persistent: list = []      # persistent requests of Programs (bind(bufs=...))
         self._meta_seq = 0
         self._stash: dict = {}           # agreement messages read ahead of their round
         self._ctl_out: list = []         # control messages in flight (request, buffer)
@@ -250,10 +250,22 @@ class MPIBackend(MPICollectives, Backend):
         req = self.comm.Irecv(buf, source=peer, tag=tag)
         return MPIWork(req, buf, "recv", (peer,), self.rank)
 
+    def wait_all(self, works, deadline):
+        """wait_polling (nothing is batched to flush); a lone request is first tested raw a
+        few times (a short message is done by then; an error falls to the loop, which names
+        the peers)."""
+        if len(works) == 1 and type(works[0]) is MPIWork:
+            test = works[0].req.Test
+            try:
+                for _ in range(QUICK):
+                    if test():
+                        return
+            except _mpi().Exception:
+                pass
+        wait_polling(works, deadline, self.rank, self.timeout)
+
     # -- collectives on sub-communicators ----------------------------------------------
     def _group(self, ranks):
-        if self._pin is not None:
-            return self._pin
         if len(ranks) == self.world_size:
             return self.comm
         try:
@@ -310,15 +322,6 @@ class MPIBackend(MPICollectives, Backend):
             req = sub.Ireduce(buf, None, op=mop, root=i)
         others = tuple(r for r in ranks if r != self.rank)
         return MPIWork(req, buf, f"reduce in group {list(ranks)}", others, self.rank)
-
-    @contextlib.contextmanager
-    def pinned(self, comm):
-        """Route the native collectives issued inside to `comm` (a Program's own)."""
-        self._pin = comm
-        try:
-            yield
-        finally:
-            self._pin = None
 
     def has_groups(self, groups):
         return all(g in self._groups or len(g) == self.world_size for g in groups)
@@ -390,6 +393,13 @@ class MPIBackend(MPICollectives, Backend):
                              for r in ranks if r != self.rank)
 
     def close(self):
+        for r in self._persistent:          # inactive ones (an active one would be erroneous to free)
+            try:
+                if r.Test():
+                    r.Free()
+            except Exception:
+                pass
+        self._persistent.clear()
         for c in list(self._groups.values()) + self._own:
             if c is not None:
                 try:

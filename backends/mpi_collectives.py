@@ -22,23 +22,12 @@ __all__ = ["MPICollectives", "mpi_op"]
 
 
 _OPS: dict = {}
-_DESC: dict = {}        # (what, group, rank) -> (the work's description, the other members)
 
 
 def _v_spec(counts):
     """None where every member's count is the same (the equal-count MPI call applies), else
     (counts, displacements) for the v form."""
     return None if counts.count(counts[0]) == len(counts) else (counts, displs(counts))
-
-
-def _iallgather(comm, sendbuf, recvbuf, spec):
-    return comm.Iallgather(sendbuf, recvbuf) if spec is None else comm.Iallgatherv(sendbuf, [recvbuf, spec])
-
-
-def _ireduce_scatter(comm, sendbuf, recvbuf, spec, mop):
-    if spec is None:
-        return comm.Ireduce_scatter_block(sendbuf, recvbuf, op=mop)
-    return comm.Ireduce_scatter(sendbuf, recvbuf, recvcounts=list(spec[0]), op=mop)
 
 
 def mpi_op(op: str):
@@ -53,72 +42,110 @@ def mpi_op(op: str):
 
 class MPICollectives:
     """Mixed into MPIBackend: needs `rank`, `_group(ranks)` (the cached communicator) and
-    `work_cls` (MPIWork)."""
+    `work_cls` (MPIWork). `bind` checks a call's group, counts and op once and gives the
+    function that posts it (a Program keeps it, on a communicator of its own); the methods
+    below are bind-and-post."""
 
-    def _desc(self, what, ranks):
-        key = (what, ranks, self.rank)
-        desc = _DESC.get(key)
-        if desc is None:
-            if len(_DESC) > 4096:
-                _DESC.clear()
-            desc = _DESC[key] = (f"{what} in group {list(ranks)}", others(ranks, self.rank))
-        return desc
+    def bind(self, what, ranks, comm=None, counts=None, op=None, root=None, bufs=None):
+        """A function (send, recv=None) -> Work posting the native collective `what`
+        ("allreduce" (in place on send), "allgatherv", "reduce_scatterv", "alltoall",
+        "gatherv", "scatterv", "bcast" (in place), "reduce" (in place), "barrier") over
+        `ranks` on `comm` (default: the group's communicator), with its counts (elements,
+        group order), op and root. With `bufs=(send, recv)`: an MPI-4 persistent request
+        over those buffers, made once (`Allreduce_init`, ...); the function takes no
+        arguments, starts it and gives its Work (the same object every time)."""
+        ranks = check_group(self.rank, ranks, what)
+        comm = self._group(ranks) if comm is None else comm
+        spec = None
+        if counts is not None:
+            counts = check_counts(counts, ranks, what)
+            spec = _v_spec(counts)
+        mop = mpi_op(op) if op is not None else None
+        i = member(ranks, root, what) if root is not None else None
+        rooted = self.rank == root
+        inp = _OPS["in_place"] if _OPS else mpi_op("in_place")
+        vspec = (counts, displs(counts)) if counts is not None else None
+        # (MPI call, its arguments from (send, recv)): Iname non-blocking, Name_init persistent
+        if what == "allreduce":
+            name, args = "Allreduce", lambda s, r: ((inp, s), {"op": mop})
+        elif what == "allgatherv" and spec is None:
+            name, args = "Allgather", lambda s, r: ((s, r), {})
+        elif what == "allgatherv":
+            name, args = "Allgatherv", lambda s, r: ((s, [r, spec]), {})
+        elif what == "reduce_scatterv" and spec is None:
+            name, args = "Reduce_scatter_block", lambda s, r: ((s, r), {"op": mop})
+        elif what == "reduce_scatterv":
+            name, args = "Reduce_scatter", lambda s, r: ((s, r), {"recvcounts": list(counts), "op": mop})
+        elif what == "alltoall":
+            name, args = "Alltoall", lambda s, r: ((s, r), {})
+        elif what == "gatherv":
+            name, args = "Gatherv", lambda s, r: ((s, [r, vspec] if rooted else None), {"root": i})
+        elif what == "scatterv":
+            name, args = "Scatterv", lambda s, r: (([s, vspec] if rooted else None, r), {"root": i})
+        elif what == "bcast":
+            name, args = "Bcast", lambda s, r: ((s,), {"root": i})
+        elif what == "reduce":
+            name, args = "Reduce", lambda s, r: (((inp, s) if rooted else (s, None)), {"op": mop, "root": i})
+        elif what == "barrier":
+            name, args = "Barrier", lambda s, r: ((), {})
+        else:
+            raise ValueError(f"no native MPI collective {what!r}")
+        desc, peers, me, w = f"{what} in group {list(ranks)}", others(ranks, self.rank), self.rank, self.work_cls
+        if bufs is not None:
+            a, kw = args(*bufs)
+            req = getattr(comm, name + "_init")(*a, **kw)
+            self._persistent.append(req)
+            work = w(req, bufs, desc, peers, me)
 
-    def _work(self, req, bufs, what, ranks):
-        desc = self._desc(what, ranks)
-        return self.work_cls(req, bufs, desc[0], desc[1], self.rank)
+            def start():
+                req.Start()
+                return work
+            return start
+        call = getattr(comm, "I" + name[0].lower() + name[1:])
+
+        def post(s=None, r=None):
+            a, kw = args(s, r)
+            return w(call(*a, **kw), (s, r), desc, peers, me)
+        return post
 
     def allreduce(self, buf, op, ranks):
-        ranks = check_group(self.rank, ranks, "allreduce")
-        mop = mpi_op(op)
-        req = self._group(ranks).Iallreduce(_OPS["in_place"], buf, op=mop)
-        return self._work(req, buf, "allreduce", ranks)
+        return self.bind("allreduce", ranks, op=op)(buf)
 
     def allgatherv(self, sendbuf, recvbuf, counts, ranks):
         ranks = check_group(self.rank, ranks, "allgatherv")
         counts = check_counts(counts, ranks, "allgatherv")
         check_len(sendbuf, counts[ranks.index(self.rank)], "allgatherv", "sendbuf")
         check_len(recvbuf, sum(counts), "allgatherv", "recvbuf")
-        req = _iallgather(self._group(ranks), sendbuf, recvbuf, _v_spec(counts))
-        return self._work(req, (sendbuf, recvbuf), "allgatherv", ranks)
+        return self.bind("allgatherv", ranks, counts=counts)(sendbuf, recvbuf)
 
     def reduce_scatterv(self, sendbuf, recvbuf, counts, op, ranks):
         ranks = check_group(self.rank, ranks, "reduce_scatterv")
         counts = check_counts(counts, ranks, "reduce_scatterv")
         check_len(sendbuf, sum(counts), "reduce_scatterv", "sendbuf")
         check_len(recvbuf, counts[ranks.index(self.rank)], "reduce_scatterv", "recvbuf")
-        req = _ireduce_scatter(self._group(ranks), sendbuf, recvbuf, _v_spec(counts), mpi_op(op))
-        return self._work(req, (sendbuf, recvbuf), "reduce_scatterv", ranks)
+        return self.bind("reduce_scatterv", ranks, counts=counts, op=op)(sendbuf, recvbuf)
 
     def alltoall(self, sendbuf, recvbuf, ranks):
         ranks = check_alltoall(self.rank, sendbuf, recvbuf, ranks)
-        req = self._group(ranks).Ialltoall(sendbuf, recvbuf)
-        return self._work(req, (sendbuf, recvbuf), "alltoall", ranks)
+        return self.bind("alltoall", ranks)(sendbuf, recvbuf)
 
     def gatherv(self, sendbuf, recvbuf, counts, root, ranks):
         ranks = check_group(self.rank, ranks, "gatherv")
         counts = check_counts(counts, ranks, "gatherv")
-        i = member(ranks, root, "gatherv")
+        member(ranks, root, "gatherv")
         check_len(sendbuf, counts[ranks.index(self.rank)], "gatherv", "sendbuf")
-        spec = None
         if self.rank == root:
             check_len(recvbuf, sum(counts), "gatherv", "recvbuf")
-            spec = [recvbuf, (counts, displs(counts))]
-        req = self._group(ranks).Igatherv(sendbuf, spec, root=i)
-        return self._work(req, (sendbuf, recvbuf), "gatherv", ranks)
+        return self.bind("gatherv", ranks, counts=counts, root=root)(sendbuf, recvbuf)
 
     def scatterv(self, sendbuf, recvbuf, counts, root, ranks):
         ranks = check_group(self.rank, ranks, "scatterv")
         counts = check_counts(counts, ranks, "scatterv")
-        i = member(ranks, root, "scatterv")
+        member(ranks, root, "scatterv")
         check_len(recvbuf, counts[ranks.index(self.rank)], "scatterv", "recvbuf")
-        spec = None
         if self.rank == root:
             check_len(sendbuf, sum(counts), "scatterv", "sendbuf")
-            spec = [sendbuf, (counts, displs(counts))]
-        req = self._group(ranks).Iscatterv(spec, recvbuf, root=i)
-        return self._work(req, (sendbuf, recvbuf), "scatterv", ranks)
+        return self.bind("scatterv", ranks, counts=counts, root=root)(sendbuf, recvbuf)
 
     def ibarrier(self, ranks):
-        ranks = check_group(self.rank, ranks, "barrier")
-        return self._work(self._group(ranks).Ibarrier(), None, "barrier", ranks)
+        return self.bind("barrier", ranks)(None)

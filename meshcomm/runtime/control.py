@@ -69,12 +69,6 @@ class Recorder:
         self.ring: collections.deque = collections.deque(maxlen=size)
         self.seq = 0
 
-    def start(self, call: Call) -> list:
-        self.seq += 1
-        e = [self.seq, call.what, call.program, call.label, call.run, "posted", [], time.time(), None]
-        self.ring.append(e)
-        return e
-
     @staticmethod
     def waiting(e: list, peers) -> None:
         e[5], e[6] = "waiting", sorted(peers)
@@ -248,41 +242,56 @@ def install(ch: Channel | None) -> None:
 
 class entering:
     """`with entering(ch, call):` around a construction or a run: raises what peers
-    reported first; records the call; on an error tells every peer and dumps the recorder."""
+    reported first; records the call; on an error tells every peer and dumps the recorder
+    (`enter`/`leave` without the context manager: a Program's run)."""
 
-    __slots__ = ("ch", "call", "prev", "entry")
+    __slots__ = ("ch", "call", "prev")
 
     def __init__(self, ch: Channel | None, call: Call):
         self.ch, self.call = ch, call
 
     def __enter__(self):
-        ch = self.ch
-        if ch is None:
-            return self
-        if ch.errors:
-            ch.raise_pending()
-        self.prev = (ch.call, ch.entry, ch._wait_start, ch._stall_sent)
-        ch.call = self.call
-        ch.entry = self.entry = RECORDER.start(self.call)
-        ch._wait_start = ch._stall_sent = None
+        self.prev = enter(self.ch, self.call)
         return self
 
     def __exit__(self, et, ev, tb):
-        ch = self.ch
-        if ch is None:
-            return False
-        try:
-            if ev is not None and isinstance(ev, Exception):
-                ch.fail(ev)
-                path = dump(ch.rank)
-                if path is not None and isinstance(ev, (PeerError, PeerTimeoutError)) \
-                        and "flight recorder" not in str(ev):
-                    ev.args = (f"{ev.args[0] if ev.args else ev} [flight recorder: {path}]",) + ev.args[1:]
-            else:
-                Recorder.done(self.entry)
-        finally:
-            ch.call, ch.entry, ch._wait_start, ch._stall_sent = self.prev
+        leave(self.ch, self.prev, ev)
         return False
+
+
+def enter(ch: Channel | None, call: Call):
+    """This process is in `call` now: what it was in before (for `leave`)."""
+    if ch is None:
+        return None
+    if ch.errors:
+        ch.raise_pending()
+    prev = (ch.call, ch.entry, ch._wait_start, ch._stall_sent)
+    ch.call = call
+    rec = RECORDER
+    rec.seq += 1
+    ch.entry = [rec.seq, call.what, call.program, call.label, call.run, "posted", [], time.time(), None]
+    rec.ring.append(ch.entry)
+    ch._wait_start = ch._stall_sent = None
+    return prev
+
+
+def leave(ch: Channel | None, prev, ev=None) -> None:
+    """The call is over (`ev`: the error it raised): on an error every peer is told and the
+    recorder dumped."""
+    if ch is None:
+        return
+    try:
+        if ev is not None and isinstance(ev, Exception):
+            ch.fail(ev)
+            path = dump(ch.rank)
+            if path is not None and isinstance(ev, (PeerError, PeerTimeoutError)) \
+                    and "flight recorder" not in str(ev):
+                ev.args = (f"{ev.args[0] if ev.args else ev} [flight recorder: {path}]",) + ev.args[1:]
+        else:
+            e = ch.entry
+            e[5], e[6], e[8] = "done", [], time.time()
+    finally:
+        ch.call, ch.entry, ch._wait_start, ch._stall_sent = prev
 
 
 def dump(rank: int) -> str | None:

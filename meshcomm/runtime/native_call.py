@@ -47,7 +47,7 @@ OWN_COMMS_MAX = 1024
 class Native:
     prim: object                    # the concrete backend (MPI or torch)
     all_ranks: tuple                # every group's ranks, sorted (groups are created in this order)
-
+    key: str = ""                   # its count in backends.base.issued: "native_<backend>"
 
 # "auto": native where it applies, else the plan; "plan": always the plan (tests, comparisons)
 MODE = "auto"
@@ -79,7 +79,7 @@ def choose(ctx, be, req, dt, tile, shapes, devtype, counter=0) -> Native | None:
         return None                     # a communicator of its own per Program, up to a cap
     if prim.name == "torch" and devtype == "cpu" and k < ctx.world_size:
         return None                     # gloo groups need every member's history alike: the plan
-    return Native(prim, tuple(tuple(sorted(rank_of(d) for d in g)) for g in gs))
+    return Native(prim, tuple(tuple(sorted(rank_of(d) for d in g)) for g in gs), "native_" + prim.name)
 
 
 def _nccl_bytes(req, tile, shapes, g, itemsize) -> int:
@@ -113,7 +113,7 @@ def wire_bytes(req, k: int, i: int, root: int | None, size: int) -> tuple[int, i
 
 
 def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> list:
-    """[(group, this process's device in it, its poster, the communicator it posts on)] for
+    """[(group, this process's device in it, its poster)] for
     every group this process is in, in the groups' global order (a process in several
     groups takes part in each in that order: the same everywhere, so no deadlock)."""
     prim = nat.prim
@@ -125,22 +125,100 @@ def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> list:
         me = [d for d in g if rank_of(d) == ctx.rank]
         if me:
             comm = prim.communicator(tuple(sorted(rank_of(d) for d in g)), deadline) if prim.name == "mpi" else None
-            out.append((g, me[0], poster(ctx, prim, req, g, me[0], dt, tile, shapes, kind), comm))
+            post = poster(ctx, prim, req, g, me[0], dt, tile, shapes, kind, comm)
+            if comm is not None and kind == "numpy":
+                post = persistent(ctx, prim, req, g, me[0], dt, tile, shapes, comm, post)
+            out.append((g, me[0], post))
     return out
+
+
+# largest buffer (bytes) of a native MPI call run as a persistent request: below it, copying
+# the tile in and the result out costs less than posting a new request (BENCHMARKS 5)
+PERSISTENT_MAX = 64 << 10
+
+
+def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post):
+    """`post` as an MPI-4 persistent request over buffers of the Program's own
+    (`Backend.bind(bufs=)`): a run copies the tile in, starts it, and copies the result out.
+    Chosen from agreed facts only (every member must: a persistent collective matches no
+    non-blocking one); `post` where the buffers would be too large."""
+    rank_of = ctx.ownership.rank_of
+    ranks = tuple(sorted(rank_of(d) for d in g))
+    k, i = len(g), g.index(me)
+    dtype = np.dtype(arrays.numpy_dtype(dt[0]))
+    row = math.prod(tile[1:]) if tile else 1
+    n = math.prod(tile)
+    op = "sum" if req.reduce_op == "avg" else req.reduce_op
+    root = rank_of(g[req.root]) if req.op in _ROOTED else None
+    rooted = ctx.rank == root
+    send = recv = None
+    shape = mine = tile
+    if req.op in ("all_reduce", "reduce", "broadcast"):
+        send = np.empty(n, dtype)
+        what, kw, gets = {"all_reduce": ("allreduce", {"op": op}, True), "reduce": ("reduce", {"op": op, "root": root},
+                          rooted), "broadcast": ("bcast", {"root": root}, True)}[req.op]
+        if req.op == "broadcast":
+            send = send.view(np.uint8)
+        res, fill = send, req.op != "broadcast" or rooted
+    elif req.op in ("all_gather", "gather"):
+        sizes = [shapes[d][0] for d in g]
+        counts = tuple(s * row * dtype.itemsize for s in sizes)
+        gets = req.op == "all_gather" or rooted
+        shape, mine = (sum(sizes),) + tuple(tile[1:]), tuple(shapes[me])
+        send, recv = np.empty(counts[i], np.uint8), np.empty(sum(counts) if gets else 0, np.uint8)
+        what, kw = ("allgatherv", {"counts": counts}) if req.op == "all_gather" else \
+            ("gatherv", {"counts": counts, "root": root})
+        res, fill = recv, True
+    elif req.op in ("reduce_scatter", "scatter"):
+        sizes = _chunks(tile[0], k)
+        shape = (sizes[i],) + tuple(tile[1:])
+        gets = True
+        if req.op == "reduce_scatter":
+            counts = tuple(s * row for s in sizes)
+            send, recv = np.empty(n, dtype), np.empty(counts[i], dtype)
+            what, kw = "reduce_scatterv", {"counts": counts, "op": op}
+            fill = True
+        else:
+            counts = tuple(s * row * dtype.itemsize for s in sizes)
+            send, recv = np.empty(sum(counts) if rooted else 0, np.uint8), np.empty(counts[i], np.uint8)
+            what, kw = "scatterv", {"counts": counts, "root": root}
+            fill = rooted
+        res = recv
+    else:                                       # all_to_all
+        send, recv = np.empty(n * dtype.itemsize, np.uint8), np.empty(n * dtype.itemsize, np.uint8)
+        what, kw, res, gets, fill = "alltoall", {}, recv, True, True
+    if max(send.nbytes, 0 if recv is None else recv.nbytes) > PERSISTENT_MAX or not hasattr(prim, "_persistent"):
+        return post
+    start = prim.bind(what, ranks, comm, bufs=(send, recv), **kw)
+    fill = fill and send.nbytes > 0
+    src = send.view(dtype).reshape(mine) if fill else None
+    out = res.view(dtype).reshape(shape) if gets else None
+
+    def run(x):
+        # every member runs the persistent request (it matches no other kind of call): a
+        # torch tile of a NumPy Program is copied in and out as bytes
+        if fill:
+            if type(x) is np.ndarray:
+                np.copyto(src, x)
+            else:
+                np.copyto(send.view(np.uint8), to_wire(x, "numpy"))
+        w = start()
+        if not gets:
+            return [w], dict
+        if x is None or type(x) is np.ndarray:
+            return [w], lambda: {me: out.copy()}
+        return [w], lambda: {me: from_wire(res.view(np.uint8).copy(), x).reshape(shape)}
+    return run
 
 
 def run(ctx, nat: Native, posts, req, prob, tiles, dt, tile, deadline, stamp=None) -> dict:
     """This process's result tiles (the shapes `prob` gives), after its native calls."""
     prim = nat.prim
-    issued[("native_" + prim.name, req.op)] += 1
+    issued[nat.key, req.op] += 1
     res = {}
-    for g, me, post, comm in posts:
+    for g, me, post in posts:
         t_run = time.time()
-        prim._pin = comm                # prim.pinned(comm), without a context manager's cost
-        try:
-            works, fin = post(tiles.get(me))
-        finally:
-            prim._pin = None
+        works, fin = post(tiles.get(me))
         prim.wait_all(works, deadline)
         res.update(fin())
         if stamp is not None:
@@ -164,6 +242,9 @@ def _record(stamp, ctx, prim, req, g, me, prob, dt, tile, t_run):
 
 
 def _flat(v, wire, typed):
+    if wire == "numpy" and type(v) is np.ndarray:       # the common case, without conversions
+        v = v.reshape(-1)
+        return v if typed or v.dtype == np.uint8 else v.view(np.uint8)
     return to_wire(v.reshape(-1).contiguous() if arrays.is_torch(v) else np.ascontiguousarray(v).reshape(-1),
                    wire, typed=typed)
 
@@ -172,10 +253,16 @@ def _like(x, kind, dt):
     return x if x is not None else empty_like(kind, dt[0], "cpu")
 
 
-def poster(ctx, prim, req, g, me, dt, tile, shapes, kind):
-    """`_post` with everything that does not depend on the tile worked out once: a function of
-    device `me`'s tile (None where this process has none) giving (works, fin). A compiled
-    call (meshcomm.runtime.compiled) keeps it."""
+def _copy(x):
+    if type(x) is np.ndarray and x.nbytes < buffers.MIN_BYTES:
+        return x.copy()
+    return x.clone() if arrays.is_torch(x) else buffers.copy(x)
+
+
+def poster(ctx, prim, req, g, me, dt, tile, shapes, kind, comm=None):
+    """A function of device `me`'s tile (None where this process has none) giving (works,
+    fin): its call bound once (`Backend.bind`: group, counts, op, root checked; over MPI on
+    `comm`, the Program's own communicator), only buffers made per run."""
     rank_of = ctx.ownership.rank_of
     ranks = tuple(sorted(rank_of(d) for d in g))
     k = len(g)
@@ -183,46 +270,50 @@ def poster(ctx, prim, req, g, me, dt, tile, shapes, kind):
     row = math.prod(tile[1:]) if tile else 1
     wire = prim.wire
 
+    def bind(what, **kw):
+        return prim.bind(what, ranks, comm, **kw)
+
     def out(buf, like, shape, typed=False):
+        if type(like) is np.ndarray and type(buf) is np.ndarray:
+            return (buf if typed else buf.view(like.dtype)).reshape(shape)
         return from_wire(buf, like, typed=typed).reshape(shape)
 
     op = "sum" if req.reduce_op == "avg" else req.reduce_op
     root = rank_of(g[req.root]) if req.op in _ROOTED else None
     rooted = ctx.rank == root
     if req.op in ("all_reduce", "reduce"):
+        f = bind("allreduce", op=op) if req.op == "all_reduce" else bind("reduce", op=op, root=root)
+        gets = req.op == "all_reduce" or rooted
+
         def post(x):
-            buf = _flat(x.clone() if arrays.is_torch(x) else buffers.copy(x), wire, True)
-            if req.op == "all_reduce":
-                w = prim.allreduce(buf, op, ranks)
-            else:
-                w = prim.reduce(buf, root, ranks, op)
-            if req.op == "reduce" and not rooted:
-                return [w], dict
-            return [w], lambda: {me: out(buf, x, tile, typed=True)}
+            if type(x) is np.ndarray and wire == "numpy" and x.nbytes < buffers.MIN_BYTES:
+                buf = x.copy().reshape(-1)              # the common case, without conversions
+                return [f(buf)], (lambda: {me: buf.reshape(tile)}) if gets else dict
+            buf = _flat(_copy(x), wire, True)
+            if not gets:
+                return [f(buf)], dict
+            return [f(buf)], lambda: {me: out(buf, x, tile, typed=True)}
         return post
     if req.op == "broadcast":
         n = math.prod(tile) * itemsize
+        f = bind("bcast", root=root)
 
         def post(x):
             like = _like(x, kind, dt)
-            buf = _flat(x.clone() if arrays.is_torch(x) else buffers.copy(x), wire, False) if rooted \
-                else empty_wire(n, wire, like)
-            return [prim.bcast(buf, root, ranks)], lambda: {me: out(buf, like, tile)}
+            buf = _flat(_copy(x), wire, False) if rooted else empty_wire(n, wire, like)
+            return [f(buf)], lambda: {me: out(buf, like, tile)}
         return post
     if req.op in ("all_gather", "gather"):
         sizes = [shapes[d][0] for d in g]
         counts = tuple(s * row * itemsize for s in sizes)
         gets = req.op == "all_gather" or rooted
         shape = (sum(sizes),) + tuple(tile[1:])
+        f = bind("allgatherv", counts=counts) if req.op == "all_gather" else bind("gatherv", counts=counts, root=root)
 
         def post(x):
             like = _like(x, kind, dt)
             recv = empty_wire(sum(counts), wire, like) if gets else None
-            send = _flat(x, wire, False)
-            if req.op == "all_gather":
-                w = prim.allgatherv(send, recv, counts, ranks)
-            else:
-                w = prim.gatherv(send, recv, counts, root, ranks)
+            w = f(_flat(x, wire, False), recv)
             if recv is None:
                 return [w], dict
             return [w], lambda: {me: out(recv, like, shape)}
@@ -233,24 +324,26 @@ def poster(ctx, prim, req, g, me, dt, tile, shapes, kind):
         shape = (sizes[i],) + tuple(tile[1:])
         if req.op == "reduce_scatter":
             counts = tuple(s * row for s in sizes)
+            f = bind("reduce_scatterv", counts=counts, op=op)
 
             def post(x):
                 recv = empty_wire(counts[i] * itemsize, wire, x, typed_elems=counts[i])
-                w = prim.reduce_scatterv(_flat(x, wire, True), recv, counts, op, ranks)
-                return [w], lambda: {me: out(recv, x, shape, typed=True)}
+                return [f(_flat(x, wire, True), recv)], lambda: {me: out(recv, x, shape, typed=True)}
             return post
         counts = tuple(s * row * itemsize for s in sizes)
+        f = bind("scatterv", counts=counts, root=root)
 
         def post(x):
             like = _like(x, kind, dt)
             recv = empty_wire(counts[i], wire, like)
             send = _flat(x, wire, False) if rooted else None
-            return [prim.scatterv(send, recv, counts, root, ranks)], lambda: {me: out(recv, like, shape)}
+            return [f(send, recv)], lambda: {me: out(recv, like, shape)}
         return post
     # all_to_all along the leading dimension
     n = math.prod(tile) * itemsize
+    f = bind("alltoall")
 
     def post(x):
         recv = empty_wire(n, wire, x)
-        return [prim.alltoall(_flat(x, wire, False), recv, ranks)], lambda: {me: out(recv, x, tile)}
+        return [f(_flat(x, wire, False), recv)], lambda: {me: out(recv, x, tile)}
     return post

@@ -61,6 +61,7 @@ class Program:
         self.ranks, self.counter = (), 0    # its processes, and its number among their Programs
         self.runs = 0
         self.failed: str | None = None
+        self.check_every = settings.get("CHECK") == "every"     # read at construction
 
     def __repr__(self) -> str:
         return f"Program(#{self.id} {self.label}, runs={self.runs})"
@@ -81,12 +82,13 @@ class Program:
             return Handle(result=res) if async_op else res
         self.runs += 1
         call = control.Call("run", self.id, self.label, self.runs)
-        ch = control.current()
+        ch = control._CHANNEL
         try:
-            if ch is not None and ch.errors:
-                ch.raise_pending()              # a peer's failure: raised naming it
-            if self.failed is None and ch is not None and self.id in ch.failed:
-                self.failed = "a process failed in one of its runs"
+            if ch is not None:
+                if ch.errors:
+                    ch.raise_pending()          # a peer's failure: raised naming it
+                if self.failed is None and self.id in ch.failed:
+                    self.failed = "a process failed in one of its runs"
             if self.failed is not None:
                 raise RuntimeError(f"{self} failed earlier ({self.failed}); its messages may still be in "
                                    "flight, so it runs no more: construct a new Program")
@@ -95,21 +97,41 @@ class Program:
         except Exception as e:
             self._fail(ch, call, e)
             raise
-
-        def go():
-            with control.entering(ch, call):
-                try:
-                    if settings.get("CHECK") == "every":
-                        self._agree_run(st)
-                    return k.run(st, time.monotonic() + ctx.timeout, stamp)
-                except Exception as e:
-                    if not getattr(e, "local_only", False):
-                        self.failed = f"run {call.run}: {type(e).__name__}"
-                    raise
-        result = ctx.run(go, async_op)
         if async_op:
+            result = ctx.submit(self._go, ch, call, st, stamp).result
             return Handle(lambda: k.finish(result()))
-        return k.finish(result())
+        last = ctx._last                        # after the asynchronous calls issued before
+        if last is not None and not last.done():
+            ctx.call(lambda: None)
+        with ctx._lock:                         # `_go`, inline
+            prev = control.enter(ch, call)
+            try:
+                if self.check_every:
+                    self._agree_run(st)
+                r = k.run(st, time.monotonic() + ctx.timeout, stamp)
+            except Exception as e:
+                self._run_failed(ch, prev, call, e)
+                raise
+            control.leave(ch, prev)
+        return k.finish(r)
+
+    def _go(self, ch, call, st, stamp):
+        """The run itself, in the call's control context (on the calling or the queue's thread)."""
+        prev = control.enter(ch, call)
+        try:
+            if self.check_every:
+                self._agree_run(st)
+            r = self._kernel.run(st, time.monotonic() + self.ctx.timeout, stamp)
+        except Exception as e:
+            self._run_failed(ch, prev, call, e)
+            raise
+        control.leave(ch, prev)
+        return r
+
+    def _run_failed(self, ch, prev, call, e) -> None:
+        if not getattr(e, "local_only", False):
+            self.failed = f"run {call.run}: {type(e).__name__}"
+        control.leave(ch, prev, e)
 
     def start_checked(self, check, async_op, stamp):
         """A run of input the caller has validated already: `check()` gives the kernel's
