@@ -30,7 +30,7 @@ from .collective_input import GATHERS, Request, local_facts, masked, request, ti
 from .context import init_hint, no_context
 from .local_program import LocalKernel
 from ..handle import Handle
-from .program import (PlanRun, Program, consume, construct, eager, empty_like, fences_of, new, outside,
+from .program import (PlanRun, Program, consume, construct, eager, empty_like, fences_of, lookup, new, outside,
                       participants, tags_of)
 
 __all__ = ["Request", "run", "program", "tiles_of", "coded_dims", "build", "finish_tiles"]
@@ -259,6 +259,12 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
     stamp = _log.stamp(async_op) if _log.ON else None
     be, err = ctx.resolve_backend(backend)
     owned = ctx.ownership.owned(req.mesh)
+    if type(x) is np.ndarray and len(owned) == 1 and err is None:
+        # a bare NumPy tile: its Program is found by its own facts (the run checks the rest)
+        prog = ctx.call(lookup, ctx, ("collective", req, be.name),
+                        (arrays.dtype_of(x), "numpy", "cpu", ((owned[0], x.shape),)))
+        if prog is not None:
+            return prog.start(x, async_op, None, stamp)
     if not owned:                           # no device of the mesh here: nothing to agree or move
         _owned_tiles(ctx, req, x, owned)
         res = None if not isinstance(x, Mapping) else {}

@@ -36,7 +36,7 @@ from ..handle import Handle
 from . import agreement, control
 from .agreement import Meta
 
-__all__ = ["Program", "construct", "eager", "tags_of", "empty_like"]
+__all__ = ["Program", "construct", "eager", "lookup", "tags_of", "empty_like"]
 
 TAG_SPAN = 1 << 18          # tags per Program: a step's tag is first + index % TAG_SPAN
 
@@ -255,22 +255,33 @@ class Entry:
     programs: dict
 
 
+def lookup(ctx, sig, local_key) -> Program | None:
+    """The cached Program of an eager call that every process decided alone, by this
+    process's own facts `local_key`; None where it must be constructed (or agreed)."""
+    ch = control._CHANNEL
+    if ch is not None:
+        ch.poll()                   # Programs a peer reported failed are constructed again
+    entry = ctx.eager.get(sig)
+    if entry is None or entry.exchange:
+        return None
+    prog = entry.programs.get(local_key)
+    if prog is None or prog.failed is not None or (ch is not None and prog.id in ch.failed):
+        return None
+    ctx.eager[sig] = ctx.eager.pop(sig)         # most recently used last
+    return prog
+
+
 def eager(ctx, sig, local_key, complete: bool, label: str, fields, err, extra, build, agreed_key,
           describe=None, ranks=None) -> Program:
     """The Program of an eager call: found by `local_key` when every process decided alone
     last time, else constructed (or, in exchange mode, looked up after the agreement)."""
-    entry = ctx.eager.get(sig)
+    # a local error takes part as on a first call (its Meta carries it): where the others
+    # construct, all raise in that agreement; where they run, both sides stall on each other
+    # in different calls and raise, failing the run's Program
+    prog = lookup(ctx, sig, local_key) if err is None else None
+    if prog is not None:
+        return prog
     ch = control.current()
-    if ch is not None:
-        ch.poll()                   # Programs a peer reported failed are constructed again
-    if entry is not None and not entry.exchange:
-        # a local error takes part as on a first call (its Meta carries it): where the others
-        # construct, all raise in that agreement; where they run, both sides stall on each
-        # other in different calls and raise, failing the run's Program
-        prog = entry.programs.get(local_key) if err is None else None
-        if prog is not None and prog.failed is None and (ch is None or prog.id not in ch.failed):
-            ctx.eager[sig] = ctx.eager.pop(sig)         # most recently used last
-            return prog
     extra = dict(extra, complete=complete and err is None)
     found = []
 
