@@ -30,6 +30,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pickle
 import time
@@ -255,11 +256,12 @@ class MPIBackend(MPICollectives, Backend):
         few times (a short message is done by then; an error falls to the loop, which names
         the peers)."""
         if len(works) == 1 and type(works[0]) is MPIWork:
-            test = works[0].req.Test
+            test, sched_yield = works[0].req.Test, os.sched_yield
             try:
                 for _ in range(QUICK):
                     if test():
                         return
+                    sched_yield()
             except _mpi().Exception:
                 pass
         wait_polling(works, deadline, self.rank, self.timeout)

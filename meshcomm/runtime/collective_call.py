@@ -26,7 +26,7 @@ from ..planning import plan as make_plan
 from ..planning import plan
 from . import native_call
 from .agreement import value
-from .collective_input import GATHERS, Request, local_facts, masked, request, tiles_of  # noqa: F401
+from .collective_input import GATHERS, Request, local_facts, masked, request, roots_of, tiles_of  # noqa: F401
 from .context import init_hint, no_context
 from .local_program import LocalKernel
 from ..handle import Handle
@@ -99,11 +99,14 @@ class CollectiveKernel:
         # the common run: a bare NumPy tile of this process's one device, of the agreed shape
         # and a native byte order (checked in prepare without the general validation)
         self._bare = None
-        if len(self.owned) == 1 and req.op not in GATHERS and a.kind in (None, "numpy") and a.devtype == "cpu":
+        if len(self.owned) == 1 and a.kind in (None, "numpy") and a.devtype == "cpu":
+            mine = a.tile if a.shapes is None else a.shapes.get(self.owned[0])
             try:
-                self._bare = (self.owned[0], tuple(a.tile), np.dtype(arrays.numpy_dtype(a.dtype[0])).newbyteorder("="))
+                self._bare = (self.owned[0], tuple(mine), np.dtype(arrays.numpy_dtype(a.dtype[0])).newbyteorder("="))
             except TypeError:
                 self._bare = None
+        self._takes_none = (len(self.owned) == 1 and req.op in ("broadcast", "scatter")
+                            and self.owned[0] not in roots_of(req))
         self.posts = []
         self.plan = None
         self._host = fences_of({})          # host tiles: nothing to fence
@@ -131,6 +134,8 @@ class CollectiveKernel:
         f = self._bare
         if f is not None and out is None and type(x) is np.ndarray and x.shape == f[1] and x.dtype == f[2]:
             return {f[0]: x}, True, "numpy", self._host, None     # one device, its own tile: as agreed
+        if x is None and out is None and self._takes_none:       # a broadcast's or scatter's non-root
+            return {}, True, self.a.kind or "numpy", self._host, None
         tiles, bare = _owned_tiles(self.ctx, self.req, x, self.owned)
         return self.check(tiles, bare, out)
 

@@ -127,7 +127,7 @@ def tiles_of(req, x, owned: tuple[int, ...], where: str) -> tuple[dict, bool]:
             raise TypeError(f"{req.op}: a bare array is accepted only when {where} owns exactly one "
                             f"device of the mesh (it owns {len(owned)}); pass a dict {{device: tile}}")
         tiles, bare = {owned[0]: x}, True
-    roots = _roots(req) if req.op in ROOTED else ()
+    roots = roots_of(req) if req.op in ROOTED else ()
     missing = [d for d in owned if tiles.get(d) is None and (req.op not in ROOTED or d in roots)]
     if missing:
         raise ValueError(f"{req.op}: x needs a tile for device(s) {missing[:8]} ({where} owns "
@@ -143,7 +143,7 @@ def tiles_of(req, x, owned: tuple[int, ...], where: str) -> tuple[dict, bool]:
     return tiles, bare
 
 
-def _roots(req) -> tuple[int, ...]:
+def roots_of(req) -> tuple[int, ...]:
     return tuple(g[req.root] for g in groups(req.mesh, req.axes)
                  if 0 <= req.root < len(g))
 
