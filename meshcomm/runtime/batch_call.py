@@ -301,8 +301,8 @@ def reshard_many(ctx, xs, src, dst, *, shapes=None, dtypes=None, backend=None, a
     local_key = (tuple(sorted((n, f) for n, f in facts.items())), tuple(sorted((n, tuple(sorted(t.items())))
                                                                               for n, t in tiles.items()))) \
         if complete else None
-    fields = _fields(names, srcs, dsts, be, {n: f[0] for n, f in facts.items()}, {n: f[1] for n, f in facts.items()},
-                     {n: f[2] for n, f in facts.items()}, bucket_mb)
+    fields = lambda: _fields(names, srcs, dsts, be, {n: f[0] for n, f in facts.items()},  # noqa: E731
+                             {n: f[1] for n, f in facts.items()}, {n: f[2] for n, f in facts.items()}, bucket_mb)
 
     def agreed_key(metas):
         return tuple((n, value(metas, f"shape:{n}"), value(metas, f"dtype:{n}")) for n in names) + \

@@ -290,9 +290,10 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
     sig = ("collective", req, be.name)
     local_key = (f["dtype"], f["kind"], f["devtype"], tuple(sorted(own_shapes.items()))) if complete else None
     extra = {"tiles": own_shapes, "tile": f["tile"]}
-    fields = _fields(req, be, f["dtype"], f["kind"], f["devtype"], masked(req, f["tile"]))
-    if req.op not in GATHERS:
-        fields += (("shapes", None),)
+
+    def fields():
+        return _fields(req, be, f["dtype"], f["kind"], f["devtype"], masked(req, f["tile"])) + (
+            (("shapes", None),) if req.op not in GATHERS else ())
 
     def agreed_key(metas):
         a = _agreed(req, metas)

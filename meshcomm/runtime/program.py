@@ -274,7 +274,8 @@ def lookup(ctx, sig, local_key) -> Program | None:
 def eager(ctx, sig, local_key, complete: bool, label: str, fields, err, extra, build, agreed_key,
           describe=None, ranks=None) -> Program:
     """The Program of an eager call: found by `local_key` when every process decided alone
-    last time, else constructed (or, in exchange mode, looked up after the agreement)."""
+    last time, else constructed (or, in exchange mode, looked up after the agreement).
+    `fields` may be a function giving them (called only then)."""
     # a local error takes part as on a first call (its Meta carries it): where the others
     # construct, all raise in that agreement; where they run, both sides stall on each other
     # in different calls and raise, failing the run's Program
@@ -282,6 +283,8 @@ def eager(ctx, sig, local_key, complete: bool, label: str, fields, err, extra, b
     if prog is not None:
         return prog
     ch = control.current()
+    if callable(fields):                # worked out only where it is constructed or agreed
+        fields = fields()
     extra = dict(extra, complete=complete and err is None)
     found = []
 

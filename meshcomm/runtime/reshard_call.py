@@ -209,7 +209,20 @@ def _build(ctx, be, src, dst, compression, kinded=True):
 
 
 def _describe(src, dst):
-    return {"layouts": lambda v, m: m.extra.get("desc", v)}
+    return {"layouts": lambda v, m: str(m.extra.get("desc", v))}
+
+
+class _Desc:
+    """"src=... dst=..." for error messages, formatted only when one is written."""
+
+    def __init__(self, src, dst):
+        self.src, self.dst = src, dst
+
+    def __str__(self) -> str:
+        return f"src={self.src!r} dst={self.dst!r}"
+
+    def __reduce__(self):               # travels in a Meta as the text
+        return (str, (str(self),))
 
 
 def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=False, compression=None):
@@ -234,13 +247,13 @@ def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=
     tiles = tuple(sorted((d, tuple(v.shape)) for d, v in shards.items()))
     complete = shp is not None and dt is not None and kind is not None
     local_key = (shp, dt, kind, devtype, tiles) if complete and err is None else None
-    extra = {"tiles": dict(tiles), "desc": f"src={src!r} dst={dst!r}"}
+    extra = {"tiles": dict(tiles), "desc": _Desc(src, dst)}
 
     def agreed_key(metas):
         a = _agreed(metas, src, ctx.devices_per_process)
         return (a.shape, a.dtype, a.kind, a.devtype)
     prog = ctx.call(lambda: eager(ctx, sig, local_key, complete, "reshard",
-                                  _fields(src, dst, be, shp, dt, kind, devtype, compression), err, extra,
+                                  lambda: _fields(src, dst, be, shp, dt, kind, devtype, compression), err, extra,
                                   _build(ctx, be, src, dst, compression), agreed_key, _describe(src, dst), ranks))
     return prog.start_checked(lambda: prog._kernel.check(shards, bare, None), async_op, stamp)
 
