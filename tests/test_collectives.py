@@ -206,26 +206,21 @@ def test_mpiexec_8_every_element_type_and_torch_tiles(tmp_path):
     assert all(r["ok"] == 150 and r["native"] > 0 for r in res), res
 
 
-def _bug(name, reason, stat, count):
-    return pytest.param(name, stat, count, id=name, marks=pytest.mark.xfail(
-        reason=f"library bug ({reason}; /work/notes/tests_migration.md)", strict=True))
-
-
 @pytest.mark.mpi
 @pytest.mark.parametrize("case,stat,count", [
     pytest.param("cached-bad-argument", "cached_fault_next_ok", 2, id="cached-bad-argument",
                  marks=pytest.mark.xfail(strict=False, reason="intermittent: the call after the raise can find its "
                                          "peers still in the failed call's recovery (closing note)")),
-    _bug("none-after-tiles", "a broadcast whose non-roots pass None after passing tiles: the root runs alone",
-         "none_after_tiles_ok", 6),
-    _bug("gather-size-one", "an uneven all_gather whose size changes on one process raises everywhere",
-         "gather_size_one_ok", 5),
+    # fixed: a non-root passing None runs the Program it ran last (program.lookup(latest=))
+    pytest.param("none-after-tiles", "none_after_tiles_ok", 6, id="none-after-tiles"),
+    # fixed: every call of an uneven gather agrees first (program.eager(agree_always=))
+    pytest.param("gather-size-one", "gather_size_one_ok", 5, id="gather-size-one"),
     # fixed: a native call posts on its Program's own communicator (Backend.bind)
     pytest.param("stale-broadcast", "stale_broadcast_ok", 2, id="stale-broadcast"),
-    _bug("relayed-error", "a relayed run error is not forwarded: relays wait to the timeout",
-         "relayed_error_ok", 1),
+    # fixed: a relayed run error is passed on to the processes waiting in that call
+    pytest.param("relayed-error", "relayed_error_ok", 1, id="relayed-error"),
 ])
-def test_known_library_bug(tmp_path, case, stat, count):
+def test_mismatch_and_fault_cases(tmp_path, case, stat, count):
     """4 processes, one case each (collectives_worker.py KNOWN_BUGS): what the semantics say
     (every process raises in the same call, no result is wrong, the next call works)."""
     res = _launch(tmp_path, 4, "--init", "mixed", "--known-bug", case, env={"MESHCOMM_TIMEOUT": "20"},

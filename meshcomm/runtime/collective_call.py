@@ -284,10 +284,17 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
     except (ValueError, TypeError) as e:
         err = e
     own_shapes = {d: tuple(v.shape) for d, v in tiles.items()}
-    # a process decides alone where it has a tile of every device it owns (a gather: its own
-    # sizes; the others' travel with the agreement, and a change of them anywhere constructs)
+    # a process decides alone where it has a tile of every device it owns (a gather of
+    # uneven sizes: never, as it does not see another's size change: `_uneven`)
     complete = bool(owned) and len(tiles) == len(owned)
     sig = ("collective", req, be.name)
+    if err is None and not tiles and not bare_roots(req, owned):
+        # a broadcast's or scatter's non-root passing None: the Program it ran last, where
+        # every process decided alone then (a root that changed its facts constructs, and
+        # both sides raise "not in the same call")
+        prog = ctx.call(lookup, ctx, sig, None, True)
+        if prog is not None:
+            return prog.start_checked(lambda: prog._kernel.check({}, bare, None), async_op, stamp)
     local_key = (f["dtype"], f["kind"], f["devtype"], tuple(sorted(own_shapes.items()))) if complete else None
     extra = {"tiles": own_shapes, "tile": f["tile"]}
 
@@ -299,8 +306,25 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
         a = _agreed(req, metas)
         return (a.tile, None if a.shapes is None else tuple(sorted(a.shapes.items())), a.dtype, a.kind, a.devtype)
     prog = ctx.call(lambda: eager(ctx, sig, local_key, complete, req.op, fields, err, extra, _build(ctx, be, req),
-                                  agreed_key, _describe(req), participants(ctx, req.mesh)))
+                                  agreed_key, _describe(req), participants(ctx, req.mesh), _uneven(req)))
     return prog.start_checked(lambda: prog._kernel.check(tiles, bare, None), async_op, stamp)
+
+
+def bare_roots(req, owned) -> bool:
+    """Whether this process owns a device that must pass a tile (not a broadcast's or a
+    scatter's non-root only)."""
+    return req.op not in ("broadcast", "scatter") or any(d in roots_of(req) for d in owned)
+
+
+def _uneven(req):
+    """For a gather: whether the agreed tiles' sizes along `dim` differ (then every call of
+    the signature agrees first)."""
+    if req.op not in GATHERS:
+        return None
+
+    def uneven(metas) -> bool:
+        return len({t[req.dim % len(t)] for m in metas for t in m.extra.get("tiles", {}).values() if len(t)}) > 1
+    return uneven
 
 
 def program(req: Request, shape, dtype, backend=None, device="cpu") -> Program:

@@ -130,10 +130,10 @@ class Channel:
             self.mine.add(call.key)
         if getattr(err, "shared", False):
             return                          # every process raises it in this same agreement
-        # a peer's error relayed here: the peers know; only a Meta this process sent goes
-        # back (its agreement's nonce is the construction's `run`)
+        # a peer's error relayed here is passed on too (flagged `info`): a process waiting in
+        # this call only for this one (a relay of a plan) learns it from nobody else
         info = getattr(err, "relayed", False)
-        if info and (call is None or call.what != "construct"):
+        if info and call is None:
             return
         kind = "timeout" if isinstance(err, PeerTimeoutError) else type(err).__name__
         peers = list(getattr(err, "peers", ()))
@@ -154,7 +154,10 @@ class Channel:
                 self.failed.update(msg[6])
                 if msg[7] is not None:
                     self.retracted.add((msg[1], msg[7]))
-                if not known and not msg[8]:
+                # a relayed report counts only in the call it was relayed from (the origin's
+                # own report reaches everyone else)
+                if not known and (not msg[8] or (call is not None and self.call is not None
+                                                 and call.key == self.call.key)):
                     self.errors.append(msg)
             elif msg[0] == "STATUS":
                 self.status[msg[1]] = (msg[2], tuple(msg[3]), time.monotonic())

@@ -253,29 +253,36 @@ class Entry:
 
     exchange: bool
     programs: dict
+    last: object = None             # the key of the Program this process ran last
 
 
-def lookup(ctx, sig, local_key) -> Program | None:
+def lookup(ctx, sig, local_key, latest: bool = False) -> Program | None:
     """The cached Program of an eager call that every process decided alone, by this
-    process's own facts `local_key`; None where it must be constructed (or agreed)."""
+    process's own facts `local_key` (`latest`: the one this process ran last, for a process
+    that has no facts of its own, such as a broadcast's non-root passing None); None where it
+    must be constructed (or agreed)."""
     ch = control._CHANNEL
     if ch is not None:
         ch.poll()                   # Programs a peer reported failed are constructed again
     entry = ctx.eager.get(sig)
     if entry is None or entry.exchange:
         return None
-    prog = entry.programs.get(local_key)
+    key = entry.last if latest else local_key
+    prog = entry.programs.get(key)
     if prog is None or prog.failed is not None or (ch is not None and prog.id in ch.failed):
         return None
+    entry.last = key
     ctx.eager[sig] = ctx.eager.pop(sig)         # most recently used last
     return prog
 
 
 def eager(ctx, sig, local_key, complete: bool, label: str, fields, err, extra, build, agreed_key,
-          describe=None, ranks=None) -> Program:
+          describe=None, ranks=None, agree_always=None) -> Program:
     """The Program of an eager call: found by `local_key` when every process decided alone
     last time, else constructed (or, in exchange mode, looked up after the agreement).
-    `fields` may be a function giving them (called only then)."""
+    `fields` may be a function giving them (called only then); `agree_always(metas)`: the
+    agreed facts are such that no process can decide alone (an uneven gather: a process
+    does not see the others' sizes change), so every later call agrees first."""
     # a local error takes part as on a first call (its Meta carries it): where the others
     # construct, all raise in that agreement; where they run, both sides stall on each other
     # in different calls and raise, failing the run's Program
@@ -289,7 +296,7 @@ def eager(ctx, sig, local_key, complete: bool, label: str, fields, err, extra, b
     found = []
 
     def build_or_find(pid, metas, deadline):
-        exchange = not all(m.extra.get("complete") for m in metas)
+        exchange = not all(m.extra.get("complete") for m in metas) or bool(agree_always and agree_always(metas))
         e = ctx.eager.get(sig)
         if e is None or e.exchange != exchange:
             e = ctx.eager[sig] = Entry(exchange, {})
@@ -300,6 +307,7 @@ def eager(ctx, sig, local_key, complete: bool, label: str, fields, err, extra, b
             if len(e.programs) >= 16:
                 e.programs.pop(next(iter(e.programs)))
             e.programs[key] = prog
+        e.last = key
         found.append(prog)
         return prog
     construct(ctx, label, fields, err, extra, build_or_find, describe, ranks)
