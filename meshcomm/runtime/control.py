@@ -137,7 +137,11 @@ class Channel:
             return
         kind = "timeout" if isinstance(err, PeerTimeoutError) else type(err).__name__
         peers = list(getattr(err, "peers", ()))
-        retract = call.run if call is not None and call.what == "construct" else None
+        # Metas to drop: this process's own (its construction failed) and a peer's that it
+        # found in a construction beside this run (the others must not take it either)
+        retract = list(getattr(err, "retracts", ()))
+        if call is not None and call.what == "construct":
+            retract.append((self.rank, call.run))
         self._send(range(self.world), ("ERROR", self.rank, call, f"{type(err).__name__}: {err}", kind, peers,
                                        list(programs), retract, info))
 
@@ -152,11 +156,11 @@ class Channel:
                 known = call is not None and ((msg[1], call.key) in self.handled or call.key in self.mine or (
                     call.what == "run" and call.program in self.failed and call != self.call))
                 self.failed.update(msg[6])
-                if msg[7] is not None:
-                    self.retracted.add((msg[1], msg[7]))
-                # a relayed report counts only in the call it was relayed from (the origin's
-                # own report reaches everyone else)
-                if not known and (not msg[8] or (call is not None and self.call is not None
+                self.retracted.update(tuple(r) for r in msg[7])
+                # a relayed report counts only in the run it was relayed from (the origin's own
+                # report reaches everyone else; a construction's key is the same for a later
+                # attempt at it, so a relayed report of one is only a retraction)
+                if not known and (not msg[8] or (call is not None and call.what == "run" and self.call is not None
                                                  and call.key == self.call.key)):
                     self.errors.append(msg)
             elif msg[0] == "STATUS":
@@ -210,14 +214,18 @@ class Channel:
             st = self.status.get(p)
             if st is not None and st[2] >= self._wait_start and st[0].key != call.key and self.rank in st[1]:
                 self.handled.add((p, st[0].key))
+                retracts = []
                 if st[0].what == "construct":       # its Meta answers no later agreement
                     self.retracted.add((p, st[0].run))
+                    retracts.append((p, st[0].run))
                 # both calls' Programs are done for: the peer posted messages of its own
                 self.failed.update(c.program for c in (call, st[0]) if c.what == "run")
-                raise PeerError(f"rank {self.rank} is in {call} and waits for rank {p}, which is in "
-                                f"{st[0]} and waits for rank {self.rank}: the processes are not in the "
-                                "same call (every process must construct and run the same Programs, "
-                                "and make the same eager calls, in the same order)", p)
+                e = PeerError(f"rank {self.rank} is in {call} and waits for rank {p}, which is in "
+                              f"{st[0]} and waits for rank {self.rank}: the processes are not in the "
+                              "same call (every process must construct and run the same Programs, "
+                              "and make the same eager calls, in the same order)", p)
+                e.retracts = retracts
+                raise e
         if self._stall_sent is None or now - self._stall_sent > 1.0:
             self._stall_sent = now
             self._send(peers, ("STATUS", self.rank, call, list(peers)))

@@ -221,9 +221,10 @@ def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable,
         metas = agreement.agree(ctx, ranks, counter, ctx.attempts, Meta(label, fields, agreement.error_of(err), extra),
                                 err, describe, deadline)
         prog = build(pid, metas, deadline)
-        prog.ranks, prog.counter = ranks, counter
+        if not prog.counter:            # new (an eager call that agrees each time finds its own)
+            prog.ranks, prog.counter = ranks, counter
+            ctx.programs += 1
         ctx.counters[ranks] = counter
-        ctx.programs += 1
         return prog
 
 
