@@ -3,7 +3,7 @@
     .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/persistent.py [--sizes 1K,16K,64K,256K] [--calls 200] [--reps 5]
 
 Two Programs per op and size, constructed alike on every process: one with
-`native_call.PERSISTENT_MAX` as shipped (a persistent request up to 64 KiB: the tile copied
+`native_call.PERSISTENT_MAX` as shipped (a persistent request up to 8 KiB: the tile copied
 in, `Start`, the result copied out), one with it 0 (a new non-blocking call per run). Each
 form runs `--calls` times per loop, the forms taking turns in each of `--reps` rounds after a
 polite barrier; the figure is the median over rounds of the slowest process's time per run,

@@ -134,7 +134,7 @@ def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> list:
 
 # largest buffer (bytes) of a native MPI call run as a persistent request: below it, copying
 # the tile in and the result out costs less than posting a new request (BENCHMARKS 5)
-PERSISTENT_MAX = 64 << 10
+PERSISTENT_MAX = 8 << 10
 
 
 def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post):
