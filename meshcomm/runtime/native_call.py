@@ -187,7 +187,10 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post):
     else:                                       # all_to_all
         send, recv = np.empty(n * dtype.itemsize, np.uint8), np.empty(n * dtype.itemsize, np.uint8)
         what, kw, res, gets, fill = "alltoall", {}, recv, True, True
-    if max(send.nbytes, 0 if recv is None else recv.nbytes) > PERSISTENT_MAX or not hasattr(prim, "_persistent"):
+    # the same answer on every member (a persistent call matches no non-blocking one): the
+    # largest buffer of any member, a root's gathered or scattered whole included
+    whole = sum(counts) if req.op in ("all_gather", "gather", "scatter") else n * dtype.itemsize
+    if max(whole, n * dtype.itemsize) > PERSISTENT_MAX or not hasattr(prim, "_persistent"):
         return post
     start = prim.bind(what, ranks, comm, bufs=(send, recv), **kw)
     fill = fill and send.nbytes > 0

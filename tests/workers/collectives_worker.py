@@ -817,6 +817,7 @@ def program_api(ctx, backends, stats):
     All_gather with different sizes per group (eager and Program). `out=` buffers of a
     collective Program: recorded (`program_out_used` of `program_out_tried`)."""
     ws, me = ctx.world_size, ctx.rank
+    cap = native_call.PERSISTENT_MAX
     mesh = mc.Mesh(np.arange(ws), ("x",))
     grid = mc.Mesh(np.arange(ws).reshape(2, ws // 2), ("a", "b")) if ws % 2 == 0 else mesh
     gax = "b" if ws % 2 == 0 else "x"
@@ -829,7 +830,11 @@ def program_api(ctx, backends, stats):
              ("reduce", mesh, "x", {"root": 0, "op": "min"}, lambda d: (2, 2), "int32"),
              ("all_to_all", mesh, "x", {"split_dim": 0, "concat_dim": 1}, lambda d: (ws, 2), "int64"),
              ("gather", mesh, "x", {"root": 1 % ws, "dim": 0}, lambda d: (1 + d % 2, 3), "float32"),
-             ("scatter", mesh, "x", {"root": 0, "dim": 0}, lambda d: (2 * ws, 2), "int64")]
+             ("scatter", mesh, "x", {"root": 0, "dim": 0}, lambda d: (2 * ws, 2), "int64"),
+             # a root's whole past native_call.PERSISTENT_MAX, each member's piece within it:
+             # every member must post the same kind of call (persistent or not)
+             ("gather", mesh, "x", {"root": 0, "dim": 0}, lambda d: (cap // 4 // ws + 8,), "float32"),
+             ("scatter", mesh, "x", {"root": ws - 1, "dim": 0}, lambda d: (ws * (cap // 4 // ws + 8),), "float32")]
     for b in backends:
         for op, m, axes, kw, shape_of, dtype in cases:
             def tiles(it):
