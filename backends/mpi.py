@@ -219,6 +219,7 @@ class MPIBackend(MPICollectives, Backend):
         # every rank on one host: integer reduces gather to the root too (MPICH's Ireduce
         # measured 3-7x slower over shared memory here); the same answer on every rank
         self.gather_reduces = len(set(self.hosts)) == 1
+        _base.set_local_processes(self.hosts.count(self.hosts[self.rank]))
         self.comm = timed_dup(base, deadline)
         self.meta = timed_dup(base, deadline)
         self.ctl = timed_dup(base, deadline)        # the control channel (meshcomm.runtime.control)
@@ -255,7 +256,7 @@ class MPIBackend(MPICollectives, Backend):
         few times (a short message is done by then; an error falls to the loop, which names
         the peers)."""
         if len(works) == 1 and type(works[0]) is MPIWork:
-            test, sched_yield = works[0].req.Test, os.sched_yield
+            test, sched_yield = works[0].req.Test, os.sched_yield if not _base.SPIN else int
             try:
                 for _ in range(QUICK):
                     if test():

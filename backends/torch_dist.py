@@ -112,6 +112,7 @@ class TorchBackend(TorchCollectives, Backend):
         self._meta_seq = 0
         self._ctl_read = 0             # control messages read from the store
         self._waiter = None            # threads that block in gloo's waits (wait_all)
+        _base.set_local_processes(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
 
     @classmethod
     def create(cls, timeout: float | None, mpi_comm=None) -> "TorchBackend":
@@ -144,7 +145,8 @@ class TorchBackend(TorchCollectives, Backend):
                                          "meshcomm.init", "did not call init")[0]
             local = [i for i, h in enumerate(hosts) if h == hosts[rank]].index(rank)
             os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank),
-                              WORLD_SIZE=str(world), LOCAL_RANK=str(local))
+                              WORLD_SIZE=str(world), LOCAL_RANK=str(local),
+                              LOCAL_WORLD_SIZE=str(hosts.count(hosts[rank])))
             _DERIVED.append(True)
         else:                                   # no launcher: a world of one
             rank, world = 0, 1
