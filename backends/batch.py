@@ -30,7 +30,7 @@ from meshcomm.planners.boxes import box_size, local_slices
 
 from meshcomm.arrays import is_torch as _is_torch
 
-from .base import Execution, Run, empty_wire, from_wire, issue_steps, to_wire
+from .base import Execution, Run, empty_wire, from_wire, issue_steps, to_wire, torch_of
 from .pack import pack, unpack
 
 __all__ = ["BatchItem", "coalescable", "run_batch"]
@@ -184,7 +184,11 @@ class Runner:
             tile = bufs[t.srcs[0]]
             m = t.nbytes
             view = buf[off:off + m]
-            if _is_torch(tile) == _is_torch(view) and (not _is_torch(tile) or tile.device == view.device):
+            host = _host_array(tile) if _is_torch(tile) and not _is_torch(view) else None
+            if host is not None:            # a CPU tensor into a NumPy message: packed once, in place
+                pack(host, slices, out=view.view(host.dtype))
+                v = torch_of(view.view(host.dtype)) if mine else None
+            elif _is_torch(tile) == _is_torch(view) and (not _is_torch(tile) or tile.device == view.device):
                 pack(tile, slices, out=view.view(tile.dtype))
                 v = view.view(tile.dtype)
             else:
@@ -193,6 +197,16 @@ class Runner:
             for d, sl in mine:
                 unpack(v, run.out[d], sl)
         return buf
+
+
+def _host_array(t):
+    """A NumPy view of a CPU tensor (None where there is none: a CUDA tensor, bfloat16)."""
+    if t.device.type != "cpu":
+        return None
+    try:
+        return t.detach().numpy()
+    except (TypeError, RuntimeError):
+        return None
 
 
 def _offsets(by_peer):
