@@ -20,7 +20,7 @@ class _Off(control.Recorder):
     """Records nothing (the baseline)."""
 
     def start(self, call):
-        return [0, 0, 0, 0, 0, "", [], 0.0, None]
+        return [0, call, "", (), 0.0, None]
 
     @staticmethod
     def waiting(e, peers):

@@ -62,26 +62,32 @@ class Call(typing.NamedTuple):
 
 
 class Recorder:
-    """The flight recorder: a ring of the last `size` calls (always on; a call costs one
-    append and two field updates)."""
+    """The flight recorder: a ring of the last `size` calls (always on; a call costs one short
+    list, one append and two field updates: BENCHMARKS 5)."""
 
     def __init__(self, size: int = 256):
         self.ring: collections.deque = collections.deque(maxlen=size)
         self.seq = 0
 
+    def start(self, call: Call) -> list:
+        self.seq += 1
+        e = [self.seq, call, "posted", (), time.time(), None]
+        self.ring.append(e)
+        return e
+
     @staticmethod
     def waiting(e: list, peers) -> None:
-        e[5], e[6] = "waiting", sorted(peers)
+        e[2], e[3] = "waiting", sorted(peers)
 
     @staticmethod
     def done(e: list, state: str = "done") -> None:
-        e[5], e[8] = state, time.time()
+        e[2], e[5] = state, time.time()
         if state == "done":
-            e[6] = []
+            e[3] = ()
 
     def records(self):
-        keys = ("seq", "what", "program", "label", "run", "state", "awaiting", "t_start", "t_end")
-        return [dict(zip(keys, e)) for e in self.ring]
+        return [{"seq": seq, "what": c.what, "program": c.program, "label": c.label, "run": c.run, "state": st,
+                 "awaiting": list(aw), "t_start": t0, "t_end": t1} for seq, c, st, aw, t0, t1 in self.ring]
 
 
 RECORDER = Recorder()
@@ -278,10 +284,7 @@ def enter(ch: Channel | None, call: Call):
         ch.raise_pending()
     prev = (ch.call, ch.entry, ch._wait_start, ch._stall_sent)
     ch.call = call
-    rec = RECORDER
-    rec.seq += 1
-    ch.entry = [rec.seq, call.what, call.program, call.label, call.run, "posted", [], time.time(), None]
-    rec.ring.append(ch.entry)
+    ch.entry = RECORDER.start(call)
     ch._wait_start = ch._stall_sent = None
     return prev
 
@@ -299,8 +302,7 @@ def leave(ch: Channel | None, prev, ev=None) -> None:
                     and "flight recorder" not in str(ev):
                 ev.args = (f"{ev.args[0] if ev.args else ev} [flight recorder: {path}]",) + ev.args[1:]
         else:
-            e = ch.entry
-            e[5], e[6], e[8] = "done", [], time.time()
+            RECORDER.done(ch.entry)
     finally:
         ch.call, ch.entry, ch._wait_start, ch._stall_sent = prev
 
