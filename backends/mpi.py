@@ -46,9 +46,15 @@ from .mpi_collectives import MPICollectives
 __all__ = ["MPIBackend"]
 
 
+_MPI: list = []
+
+
 def _mpi():
-    from mpi4py import MPI
-    return MPI
+    """mpi4py's MPI module (imported on first use: the backend module loads without MPI)."""
+    if not _MPI:
+        from mpi4py import MPI
+        _MPI.append(MPI)
+    return _MPI[0]
 
 
 class MPIMultiWork(Work):

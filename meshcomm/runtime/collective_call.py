@@ -365,14 +365,6 @@ def coded_dims(req: Request, prob) -> int:
     return len(prob.shape) - len(prob.out_shapes[0][1])
 
 
-def _any_tile(metas):
-    """The tile shape from a process that has one (rooted ops: the root's)."""
-    for m in metas:
-        for t in m.extra.get("tiles", {}).values():
-            return tuple(t)
-    return None
-
-
 def _params_str(op: str, v) -> str:
     dim, root, reduce_op, split_dim, concat_dim = v
     if op in ("all_reduce",):
