@@ -109,6 +109,8 @@ def exact_shape(shape) -> bool:
 
 
 def normalize_shape(shape) -> tuple[int, ...]:
+    if isinstance(shape, tuple) and all(type(s) is int and s >= 0 for s in shape):
+        return tuple(shape)             # the common case (a tuple or torch.Size of ints)
     try:
         dims = tuple(shape)
     except TypeError:

@@ -193,6 +193,7 @@ class Context:
         self._lock = threading.Lock()       # one communication at a time, in call order
         self._last: concurrent.futures.Future | None = None
         self.eager: dict = {}       # eager call signature -> its Programs (runtime/program.py)
+        self.participants: dict = {}    # meshes -> the ranks owning their devices (program.participants)
         self.programs = 0           # Programs this process constructed (a count)
         self.counters: dict = {}    # processes (sorted ranks) -> Programs they constructed together
         self.tries: dict = {}       # (group key, counter) -> attempts that failed together (agreement)

@@ -236,10 +236,16 @@ def program_id(ranks, counter) -> int:
 def participants(ctx, *meshes) -> tuple:
     """The processes owning a device of these meshes (sorted ranks); a device without a
     process is a ValueError (the same on every process: no agreement needed)."""
-    for m in meshes:
-        ctx.ownership.check_mesh(m)
-    dpp = ctx.devices_per_process
-    return tuple(sorted({d // dpp for m in meshes for d in m.device_ids}))
+    key = frozenset(meshes)
+    got = ctx.participants.get(key)
+    if got is None:
+        for m in meshes:
+            ctx.ownership.check_mesh(m)
+        dpp = ctx.devices_per_process
+        got = tuple(sorted({d // dpp for m in meshes for d in m.device_ids}))
+        if len(ctx.participants) < 1024:
+            ctx.participants[key] = got
+    return got
 
 
 def new(ctx, pid: int, label: str, kernel, plan=None, cls=None) -> Program:
