@@ -490,7 +490,7 @@ def _step_for(i, t, rank_of, collective_reduce: bool) -> Step:
 
 
 @memo(maxsize=256)
-def _all_steps(plan, devices_per_process: int, collective_reduce: bool) -> tuple[Step, ...]:
+def all_steps(plan, devices_per_process: int, collective_reduce: bool) -> tuple[Step, ...]:
     rank_of = lambda d: d // devices_per_process  # noqa: E731
     return tuple(_step_for(i, t, rank_of, collective_reduce) for i, t in enumerate(plan.transfers))
 
@@ -498,7 +498,7 @@ def _all_steps(plan, devices_per_process: int, collective_reduce: bool) -> tuple
 @memo(maxsize=256)
 def compile_steps(plan, rank: int, devices_per_process: int, collective_reduce: bool) -> tuple[Step, ...]:
     """The steps `rank` takes part in, in global order."""
-    return tuple(s for s in _all_steps(plan, devices_per_process, collective_reduce) if rank in s.ranks)
+    return tuple(s for s in all_steps(plan, devices_per_process, collective_reduce) if rank in s.ranks)
 
 
 @memo(maxsize=256)
@@ -568,7 +568,7 @@ def groups_needed(plan, devices_per_process: int, collective_reduce: bool,
     plan order]} (the same on every rank: it depends on the plan only). Broadcasts a
     backend sends point to point need none (`Backend.bcast_group`)."""
     out: dict[str, list] = {}
-    for s in _all_steps(plan, devices_per_process, collective_reduce):
+    for s in all_steps(plan, devices_per_process, collective_reduce):
         if s.prim in ("bcast", "reduce"):
             b = choose(s)
             if s.prim == "bcast" and not b.bcast_group(s.ranks, device_kind):

@@ -369,6 +369,8 @@ class PlanRun:
     builds the Execution over this run's tiles with the Program's tags."""
 
     def __init__(self, ctx, be, p, comp, tags, device_kind, deadline):
+        if comp is None:
+            be = one_backend(be, p, ctx.devices_per_process, device_kind)
         self.ctx, self.be, self.plan, self.comp, self.tags = ctx, be, p, comp, tags
         self.device_kind = device_kind
         if comp is None:
@@ -385,6 +387,22 @@ class PlanRun:
                             compression=self.comp, tags=self.tags, out=out)
         ex.start()
         return ex.finish(deadline)
+
+
+def one_backend(be, p, dpp, device_kind):
+    """`mixed` whose tuning table sends every step of plan `p` to one backend: that backend
+    (chosen at construction, so a run pays nothing for the mixing; the same choice on every
+    process, from the plan's steps of every rank), else `be`."""
+    if len(be.members()) < 2:
+        return be
+    coll = base.collective_reduce_ok(p.dtype, be)
+    chosen = {be.choose(s.table_op, s.nbytes, len(s.ranks), device_kind)
+              for s in base.all_steps(p, dpp, coll) if s.prim != "local"}
+    if len(chosen) == 1:
+        only = chosen.pop()
+        if base.collective_reduce_ok(p.dtype, only) == coll:
+            return only
+    return be
 
 
 @memo(maxsize=1024)
