@@ -46,11 +46,10 @@ from .mpi_collectives import MPICollectives
 __all__ = ["MPIBackend"]
 
 
-_MPI: list = []
+_MPI: list = []     # mpi4py's MPI module, imported on first use (this module loads without MPI)
 
 
 def _mpi():
-    """mpi4py's MPI module (imported on first use: the backend module loads without MPI)."""
     if not _MPI:
         from mpi4py import MPI
         _MPI.append(MPI)
@@ -258,9 +257,7 @@ class MPIBackend(MPICollectives, Backend):
         return MPIWork(req, buf, "recv", (peer,), self.rank)
 
     def wait_all(self, works, deadline):
-        """wait_polling (nothing is batched to flush); a lone request is first tested raw a
-        few times (a short message is done by then; an error falls to the loop, which names
-        the peers)."""
+        """wait_polling; a lone request is first tested raw (errors: the loop names peers)."""
         if len(works) == 1 and type(works[0]) is MPIWork:
             test, sched_yield = works[0].req.Test, os.sched_yield if not _base.SPIN else int
             try:
