@@ -306,10 +306,6 @@ class Backend:
     def prepare_groups(self, groups: Sequence[tuple[int, ...]], deadline: float | None) -> None:
         """Create (collectively, in this order) the groups not cached yet, within `deadline`."""
 
-    def has_groups(self, groups: Sequence[tuple[int, ...]]) -> bool:
-        """True when every group in `groups` is already created (nothing collective to do)."""
-        return not groups
-
     # -- the control channel: small messages beside the data (meshcomm.runtime.control) ------
     def ctl_send(self, peer: int, data: bytes) -> None: raise NotImplementedError
     def ctl_poll(self) -> list: raise NotImplementedError
@@ -598,15 +594,6 @@ def execute(plan, shards: Mapping[int, object], like, *, rank: int, devices_per_
     return ex.finish(deadline)
 
 
-def groups_ready(plan, backend: Backend, dpp: int, device_kind: str = "cpu") -> bool:
-    """Whether an Execution of `plan` (uncompressed) on `backend` would create no group: what
-    `Execution.groups_ready` says, before the Execution is built."""
-    coll = collective_reduce_ok(plan.dtype, backend)
-    need = groups_needed(plan, dpp, coll, lambda s: backend.choose(s.table_op, s.nbytes, len(s.ranks), device_kind),
-                         device_kind)
-    return all(b.has_groups(need.get(b.name, [])) for b in backend.members())
-
-
 class Execution:
     """`execute` in steps: `prepare` (create groups, collective), `start` (issue the first
     stage, non-blocking: nothing waits), `finish` (everything else), or `abort` after a
@@ -660,10 +647,6 @@ class Execution:
     def peers(self) -> set:
         """The other ranks this rank exchanges anything with, in any stage."""
         return {r for s in self.steps if s.prim != "local" for r in s.ranks} - {self.run.rank}
-
-    def groups_ready(self) -> bool:
-        """True when `prepare` would create nothing (safe to `start` before agreeing)."""
-        return self.compression is not None or groups_ready(self.plan, self.backend, self.dpp, self.device_kind)
 
     def prepare(self, deadline):
         need = self.groups()

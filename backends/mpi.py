@@ -328,9 +328,6 @@ class MPIBackend(MPICollectives, Backend):
         others = tuple(r for r in ranks if r != self.rank)
         return MPIWork(req, buf, f"reduce in group {list(ranks)}", others, self.rank)
 
-    def has_groups(self, groups):
-        return all(g in self._groups or len(g) == self.world_size for g in groups)
-
     def prepare_groups(self, groups: Sequence[tuple[int, ...]], deadline):
         new = [g for g in groups if g not in self._groups and len(g) < self.world_size]
         for g in new:                       # every member creates its groups in plan order

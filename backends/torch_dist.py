@@ -244,9 +244,6 @@ class TorchBackend(TorchCollectives, Backend):
         return CollWork(f"reduce in group {list(ranks)}", tuple(r for r in ranks if r != self.rank), (buf, w),
                         work, self.rank, back if self.rank == root else None)
 
-    def has_groups(self, groups):
-        return all(g in self._groups or len(g) == self.world_size for g in groups)
-
     def prepare_groups(self, groups: Sequence[tuple[int, ...]], deadline):
         # Called by EVERY rank with the same list, in the same order: new_group is collective
         # over the whole world, members or not. Programs on host tensors need no group (a

@@ -95,12 +95,12 @@ class BatchKernel:
         for t in tensors:
             tiling = t.src.tiles(t.shape)
             self.want[t.name] = {d: tuple(b - a for a, b in tiling.boxes[d]) for d in own.owned(t.src)}
-        self.groups_ready(ctx, be)
+        self.prepare_groups(ctx, be)
         self.runner = batch_exec.Runner(plans, rank=ctx.rank, devices_per_process=ctx.devices_per_process,
                                         backend=be, bucket_bytes=bucket_bytes) \
             if batch_exec.coalescable(plans, ctx.devices_per_process) else None
 
-    def groups_ready(self, ctx, be):
+    def prepare_groups(self, ctx, be):
         if not batch_exec.coalescable(self.plans, ctx.devices_per_process):
             from ..backends import base
             for p in self.plans:
