@@ -21,7 +21,7 @@ from ..planners import Topology
 from .alltoall_input import assemble, axis_groups, local, split_rows, validate_owned  # noqa: F401
 from .local_program import LocalKernel
 from ..handle import Handle
-from .program import Program, construct, eager, new, outside, participants, tags_of
+from .program import Program, construct, eager, new, outside, participants, tags_of, half
 
 __all__ = ["DistRun", "program", "run", "local", "axis_groups"]
 
@@ -189,6 +189,8 @@ class A2AKernel:
     """An all_to_all_v Program's run: this process's rows checked against the agreed row
     shape and dtype, then a DistRun on the Program's tags."""
 
+    parity = 0          # the run's (Program.start sets it): which half of the tags it uses
+
     def __init__(self, ctx, be, mesh, axis, groups, rows, dtype, topo, algorithm, tags):
         self.ctx, self.be, self.mesh, self.axis, self.groups = ctx, be, mesh, axis, groups
         self.rows, self.dtype, self.topo, self.algorithm, self.tags = rows, dtype, topo, algorithm, tags
@@ -214,7 +216,7 @@ class A2AKernel:
 
     def run(self, st, deadline, stamp=None):
         a, bare = st
-        r = DistRun(self.ctx, self.be, self.groups, a, self.topo, self.algorithm, self.tags)
+        r = DistRun(self.ctx, self.be, self.groups, a, self.topo, self.algorithm, half(self.tags, self.parity))
         r.stamp = stamp
         return r.run(bare)
 

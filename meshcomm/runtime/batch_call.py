@@ -22,6 +22,7 @@ from ..validate import check_layouts, check_tile_shapes, infer_shape, resolve_sh
 from .agreement import value
 from ..handle import Handle
 from .program import Program, construct, eager, new, outside, participants, empty_like, facts_of, fences_of, layouts_fp, tags_of
+from .program import half
 from .reshard_call import local_input
 
 __all__ = ["program", "reshard_many", "normalize_batch"]
@@ -86,6 +87,8 @@ class Tensor:
 
 class BatchKernel:
     """A batch Program's run (runtime/program.py: prepare, run, finish)."""
+
+    parity = 0          # the run's (Program.start sets it): which half of the tags it uses
 
     def __init__(self, ctx, be, tensors: list[Tensor], plans, bucket_bytes, pid):
         self.ctx, self.be, self.tensors, self.plans = ctx, be, tensors, plans
@@ -159,10 +162,10 @@ class BatchKernel:
         t_run = time.time() if stamp is not None else None
         fences = fences_of({i: v for i, it in enumerate(items) for v in list(it.shards.values())[:1]})
         if self.runner is not None:         # worked out at construction
-            res = self.runner.run(items, self.tags, deadline)
+            res = self.runner.run(items, half(self.tags, self.parity), deadline)
         else:
             res = batch_exec.run_batch(items, rank=ctx.rank, devices_per_process=ctx.devices_per_process,
-                                       backend=self.be, tags=self.tags, deadline=deadline,
+                                       backend=self.be, tags=half(self.tags, self.parity), deadline=deadline,
                                        bucket_bytes=self.bucket_bytes, fences=fences)
         if stamp is not None:
             for t, p, it, r in zip(self.tensors, self.plans, items, res):

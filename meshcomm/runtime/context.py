@@ -196,6 +196,8 @@ class Context:
         self.participants: dict = {}    # meshes -> the ranks owning their devices (program.participants)
         self.programs = 0           # Programs this process constructed (a count)
         self.counters: dict = {}    # processes (sorted ranks) -> Programs they constructed together
+        self.seq: dict = {}         # processes (sorted ranks) -> runs of their Programs (program.Program.start)
+        self.group_programs: dict = {}  # processes (sorted ranks) -> their Programs' numbers (control.Channel.watch)
         self.tries: dict = {}       # (group key, counter) -> attempts that failed together (agreement)
         self.attempts = 0           # agreements this process took part in (their nonces)
         from . import control

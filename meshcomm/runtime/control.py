@@ -43,17 +43,20 @@ POLL_S = 0.002          # seconds between looks at the control channel while wai
 
 class Call(typing.NamedTuple):
     """What a process is in: `what` ("construct" or "run"), the Program's number and label,
-    the run's number (for a construction: the nonce its Meta travels with)."""
+    the run's number (for a construction: the nonce its Meta travels with), and for a run its
+    number among the runs of its group's Programs (`Context.seq`)."""
 
     what: str
     program: int
     label: str
     run: int = 0
+    seq: int = 0
 
     @property
     def key(self) -> tuple:
-        """The call itself, the same on every process (a construction's nonce is its own)."""
-        return (self.what, self.program, self.run if self.what == "run" else 0)
+        """The call itself, the same on every process (a construction's nonce is its own): a
+        run at another place in its group's sequence is another call (a process skipped one)."""
+        return (self.what, self.program, self.run, self.seq) if self.what == "run" else (self.what, self.program, 0, 0)
 
     def __str__(self) -> str:
         if self.what == "construct":
@@ -103,6 +106,7 @@ class Channel:
         self.errors: list = []               # ERRORs received, not raised yet
         self.status: dict = {}               # rank -> its last STATUS (call, peers)
         self.failed: set = set()             # Program numbers a peer reported failed
+        self.group_of: dict = {}             # Program number -> its group's Program numbers (program.construct)
         self.retracted: set = set()          # (rank, nonce): Metas their senders gave up on
         self.handled: set = set()            # (rank, call): peers' failures raised for already
         self.mine: set = set()               # calls this process failed in (peers' errors in them: known)
@@ -129,6 +133,8 @@ class Channel:
             Recorder.done(self.entry, "failed")
         if getattr(err, "local_only", False):
             return                          # raised after a run that completed everywhere
+        if programs is None:
+            programs = getattr(err, "programs", None)
         if programs is None:
             programs = [call.program] if call is not None and call.what == "run" else []
         self.failed.update(programs)
@@ -224,13 +230,18 @@ class Channel:
                 if st[0].what == "construct":       # its Meta answers no later agreement
                     self.retracted.add((p, st[0].run))
                     retracts.append((p, st[0].run))
-                # both calls' Programs are done for: the peer posted messages of its own
-                self.failed.update(c.program for c in (call, st[0]) if c.what == "run")
+                # every Program of both calls' groups is done for: a call that one process
+                # made alone (its part ended at once) may have left messages of any of them
+                # in flight, and its peers do not know which
+                programs = {c.program for c in (call, st[0]) if c.what == "run"}
+                for c in (call, st[0]):
+                    programs.update(self.group_of.get(c.program, ()))
+                self.failed.update(programs)
                 e = PeerError(f"rank {self.rank} is in {call} and waits for rank {p}, which is in "
                               f"{st[0]} and waits for rank {self.rank}: the processes are not in the "
                               "same call (every process must construct and run the same Programs, "
                               "and make the same eager calls, in the same order)", p)
-                e.retracts = retracts
+                e.retracts, e.programs = retracts, sorted(programs)
                 raise e
         if self._stall_sent is None or now - self._stall_sent > 1.0:
             self._stall_sent = now

@@ -81,7 +81,7 @@ class Program:
             res = k.finish(k.run(k.prepare(x, out) if st is None else st, None, stamp))
             return Handle(result=res) if async_op else res
         self.runs += 1
-        call = control.Call("run", self.id, self.label, self.runs)
+        call = control.Call("run", self.id, self.label, self.runs, next_seq(ctx, self.ranks))
         ch = control._CHANNEL
         try:
             if ch is not None:
@@ -108,6 +108,7 @@ class Program:
             try:
                 if self.check_every:
                     self._agree_run(st)
+                k.parity = call.seq & 1
                 r = k.run(st, time.monotonic() + ctx.timeout, stamp)
             except Exception as e:
                 self._run_failed(ch, prev, call, e)
@@ -121,6 +122,7 @@ class Program:
         try:
             if self.check_every:
                 self._agree_run(st)
+            self._kernel.parity = call.seq & 1      # runs one at a time, in call order (ctx._lock)
             r = self._kernel.run(st, time.monotonic() + self.ctx.timeout, stamp)
         except Exception as e:
             self._run_failed(ch, prev, call, e)
@@ -139,7 +141,9 @@ class Program:
         try:
             st = check()
         except Exception as e:
-            self._fail(control.current(), control.Call("run", self.id, self.label, self.runs + 1), e)
+            self.runs += 1                  # counted as a run, as on its peers (which run it)
+            self._fail(control.current(), control.Call("run", self.id, self.label, self.runs,
+                                                       next_seq(self.ctx, self.ranks)), e)
             raise
         return self.start(None, async_op, None, stamp, st)
 
@@ -216,16 +220,41 @@ def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable,
     pid = program_id(ranks, counter)
     ctx.attempts += 1                   # this process's agreements: its Meta's nonce
     ch = control.current()
+    group = ctx.group_programs.setdefault(ranks, set())
+    if ch is not None:
+        ch.group_of[pid] = group        # a mismatch found in this construction fails them all
     with control.entering(ch, control.Call("construct", pid, label, ctx.attempts)):
         deadline = time.monotonic() + ctx.timeout
+        extra = dict(extra, seq=ctx.seq.get(ranks, 0))
         metas = agreement.agree(ctx, ranks, counter, ctx.attempts, Meta(label, fields, agreement.error_of(err), extra),
                                 err, describe, deadline)
+        # the group's run sequence, the same on each of them again (a process that skipped a
+        # call, and raised for it, is behind)
+        ctx.seq[ranks] = max(m.extra.get("seq", 0) for m in metas)
         prog = build(pid, metas, deadline)
         if not prog.counter:            # new (an eager call that agrees each time finds its own)
             prog.ranks, prog.counter = ranks, counter
             ctx.programs += 1
         ctx.counters[ranks] = counter
+        group.add(prog.id)
+        if ch is not None and prog.id != pid:
+            ch.group_of.pop(pid, None)
+            ch.group_of[prog.id] = group
         return prog
+
+
+def next_seq(ctx, ranks) -> int:
+    """The next run's number in the sequence of runs of the group's Programs (on the calling
+    thread, in call order): its parity chooses the run's tags or communicator, so two
+    processes at different places in the sequence never match each other's messages."""
+    n = ctx.seq[ranks] = ctx.seq.get(ranks, 0) + 1
+    return n
+
+
+def half(tags, parity: int) -> tuple:
+    """The half of a Program's tag space (first, span) that runs of this parity use."""
+    first, span = tags
+    return first + parity * (span // 2), span // 2
 
 
 def program_id(ranks, counter) -> int:
@@ -380,11 +409,11 @@ class PlanRun:
             for b in be.members():
                 b.prepare_groups(need.get(b.name, []), deadline)
 
-    def run(self, shards, like, fences, deadline, out=None):
+    def run(self, shards, like, fences, deadline, out=None, parity=0):
         ctx = self.ctx
         ex = base.Execution(self.plan, shards, like, rank=ctx.rank, devices_per_process=ctx.devices_per_process,
                             backend=self.be, device_kind=self.device_kind, producer_fences=fences,
-                            compression=self.comp, tags=self.tags, out=out)
+                            compression=self.comp, tags=half(self.tags, parity), out=out)
         ex.start()
         return ex.finish(deadline)
 

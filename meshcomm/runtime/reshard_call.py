@@ -64,6 +64,8 @@ def local_input(ctx, x, src, dst) -> tuple[dict, bool]:
 class ReshardKernel:
     """What a reshard Program does per run (runtime/program.py: prepare, run, finish)."""
 
+    parity = 0          # the run's (Program.start sets it): which half of the tags it uses
+
     def __init__(self, ctx, be, src, dst, p, agreed: Agreed, comp, tags, deadline):
         self.ctx, self.be, self.src, self.dst, self.p, self.agreed = ctx, be, src, dst, p, agreed
         self.owned_src = ctx.ownership.owned(src)
@@ -134,7 +136,7 @@ class ReshardKernel:
         like = next(iter(shards.values())) if shards else (
             next(iter(out.values())) if out else empty_like(kind or "numpy", a.dtype, devtype))
         t_run = time.time() if stamp is not None else None
-        res, done = self.runner.run(shards, like, fences, deadline, out)
+        res, done = self.runner.run(shards, like, fences, deadline, out, self.parity)
         if stamp is not None:
             _log.record_reshard(stamp, rank=self.ctx.rank, dpp=self.ctx.devices_per_process, backend=self.be.name,
                                 plan=self.p, collective_reduce=False, shards=shards, out=res, t_run=t_run)
