@@ -228,8 +228,8 @@ def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable,
         extra = dict(extra, seq=ctx.seq.get(ranks, 0))
         metas = agreement.agree(ctx, ranks, counter, ctx.attempts, Meta(label, fields, agreement.error_of(err), extra),
                                 err, describe, deadline)
-        # the group's run sequence, the same on each of them again (a process that skipped a
-        # call, and raised for it, is behind)
+        # the group's run sequence, the same on each of them again (after a mismatch, they
+        # may be at different places in it)
         ctx.seq[ranks] = max(m.extra.get("seq", 0) for m in metas)
         prog = build(pid, metas, deadline)
         if not prog.counter:            # new (an eager call that agrees each time finds its own)
@@ -247,7 +247,7 @@ def next_seq(ctx, ranks) -> int:
     """The next run's number in the sequence of runs of the group's Programs (on the calling
     thread, in call order): its parity chooses the run's tags or communicator, so two
     processes at different places in the sequence never match each other's messages."""
-    n = ctx.seq[ranks] = ctx.seq.get(ranks, 0) + 1
+    ctx.seq[ranks] = n = ctx.seq.get(ranks, 0) + 1
     return n
 
 
