@@ -643,6 +643,9 @@ def skipped_call(ctx, stats):
     from mpi4py import MPI
     ws, me = ctx.world_size, ctx.rank
     mesh = mc.Mesh(np.arange(ws), ("x",))
+    # as plans (tag halves by the call sequence's parity); a native call shares its
+    # communicator between parities and is not covered yet (runtime/native_call.posters)
+    native_call.MODE = "plan"
 
     def A(v):
         return mc.all_reduce(np.full(3, v, np.float32), mesh, "x", backend="mpi")
