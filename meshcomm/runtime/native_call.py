@@ -112,30 +112,27 @@ def wire_bytes(req, k: int, i: int, root: int | None, size: int) -> tuple[int, i
     return (0, (k - 1) * part) if i == root else (part, 0)          # reduce, gather
 
 
-def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> tuple:
-    """Per run parity (program.next_seq), [(group, this process's device in it, its poster)]
-    for every group this process is in, in the groups' global order (a process in several
-    groups takes part in each in that order: the same everywhere, so no deadlock). Both
-    parities share the posts: a communicator per parity (tried) doubled the communicators a
-    Program creates, and one creation among 8 processes then hung in one full test run of
-    three; so a native call does not yet tell runs at different places in the sequence apart
-    (plans do: tag halves)."""
+def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> list:
+    """[(group, this process's device in it, its poster)] for every group this process is in,
+    in the groups' global order (a process in several groups takes part in each in that
+    order: the same everywhere, so no deadlock). Runs of either parity of the call sequence
+    (program.next_seq) share them: a communicator per parity doubled the creations a Program
+    makes, and one of them then hung among 8 processes in one full test run of three; so a
+    native call does not yet tell runs at different places in the sequence apart (plans do:
+    tag halves)."""
     prim = nat.prim
     rank_of = ctx.ownership.rank_of
     if prim.name != "mpi":
         prim.prepare_groups([r for r in nat.all_ranks if len(r) > 1], deadline)
-    out = ([], [])
+    out = []
     for g in groups(req.mesh, req.axes):
         me = [d for d in g if rank_of(d) == ctx.rank]
-        for posts in out if me else ():
-            if posts is out[1]:
-                posts.append(out[0][-1])
-                continue
+        if me:
             comm = prim.communicator(tuple(sorted(rank_of(d) for d in g)), deadline) if prim.name == "mpi" else None
             post = poster(ctx, prim, req, g, me[0], dt, tile, shapes, kind, comm)
             if comm is not None and kind == "numpy":
                 post = persistent(ctx, prim, req, g, me[0], dt, tile, shapes, comm, post)
-            posts.append((g, me[0], post))
+            out.append((g, me[0], post))
     return out
 
 

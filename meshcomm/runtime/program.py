@@ -103,17 +103,8 @@ class Program:
         last = ctx._last                        # after the asynchronous calls issued before
         if last is not None and not last.done():
             ctx.call(lambda: None)
-        with ctx._lock:                         # `_go`, inline
-            prev = control.enter(ch, call)
-            try:
-                if self.check_every:
-                    self._agree_run(st)
-                k.parity = call.seq & 1
-                r = k.run(st, time.monotonic() + ctx.timeout, stamp)
-            except Exception as e:
-                self._run_failed(ch, prev, call, e)
-                raise
-            control.leave(ch, prev)
+        with ctx._lock:
+            r = self._go(ch, call, st, stamp)
         return k.finish(r)
 
     def _go(self, ch, call, st, stamp):
@@ -125,15 +116,12 @@ class Program:
             self._kernel.parity = call.seq & 1      # runs one at a time, in call order (ctx._lock)
             r = self._kernel.run(st, time.monotonic() + self.ctx.timeout, stamp)
         except Exception as e:
-            self._run_failed(ch, prev, call, e)
+            if not getattr(e, "local_only", False):
+                self.failed = f"run {call.run}: {type(e).__name__}"
+            control.leave(ch, prev, e)
             raise
         control.leave(ch, prev)
         return r
-
-    def _run_failed(self, ch, prev, call, e) -> None:
-        if not getattr(e, "local_only", False):
-            self.failed = f"run {call.run}: {type(e).__name__}"
-        control.leave(ch, prev, e)
 
     def start_checked(self, check, async_op, stamp):
         """A run of input the caller has validated already: `check()` gives the kernel's
@@ -245,7 +233,7 @@ def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable,
 
 def next_seq(ctx, ranks) -> int:
     """The next run's number in the sequence of runs of the group's Programs (on the calling
-    thread, in call order): its parity chooses the run's tags or communicator, so two
+    thread, in call order): its parity chooses the half of a plan's tags, so two
     processes at different places in the sequence never match each other's messages."""
     ctx.seq[ranks] = n = ctx.seq.get(ranks, 0) + 1
     return n
