@@ -340,6 +340,14 @@ class MPIBackend(MPICollectives, Backend):
         self._own.append(c)
         return c
 
+    def twin(self, comm, deadline):
+        """A duplicate of a Program's own communicator `comm` (collective over its members
+        only, nothing else posts on it meanwhile): the calls of the other run parity."""
+        c = timed_dup(comm, deadline)
+        c.Set_errhandler(_mpi().ERRORS_RETURN)
+        self._own.append(c)
+        return c
+
     def _create(self, ranks, deadline):
         """Comm.Create_group of `ranks` (collective over them) on a thread the deadline can
         give up on: a member that never arrives raises PeerTimeoutError naming the group."""

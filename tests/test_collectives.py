@@ -221,7 +221,7 @@ def test_mpiexec_8_every_element_type_and_torch_tiles(tmp_path):
     pytest.param("relayed-error", "relayed_error_ok", 1, id="relayed-error"),
     # a process whose part ended at once makes a call the others do not make: its next call
     # must not join their pending run (the per-group call sequence: docs/runtime.md)
-    pytest.param("skipped-call", "skipped_call_ok", 1, id="skipped-call"),
+    pytest.param("skipped-call", "skipped_call_raised", 3, id="skipped-call"),
 ])
 def test_mismatch_and_fault_cases(tmp_path, case, stat, count):
     """4 processes, one case each (collectives_worker.py KNOWN_BUGS): what the semantics say

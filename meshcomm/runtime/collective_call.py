@@ -89,7 +89,7 @@ class CollectiveKernel:
     """A collective Program's run: this process's tiles checked against the agreed ones,
     then its native calls (one per group it is in) or its plan."""
 
-    parity = 0          # the run's (Program.start sets it): which half of its tags a plan uses
+    parity = 0          # the run's (Program.start sets it): which communicator or half of the tags it uses
 
     def __init__(self, ctx, be, req, a: Agreed, prob, pid, deadline):
         self.ctx, self.be, self.req, self.a, self.prob = ctx, be, req, a, prob
@@ -109,14 +109,14 @@ class CollectiveKernel:
                 self._bare = None
         self._takes_none = (len(self.owned) == 1 and req.op in ("broadcast", "scatter")
                             and self.owned[0] not in roots_of(req))
-        self.posts = []
+        self.posts = ([], [])       # per run parity (native_call.posters)
         self.plan = None
         self._host = fences_of({})          # host tiles: nothing to fence
         self._one = None
         if nat is not None:
             self.posts = native_call.posters(ctx, nat, req, a.dtype, a.tile, a.shapes, a.kind or "numpy", deadline)
-            if len(self.posts) == 1:
-                self._one = self.posts[0][1:]
+            if len(self.posts[0]) == 1:
+                self._one = [p[0][1:] for p in self.posts]
         else:
             self.plan = make_plan(prob.shape, a.dtype[0], prob.src, prob.dst)
             comp = None if req.compression is None else codec_cost.resolve(
@@ -183,13 +183,13 @@ class CollectiveKernel:
     def run(self, st, deadline, stamp=None):
         tiles, bare, kind, fences, out = st
         if self._one is not None and stamp is None:      # one native call: post, wait
-            me, post = self._one
+            me, post = self._one[self.parity]
             works, fin = post(tiles.get(me))
             issued[self.native.key, self.req.op] += 1
             self.native.prim.wait_all(works, deadline)
             return fin(), None, kind, bare, out
         if self.native is not None:
-            res = native_call.run(self.ctx, self.native, self.posts, self.req, self.prob, tiles, self.a.dtype,
+            res = native_call.run(self.ctx, self.native, self.posts[self.parity], self.req, self.prob, tiles, self.a.dtype,
                                   self.a.tile, deadline, stamp)
             return res, None, kind, bare, out
         shards = {d: self.prob.in_tile(v) for d, v in tiles.items() if d in self.src_devs}

@@ -37,10 +37,11 @@ _TYPED_OK = {"mpi": ("float32", "float64", "int32", "int64", "int8", "uint8", "i
              "torch": ("float32", "float64", "int32", "int64", "int8", "uint8", "int16", "bfloat16", "float16")}
 
 
-# Programs whose native MPI calls get communicators of their own: every process can hold about
-# 2040 communicators (MPICH's context ids); past this many Programs of one group of processes
-# (their count is the same on each of them), a collective Program runs its plan
-OWN_COMMS_MAX = 1024
+# Programs whose native MPI calls get communicators of their own (two per group: one per run
+# parity): every process can hold about 2040 communicators (MPICH's context ids); past this
+# many Programs of one group of processes (their count is the same on each of them), a
+# collective Program runs its plan
+OWN_COMMS_MAX = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,27 +113,34 @@ def wire_bytes(req, k: int, i: int, root: int | None, size: int) -> tuple[int, i
     return (0, (k - 1) * part) if i == root else (part, 0)          # reduce, gather
 
 
-def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> list:
-    """[(group, this process's device in it, its poster)] for every group this process is in,
-    in the groups' global order (a process in several groups takes part in each in that
-    order: the same everywhere, so no deadlock). Runs of either parity of the call sequence
-    (program.next_seq) share them: a communicator per parity doubled the creations a Program
-    makes, and one of them then hung among 8 processes in one full test run of three; so a
-    native call does not yet tell runs at different places in the sequence apart (plans do:
-    tag halves)."""
+def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> tuple:
+    """Per run parity (program.next_seq), [(group, this process's device in it, its poster)]
+    for every group this process is in, in the groups' global order (a process in several
+    groups takes part in each in that order: the same everywhere, so no deadlock). Over MPI
+    the odd runs post on a duplicate of the Program's own communicator (`MPIBackend.twin`),
+    so a run never matches one at another place in the call sequence (a broadcast's root
+    finishes alone there). gloo's posts share one group: its sends wait for the receiver,
+    so no member of a gloo collective finishes alone and a skipped call stalls instead."""
     prim = nat.prim
     rank_of = ctx.ownership.rank_of
     if prim.name != "mpi":
         prim.prepare_groups([r for r in nat.all_ranks if len(r) > 1], deadline)
-    out = []
+    out = ([], [])
     for g in groups(req.mesh, req.axes):
         me = [d for d in g if rank_of(d) == ctx.rank]
-        if me:
-            comm = prim.communicator(tuple(sorted(rank_of(d) for d in g)), deadline) if prim.name == "mpi" else None
+        if not me:
+            continue
+        comm = prim.communicator(tuple(sorted(rank_of(d) for d in g)), deadline) if prim.name == "mpi" else None
+        for posts in out:
+            if posts is out[1] and comm is None:
+                posts.append(out[0][-1])
+                continue
+            if posts is out[1]:
+                comm = prim.twin(comm, deadline)
             post = poster(ctx, prim, req, g, me[0], dt, tile, shapes, kind, comm)
             if comm is not None and kind == "numpy":
                 post = persistent(ctx, prim, req, g, me[0], dt, tile, shapes, comm, post)
-            out.append((g, me[0], post))
+            posts.append((g, me[0], post))
     return out
 
 
