@@ -333,26 +333,19 @@ class MPIBackend(MPICollectives, Backend):
         for g in new:                       # every member creates its groups in plan order
             self._groups[g] = self._create(g, deadline) if self.rank in g else None
 
-    def communicator(self, ranks, deadline):
+    def communicator(self, ranks, deadline, twin=None):
         """A new communicator of the group `ranks` (this rank a member) for one Program's
-        native collectives: nothing else ever posts on it."""
-        c = self._create(tuple(ranks), deadline)
+        native collectives: nothing else ever posts on it. With `twin` (such a communicator),
+        its duplicate (collective over its members only): the other run parity's."""
+        c = self._create(tuple(ranks), deadline, twin)
         self._own.append(c)
         return c
 
-    def twin(self, comm, deadline):
-        """A duplicate of a Program's own communicator `comm` (collective over its members
-        only, nothing else posts on it meanwhile): the calls of the other run parity."""
-        c = timed_dup(comm, deadline)
-        c.Set_errhandler(_mpi().ERRORS_RETURN)
-        self._own.append(c)
-        return c
-
-    def _create(self, ranks, deadline):
+    def _create(self, ranks, deadline, twin=None):
         """Comm.Create_group of `ranks` (collective over them) on a thread the deadline can
         give up on: a member that never arrives raises PeerTimeoutError naming the group."""
-        if len(ranks) == self.world_size:
-            c = timed_dup(self.comm, deadline)
+        if twin is not None or len(ranks) == self.world_size:
+            c = timed_dup(self.comm if twin is None else twin, deadline)
         else:
             def make():
                 world = self.comm.Get_group()
