@@ -386,5 +386,8 @@ class TorchBackend(TorchCollectives, Backend):
     def close(self):
         self._groups.clear()
         self.store = None
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=True)
+            self._waiter = None
         if self.owns_pg and self.dist.is_initialized():
             self.dist.destroy_process_group()

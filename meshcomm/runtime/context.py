@@ -8,6 +8,7 @@ serializes its calls the same way (call meshcomm from one thread per process).
 from __future__ import annotations
 
 import atexit
+import gc
 import concurrent.futures
 import os
 import threading
@@ -278,7 +279,10 @@ class Context:
             self.channel.raise_pending()     # a peer failed in a run this process finished
         finally:
             control.install(None)
+            self.eager.clear()      # the Programs (buffers, works) go before their backends
+            gc.collect()
             self._close_backends()
+            gc.collect()            # gloo's works and groups, while the interpreter still runs
 
     def _close_backends(self):
         for name in ("mixed", "torch", "mpi"):
