@@ -236,5 +236,7 @@ def run_cases(procs: int = 8, mib: float = 16.0) -> list[Case]:
                  Layout(m, (("x", "y"),)), "int32", "same-mesh"),
             Case("same-allreduce-x", (n, n), Layout(m, ("y",), partial=("x",)),
                  Layout(m, ("y",)), "int32", "same-mesh"),
+            Case("same-replicate-to-shard", (n, n), Layout(m, ()), Layout(m, (("x", "y"),)),
+                 group="same-mesh"),        # no data moves: each device slices its own copy
         ]
     return out
