@@ -77,12 +77,12 @@ def impls(op, comm, x, n, rank, mesh, chosen):
         buf = np.empty(x.size * n, x.dtype)
         tb = torch.empty(x.size * n)
         out["mpi4py"] = lambda: comm.Allgather(x, buf)
-        out["gloo"] = lambda: dist.all_gather_into_tensor(tb, t)
+        out["gloo"] = lambda: (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(tb, t)
     elif op == "reduce_scatter":
         buf = np.empty(k, x.dtype)
         out["mpi4py"] = lambda: comm.Reduce_scatter_block(x, buf)
         tb = torch.empty(k)
-        out["gloo"] = lambda: dist.reduce_scatter_tensor(tb, t)
+        out["gloo"] = lambda: _reduce_scatter(dist)(tb, t)
     elif op == "broadcast":
         out["mpi4py"] = lambda: comm.Bcast(x.copy(), root=0)
         out["gloo"] = lambda: dist.broadcast(t.clone(), src=0)
@@ -117,11 +117,16 @@ def supported(name, op):
     return not (name == "gloo" and op == "reduce_scatter" and not _gloo_has_rs())
 
 
+def _reduce_scatter(dist):
+    """torch's equal-block reduce-scatter (`reduce_scatter_single` from torch 2.13)."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _gloo_has_rs():
     import torch
     import torch.distributed as dist
     try:
-        dist.reduce_scatter_tensor(torch.empty(1), torch.empty(dist.get_world_size()))
+        _reduce_scatter(dist)(torch.empty(1), torch.empty(dist.get_world_size()))
         return True
     except (RuntimeError, NotImplementedError, ValueError):
         return False
