@@ -137,6 +137,9 @@ class MixedBackend(Backend):
     def retract(self, obj, tag, ranks=None):
         self.mpi.retract(obj, tag, ranks)
 
+    def unread(self, objs, tag, ranks):
+        self.mpi.unread(objs, tag, ranks)
+
     def ctl_send(self, peer, data):
         self.mpi.ctl_send(peer, data)
 

@@ -386,6 +386,14 @@ class MPIBackend(MPICollectives, Backend):
                                "the agreement of a Program", "did not construct the same Program", accept,
                                self._stash, ranks)
 
+    def unread(self, objs, tag, ranks) -> None:
+        """Put `allgather_obj`'s answers (of `ranks`) back, first in line for the next
+        allgather on `tag`: an attempt that took them turned out void."""
+        tag = (tag[0] if isinstance(tag, tuple) else tag) % TAG_MOD
+        for r, v in zip(ranks, objs):
+            if r != self.rank:
+                self._stash[(r, tag)] = [v] + self._stash.get((r, tag), [])
+
     def retract(self, obj, tag, ranks=None) -> None:
         """Send `obj` to the other `ranks` (all) on the metadata communicator's `tag`, behind
         what this rank sent there before (MPI keeps their order)."""

@@ -112,11 +112,10 @@ def test_mpiexec_8_every_backend(tmp_path):
         assert r.get("issued_rank_program_mpi", 0) > 0, r      # host tiles over MPI: rank programs
 
 
-@pytest.mark.xfail(strict=False, reason="intermittent (about 1 launch in 3 here): after init(mpi) -> finalize -> "
-                   "init(torch) -> init(mixed) with 2 devices per process, one rank does not reach a construction "
-                   "after completing the previous run, and the others time out naming it; open, see the closing note")
 def test_mpiexec_two_devices_per_process_and_reinit(tmp_path):
-    # init("mpi") -> finalize -> init("torch") (rendezvous derived from MPI) -> init("mixed")
+    # init("mpi") -> finalize -> init("torch") (rendezvous derived from MPI) -> init("mixed");
+    # failed in about 1 launch of 2 (a rendezvous refused, or a rank missing at a construction)
+    # until finalize collected gloo's works and groups (0 of 40 launches since)
     cases = 16
     res = mpiexec(4, "--init", "mpi,torch,mixed", "--dpp", "2", "--cases", str(cases), "--seed", "2",
                   out=tmp_path / "out")

@@ -90,6 +90,18 @@ def agree(ctx, ranks, counter, nonce: int, meta: Meta, own_error: BaseException 
         # this attempt's Meta may wait at the others: take it back, behind it on its channel
         ctx.backend.retract(("RETRACT", nonce), tag=(g,) + counter, ranks=tuple(ranks))
         raise
+    if ch is not None:
+        ch.poll()
+        if (ctx.rank, nonce) in retracted:
+            # the others gave this attempt up (they saw it beside a run of theirs, failed, and
+            # went on): the Metas it took are of their next attempt, so they go back for it
+            unread = getattr(ctx.backend, "unread", None)
+            if unread is not None:
+                unread(got, (g,) + counter, tuple(ranks))
+            ch.raise_pending()
+            from ..errors import PeerError
+            raise PeerError(f"rank {ctx.rank}: the others gave this construction up (they were in "
+                            "another call)", next(r for r in ranks if r != ctx.rank))
     me = list(ranks).index(ctx.rank)
     metas = [meta if i == me else v[3] for i, v in enumerate(got)]
     try:

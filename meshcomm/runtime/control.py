@@ -110,6 +110,7 @@ class Channel:
         self.retracted: set = set()          # (rank, nonce): Metas their senders gave up on
         self.handled: set = set()            # (rank, call): peers' failures raised for already
         self.mine: set = set()               # calls this process failed in (peers' errors in them: known)
+        self.incident: set = set()           # Programs of its last failure, until a call of its succeeds
         self._next = 0.0
         self._stall_sent: float | None = None
         self._wait_start: float | None = None
@@ -140,6 +141,9 @@ class Channel:
         self.failed.update(programs)
         if call is not None:
             self.mine.add(call.key)
+        self.incident = set(programs)
+        # peers' reports of this same incident, come in before it ended here: raised for now
+        self.errors[:] = [m for m in self.errors if not self._known(m[1], m[2], m[6])]
         if getattr(err, "shared", False):
             return                          # every process raises it in this same agreement
         # a peer's error relayed here is passed on too (flagged `info`): a process waiting in
@@ -163,10 +167,7 @@ class Channel:
             msg = pickle.loads(data)
             if msg[0] == "ERROR":
                 call = msg[2]
-                # known already: a peer's failure raised for here, a call this process failed in
-                # too, or a run of a Program already failed here (one incident, several reports)
-                known = call is not None and ((msg[1], call.key) in self.handled or call.key in self.mine or (
-                    call.what == "run" and call.program in self.failed and call != self.call))
+                known = self._known(msg[1], call, msg[6])
                 self.failed.update(msg[6])
                 self.retracted.update(tuple(r) for r in msg[7])
                 # a relayed report counts only in the run it was relayed from (the origin's own
@@ -177,6 +178,16 @@ class Channel:
                     self.errors.append(msg)
             elif msg[0] == "STATUS":
                 self.status[msg[1]] = (msg[2], tuple(msg[3]), time.monotonic())
+
+    def _known(self, who, call, programs) -> bool:
+        """Whether a peer's report is known here already (one incident, several reports): its
+        failure raised for here, a call this process failed in too, a run of a Program failed
+        here, or a failure of Programs this process's own last failure failed, before any call
+        of its succeeded since (the peer's side of the same incident: a construction beside
+        the run this process failed in, say)."""
+        return call is not None and ((who, call.key) in self.handled or call.key in self.mine or (
+            call.what == "run" and call.program in self.failed and call != self.call)
+            or not self.incident.isdisjoint(programs))
 
     def raise_pending(self, now=None) -> None:
         """Raise the first error a peer reported (at a call's start, at finalize; in a wait,
@@ -314,6 +325,8 @@ def leave(ch: Channel | None, prev, ev=None) -> None:
                 ev.args = (f"{ev.args[0] if ev.args else ev} [flight recorder: {path}]",) + ev.args[1:]
         else:
             RECORDER.done(ch.entry)
+            if ch.incident:
+                ch.incident = set()         # a call succeeded: a later report is news
     finally:
         ch.call, ch.entry, ch._wait_start, ch._stall_sent = prev
 
