@@ -20,12 +20,9 @@
   MPI's own trees are kept.
 * Every wait polls `Test` with a deadline instead of a blocking `Wait`, so a peer that
   never arrives raises `PeerTimeoutError` naming it.
-* Threads: meshcomm runs all communication of a context on one background thread; MPI
-  must be initialised with at least MPI_THREAD_SERIALIZED (mpi4py asks for MULTIPLE).
-* Host buffers only: device data is staged through host memory by the executor (after a
-  host sync); a CUDA-aware MPI path is left to the GPU work.
-* Native collectives (Iallreduce, Iallgatherv, ... on the same cached communicators):
-  backends/mpi_collectives.py.
+* MPI_THREAD_MULTIPLE (mpi4py's default): creations run on a bounded thread. Host buffers
+  only (device data is staged by the executor). Native collectives (bound once, on a
+  Program's own communicators): backends/mpi_collectives.py.
 """
 from __future__ import annotations
 
@@ -387,8 +384,7 @@ class MPIBackend(MPICollectives, Backend):
                                self._stash, ranks)
 
     def unread(self, objs, tag, ranks) -> None:
-        """Put `allgather_obj`'s answers (of `ranks`) back, first in line for the next
-        allgather on `tag`: an attempt that took them turned out void."""
+        """`allgather_obj`'s answers (of `ranks`) back, first for the next one on `tag`."""
         tag = (tag[0] if isinstance(tag, tuple) else tag) % TAG_MOD
         for r, v in zip(ranks, objs):
             if r != self.rank:
