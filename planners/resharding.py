@@ -19,7 +19,8 @@
    several devices of one node) may instead be split into parts reduced at different
    needers (a reduce-scatter; the fan-outs then make an all-gather): both plans are built
    and the cost model keeps the faster. Other ops (prod, min, max: `Plan.reduce_op`) take
-   the same routes.
+   the same routes, but for one: two addends under min or max are not reduced at each
+   needer apart (the order decides the sign of a zero), as under sum or prod they may be.
 6. Coalescing and order. Everything between the same route in the same stage is one
    message. Transfers get rounds by list scheduling and one deterministic global order.
 7. Best of. The plan is simulated beside the baselines' plans for the same layouts
