@@ -89,7 +89,7 @@ class CollectiveKernel:
     """A collective Program's run: this process's tiles checked against the agreed ones,
     then its native calls (one per group it is in) or its plan."""
 
-    parity = 0          # the run's (Program.start sets it): which communicator or half of the tags it uses
+    parity = 0          # the run's (Program.start sets it): its communicator, or its half of the tags
 
     def __init__(self, ctx, be, req, a: Agreed, prob, pid, deadline):
         self.ctx, self.be, self.req, self.a, self.prob = ctx, be, req, a, prob
@@ -189,8 +189,8 @@ class CollectiveKernel:
             self.native.prim.wait_all(works, deadline)
             return fin(), None, kind, bare, out
         if self.native is not None:
-            res = native_call.run(self.ctx, self.native, self.posts[self.parity], self.req, self.prob, tiles, self.a.dtype,
-                                  self.a.tile, deadline, stamp)
+            res = native_call.run(self.ctx, self.native, self.posts[self.parity], self.req, self.prob, tiles,
+                                  self.a.dtype, self.a.tile, deadline, stamp)
             return res, None, kind, bare, out
         shards = {d: self.prob.in_tile(v) for d, v in tiles.items() if d in self.src_devs}
         like = next(iter(shards.values())) if shards else empty_like(kind, self.a.dtype[0], self.a.devtype)

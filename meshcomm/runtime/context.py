@@ -8,8 +8,8 @@ serializes its calls the same way (call meshcomm from one thread per process).
 from __future__ import annotations
 
 import atexit
-import gc
 import concurrent.futures
+import gc
 import os
 import threading
 from typing import Any, Mapping

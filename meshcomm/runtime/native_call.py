@@ -117,9 +117,9 @@ def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> tuple:
     """Per run parity (program.next_seq), [(group, this process's device in it, its poster)]
     for every group this process is in, in the groups' global order (a process in several
     groups takes part in each in that order: the same everywhere, so no deadlock). Over MPI
-    the odd runs post on a duplicate of the Program's own communicator (`MPIBackend.communicator(twin=)`),
-    so a run never matches one at another place in the call sequence (a broadcast's root
-    finishes alone there). gloo's posts share one group: its sends wait for the receiver,
+    the odd runs post on a duplicate of the Program's own communicator
+    (`MPIBackend.communicator(twin=)`), so a run never matches one at another place in the
+    call sequence (a broadcast's root finishes alone there). gloo's posts share one group: its sends wait for the receiver,
     so no member of a gloo collective finishes alone and a skipped call stalls instead."""
     prim = nat.prim
     rank_of = ctx.ownership.rank_of
