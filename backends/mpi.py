@@ -21,8 +21,7 @@
 * Every wait polls `Test` with a deadline instead of a blocking `Wait`, so a peer that
   never arrives raises `PeerTimeoutError` naming it.
 * MPI_THREAD_MULTIPLE (mpi4py's default): creations run on a bounded thread. Host buffers
-  only (device data is staged by the executor). Native collectives (bound once, on a
-  Program's own communicators): backends/mpi_collectives.py.
+  only. Native collectives (bound once, on a Program's own communicators): mpi_collectives.py.
 """
 from __future__ import annotations
 
@@ -339,21 +338,20 @@ class MPIBackend(MPICollectives, Backend):
         return c
 
     def _create(self, ranks, deadline, twin=None):
-        """Comm.Create_group of `ranks` (collective over them) on a thread the deadline can
-        give up on: a member that never arrives raises PeerTimeoutError naming the group."""
-        if twin is not None or len(ranks) == self.world_size:
-            c = timed_dup(self.comm if twin is None else twin, deadline)
-        else:
-            def make():
-                world = self.comm.Get_group()
-                grp = world.Incl(list(ranks))
-                try:
-                    return self.comm.Create_group(grp, tag=CREATE_TAG)
-                finally:
-                    grp.Free()
-                    world.Free()
-            c = bounded(make, deadline, self.rank, tuple(r for r in ranks if r != self.rank),
-                        f"creating the communicator of group {list(ranks)}", self.timeout)
+        """Comm.Create_group (or Dup) of `ranks` on a thread the deadline can give up on: a
+        member that never arrives raises PeerTimeoutError naming the group."""
+        def make():
+            if twin is not None or len(ranks) == self.world_size:   # blocking too: a polled wait
+                return (self.comm if twin is None else twin).Dup()  # saw members past it as elsewhere
+            world = self.comm.Get_group()
+            grp = world.Incl(list(ranks))
+            try:
+                return self.comm.Create_group(grp, tag=CREATE_TAG)
+            finally:
+                grp.Free()
+                world.Free()
+        c = bounded(make, deadline, self.rank, tuple(r for r in ranks if r != self.rank),
+                    f"creating the communicator of group {list(ranks)}", self.timeout)
         c.Set_errhandler(_mpi().ERRORS_RETURN)
         return c
 
@@ -383,8 +381,7 @@ class MPIBackend(MPICollectives, Backend):
                                "the agreement of a Program", "did not construct the same Program", accept,
                                self._stash, ranks)
 
-    def unread(self, objs, tag, ranks) -> None:
-        """`allgather_obj`'s answers (of `ranks`) back, first for the next one on `tag`."""
+    def unread(self, objs, tag, ranks) -> None:     # allgather_obj's answers back, first in line
         tag = (tag[0] if isinstance(tag, tuple) else tag) % TAG_MOD
         for r, v in zip(ranks, objs):
             if r != self.rank:
