@@ -12,14 +12,10 @@
   cached by rank tuple, on a thread the deadline can give up on (a frozen member would
   otherwise hold every other member in the call forever). Native collectives of a Program
   get communicators of their own the same way (`communicator`).
-* A broadcast whose group sits on one host is the root's Isend to each member (on the
-  group's communicator) rather than `Ibcast`: with MPI's shared-memory transport every
-  receiver then copies straight from the root's buffer, in parallel, which measured about
-  2x faster than MPICH's `Ibcast` from 1 KiB to 16 MiB (BENCHMARKS.md). Likewise integer
-  reduces gather to the root there instead of `Ireduce` (3-7x faster here). Across hosts
-  MPI's own trees are kept.
-* Every wait polls `Test` with a deadline instead of a blocking `Wait`, so a peer that
-  never arrives raises `PeerTimeoutError` naming it.
+* A broadcast inside one host is the root's Isend to each member, not `Ibcast` (each
+  receiver copies from the root's buffer in parallel: about 2x MPICH's `Ibcast`, BENCHMARKS.md);
+  integer reduces gather to the root there (3-7x `Ireduce`). Across hosts MPI's trees stay.
+* Every wait polls `Test` with a deadline: a peer that never arrives is named.
 * MPI_THREAD_MULTIPLE (mpi4py's default): creations run on a bounded thread. Host buffers
   only. Native collectives (bound once, on a Program's own communicators): mpi_collectives.py.
 """
@@ -191,12 +187,21 @@ class _Waiting:
         self.peers = (r,)
 
 
-def timed_dup(comm, deadline):
-    """Comm.Idup polled with a deadline (a blocking Dup would hang on a missing peer)."""
+def timed_dup(comm, deadline, ranks=None, timeout=None):
+    """Comm.Idup polled to `deadline`, unwatched (a member past its part is not elsewhere)."""
     new, req = comm.Idup()
-    w = MPIWork(req, None, "communicator duplication", tuple(range(comm.Get_size())), comm.Get_rank())
-    wait_polling([w], deadline)
+    spins = 0
+    while not req.Test():
+        if deadline is not None and time.monotonic() > deadline:
+            raise PeerTimeoutError(f"duplicating the communicator of {list(ranks or ())} did not complete within "
+                                   f"{timeout}s (MESHCOMM_TIMEOUT)", tuple(ranks or ()), "Idup")
+        spins += 1
+        backoff(spins)
     return new
+
+
+def _errors_return(c):      # errors raise as exceptions (not abort)
+    return c.Set_errhandler(_mpi().ERRORS_RETURN) or c
 
 
 class MPIBackend(MPICollectives, Backend):
@@ -338,11 +343,11 @@ class MPIBackend(MPICollectives, Backend):
         return c
 
     def _create(self, ranks, deadline, twin=None):
-        """Comm.Create_group (or Dup) of `ranks` on a thread the deadline can give up on: a
-        member that never arrives raises PeerTimeoutError naming the group."""
+        """Comm.Create_group of `ranks` on a thread the deadline can give up on (a Dup: polled)."""
+        if twin is not None or len(ranks) == self.world_size:
+            return _errors_return(timed_dup(self.comm if twin is None else twin, deadline, ranks, self.timeout))
+
         def make():
-            if twin is not None or len(ranks) == self.world_size:   # blocking too: a polled wait
-                return (self.comm if twin is None else twin).Dup()  # saw members past it as elsewhere
             world = self.comm.Get_group()
             grp = world.Incl(list(ranks))
             try:
@@ -350,10 +355,8 @@ class MPIBackend(MPICollectives, Backend):
             finally:
                 grp.Free()
                 world.Free()
-        c = bounded(make, deadline, self.rank, tuple(r for r in ranks if r != self.rank),
-                    f"creating the communicator of group {list(ranks)}", self.timeout)
-        c.Set_errhandler(_mpi().ERRORS_RETURN)
-        return c
+        return _errors_return(bounded(make, deadline, self.rank, tuple(r for r in ranks if r != self.rank),
+                                      f"creating the communicator of group {list(ranks)}", self.timeout))
 
     # -- the control channel (meshcomm.runtime.control) ----------------------------------
     def ctl_send(self, peer, data: bytes) -> None:
