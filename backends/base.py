@@ -177,8 +177,10 @@ def timeout_error(rank, works: Sequence[Work], timeout: float | None) -> PeerTim
 WATCH: Callable | None = None
 
 
-def wait_polling(works: Sequence[Work], deadline: float | None, rank=None, timeout=None) -> None:
-    """The one poll/deadline loop: every wait of every backend ends here (or polls `watch`)."""
+def wait_polling(works: Sequence[Work], deadline: float | None, rank=None, timeout=None, watched=True) -> None:
+    """The one poll/deadline loop: every wait of every backend ends here (or polls `watch`).
+    Unwatched (a communicator's creation), only the deadline ends it: a member already past
+    its part of a collective creation is not "in another call"."""
     if len(works) == 1:                 # a short message: done within a few tests
         test = works[0].test
         for _ in range(QUICK):
@@ -197,7 +199,8 @@ def wait_polling(works: Sequence[Work], deadline: float | None, rank=None, timeo
             return
         if deadline is not None and time.monotonic() > deadline:
             raise timeout_error(rank, pending, timeout)
-        watch(pending, deadline)
+        if watched:
+            watch(pending, deadline)
         spins += 1
         backoff(spins)
 
@@ -307,6 +310,10 @@ class Backend:
         """Create (collectively, in this order) the groups not cached yet, within `deadline`."""
 
     # -- the control channel: small messages beside the data (meshcomm.runtime.control) ------
+    def unread(self, objs, tag, ranks) -> None:
+        """Put `allgather_obj`'s answers back for the next one on `tag` (an attempt that took
+        them was void); nothing to do where reading leaves them (the torch store)."""
+
     def ctl_send(self, peer: int, data: bytes) -> None: raise NotImplementedError
     def ctl_poll(self) -> list: raise NotImplementedError
 

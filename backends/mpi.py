@@ -188,15 +188,12 @@ class _Waiting:
 
 
 def timed_dup(comm, deadline, ranks=None, timeout=None):
-    """Comm.Idup polled to `deadline`, unwatched (a member past its part is not elsewhere)."""
+    """Comm.Idup polled to `deadline`, unwatched; `ranks`: its members' world ranks."""
     new, req = comm.Idup()
-    spins = 0
-    while not req.Test():
-        if deadline is not None and time.monotonic() > deadline:
-            raise PeerTimeoutError(f"duplicating the communicator of {list(ranks or ())} did not complete within "
-                                   f"{timeout}s (MESHCOMM_TIMEOUT)", tuple(ranks or ()), "Idup")
-        spins += 1
-        backoff(spins)
+    ranks = tuple(range(comm.Get_size())) if ranks is None else tuple(ranks)
+    me = ranks[comm.Get_rank()]
+    w = MPIWork(req, None, "communicator duplication", tuple(r for r in ranks if r != me), me)
+    wait_polling([w], deadline, me, timeout, watched=False)
     return new
 
 
@@ -384,7 +381,7 @@ class MPIBackend(MPICollectives, Backend):
                                "the agreement of a Program", "did not construct the same Program", accept,
                                self._stash, ranks)
 
-    def unread(self, objs, tag, ranks) -> None:     # allgather_obj's answers back, first in line
+    def unread(self, objs, tag, ranks) -> None:
         tag = (tag[0] if isinstance(tag, tuple) else tag) % TAG_MOD
         for r, v in zip(ranks, objs):
             if r != self.rank:

@@ -16,6 +16,8 @@ import dataclasses
 import time
 from typing import Any, Callable, Mapping, Sequence
 
+from ..errors import PeerError
+
 __all__ = ["Meta", "agree", "settle", "error_of", "raise_together", "LABELS"]
 
 LABELS = {
@@ -95,11 +97,8 @@ def agree(ctx, ranks, counter, nonce: int, meta: Meta, own_error: BaseException 
         if (ctx.rank, nonce) in retracted:
             # the others gave this attempt up (they saw it beside a run of theirs, failed, and
             # went on): the Metas it took are of their next attempt, so they go back for it
-            unread = getattr(ctx.backend, "unread", None)
-            if unread is not None:
-                unread(got, (g,) + counter, tuple(ranks))
+            ctx.backend.unread(got, (g,) + counter, tuple(ranks))
             ch.raise_pending()
-            from ..errors import PeerError
             raise PeerError(f"rank {ctx.rank}: the others gave this construction up (they were in "
                             "another call)", next(r for r in ranks if r != ctx.rank))
     me = list(ranks).index(ctx.rank)
