@@ -10,8 +10,11 @@
 * Sub-communicators for broadcasts/reductions across hosts come from `Comm.Create_group`
   (collective over the members only), created at a Program's construction in plan order,
   cached by rank tuple, on a thread the deadline can give up on (a frozen member would
-  otherwise hold every other member in the call forever). Native collectives of a Program
-  get communicators of their own the same way (`communicator`).
+  otherwise hold every other member in the call forever); each group's creation carries a
+  tag of its own (`group_tag`), so creations of overlapping groups that members reach at
+  different times never share one. A Program's native collectives get communicators of
+  their own (`communicator`): `Comm.Idup`s, polled to the deadline, of a base communicator
+  made once per group, so a group's blocking creation happens once per process.
 * A broadcast inside one host is the root's Isend to each member, not `Ibcast` (each
   receiver copies from the root's buffer in parallel: about 2x MPICH's `Ibcast`, BENCHMARKS.md);
   integer reduces gather to the root there (3-7x `Ireduce`). Across hosts MPI's trees stay.
@@ -32,68 +35,16 @@ import numpy as np
 from meshcomm.errors import PeerTimeoutError
 
 from . import base as _base, pacing
-from .base import QUICK, TAG_MOD, Backend, Work, backoff, wait_polling
+from .base import QUICK, TAG_MOD, Backend, backoff, wait_polling
 from .mpi_collectives import MPICollectives
+from .mpi_comm import MPIMultiWork, MPIWork, bounded, errors_return, group_tag, mpi, timed_dup
 
 __all__ = ["MPIBackend"]
-
-
-_MPI: list = []     # mpi4py's MPI module, imported on first use (this module loads without MPI)
-
-
-def _mpi():
-    if not _MPI:
-        from mpi4py import MPI
-        _MPI.append(MPI)
-    return _MPI[0]
-
-
-class MPIMultiWork(Work):
-    """Several requests completing together (a broadcast done as point-to-point sends)."""
-
-    def __init__(self, reqs, buf, op, peers, rank):
-        self.reqs, self.buf, self.op, self.peers, self.rank = reqs, buf, op, peers, rank
-
-    def cancel(self) -> None:
-        for r in self.reqs:
-            try:
-                r.Cancel()
-            except Exception:
-                pass
-
-    def test(self) -> bool:
-        try:
-            return _mpi().Request.Testall(self.reqs)
-        except _mpi().Exception as e:
-            raise PeerTimeoutError(f"rank {self.rank}: {self.op} with peer rank(s) {list(self.peers)} "
-                                   f"failed: {e}", self.peers, self.op) from e
-
-
-class MPIWork(Work):
-    __slots__ = ("req", "buf", "op", "peers", "rank")
-
-    def __init__(self, req, buf, op, peers, rank):
-        self.req, self.buf, self.op, self.peers, self.rank = req, buf, op, peers, rank
-
-    def cancel(self) -> None:
-        if self.op == "recv":
-            try:
-                self.req.Cancel()
-            except Exception:
-                pass
-
-    def test(self) -> bool:
-        try:
-            return self.req.Test()
-        except _mpi().Exception as e:
-            raise PeerTimeoutError(f"rank {self.rank}: {self.op} with peer rank(s) {list(self.peers)} "
-                                   f"failed: {e}", self.peers, self.op) from e
 
 
 INIT_TAG = 32000     # the tag of the join check on the launcher's communicator
 BCAST_TAG = 7        # point-to-point broadcasts outside a Program (a Program passes its own tags)
 CTL_TAG = 9          # control messages, on the control communicator
-CREATE_TAG = 10      # Comm.Create_group's tag
 
 
 def _dumps(obj):
@@ -109,7 +60,7 @@ def timed_allgather(comm, obj, deadline, tag, timeout, what, why, accept=None, s
     from an attempt its sender gave up (the sender's ("RETRACT", nonce) follows it on the
     same tag, so a RETRACT already here behind a taken message drops that one too); a later
     one belongs to another round and waits in `stash` (a dict) for it."""
-    MPI = _mpi()
+    MPI = mpi()
     rank = comm.Get_rank()
     ranks = list(range(comm.Get_size())) if ranks is None else list(ranks)
     data = _dumps(obj)
@@ -187,27 +138,13 @@ class _Waiting:
         self.peers = (r,)
 
 
-def timed_dup(comm, deadline, ranks=None, timeout=None):
-    """Comm.Idup polled to `deadline`, unwatched; `ranks`: its members' world ranks."""
-    new, req = comm.Idup()
-    ranks = tuple(range(comm.Get_size())) if ranks is None else tuple(ranks)
-    me = ranks[comm.Get_rank()]
-    w = MPIWork(req, None, "communicator duplication", tuple(r for r in ranks if r != me), me)
-    wait_polling([w], deadline, me, timeout, watched=False)
-    return new
-
-
-def _errors_return(c):      # errors raise as exceptions (not abort)
-    return c.Set_errhandler(_mpi().ERRORS_RETURN) or c
-
-
 class MPIBackend(MPICollectives, Backend):
     name = "mpi"
     wire = "numpy"
     work_cls = MPIWork
 
     def __init__(self, comm=None, timeout: float | None = None):
-        MPI = _mpi()
+        MPI = mpi()
         base = comm if comm is not None else MPI.COMM_WORLD
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise RuntimeError("meshcomm's MPI backend needs MPI initialised with MPI_THREAD_MULTIPLE "
@@ -233,6 +170,8 @@ class MPIBackend(MPICollectives, Backend):
         self.tag_ub = int(self.comm.Get_attr(MPI.TAG_UB))
         self.timeout = timeout
         self._groups: dict[tuple[int, ...], object] = {}
+        # per group, the communicator a Program's own ones are duplicated from (nothing else posts on it)
+        self._bases: dict[tuple[int, ...], object] = {tuple(range(self.world_size)): timed_dup(base, deadline)}
         self._own: list = []             # communicators made for Programs (freed at close)
         self._persistent: list = []      # persistent requests of Programs (bind(bufs=...))
         self._meta_seq = 0
@@ -263,7 +202,7 @@ class MPIBackend(MPICollectives, Backend):
                     if test():
                         return
                     sched_yield()
-            except _mpi().Exception:
+            except mpi().Exception:
                 pass
         wait_polling(works, deadline, self.rank, self.timeout)
 
@@ -315,7 +254,7 @@ class MPIBackend(MPICollectives, Backend):
         return pacing.AllOf(works, what, tuple(r for r in ranks if r != root))
 
     def reduce(self, buf, root, ranks, op="sum"):
-        MPI = _mpi()
+        MPI = mpi()
         sub = self._group(ranks)
         mop = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}[op]
         i = ranks.index(root)
@@ -331,28 +270,39 @@ class MPIBackend(MPICollectives, Backend):
         for g in new:                       # every member creates its groups in plan order
             self._groups[g] = self._create(g, deadline) if self.rank in g else None
 
-    def communicator(self, ranks, deadline, twin=None):
+    def communicator(self, ranks, deadline):
         """A new communicator of the group `ranks` (this rank a member) for one Program's
-        native collectives: nothing else ever posts on it. With `twin` (such a communicator),
-        its duplicate (collective over its members only): the other run parity's."""
-        c = self._create(tuple(ranks), deadline, twin)
+        native collectives (one per run parity): nothing else ever posts on it. An Idup of
+        the group's base communicator (collective over the members only, polled to the
+        deadline); the base is made at the group's first Program, and again after an Idup
+        of it failed."""
+        ranks = tuple(ranks)
+        parent = self._bases.get(ranks)
+        if parent is None:
+            parent = self._bases[ranks] = self._create(ranks, deadline)
+        try:
+            c = errors_return(timed_dup(parent, deadline, ranks, self.timeout))
+        except PeerTimeoutError:
+            if len(ranks) < self.world_size:    # members may disagree on the base: all make it anew
+                self._bases.pop(ranks, None)
+            raise
         self._own.append(c)
         return c
 
-    def _create(self, ranks, deadline, twin=None):
-        """Comm.Create_group of `ranks` on a thread the deadline can give up on (a Dup: polled)."""
-        if twin is not None or len(ranks) == self.world_size:
-            return _errors_return(timed_dup(self.comm if twin is None else twin, deadline, ranks, self.timeout))
+    def _create(self, ranks, deadline):
+        """Comm.Create_group of `ranks`, tagged `group_tag(ranks)`, on a thread the deadline can
+        give up on."""
+        tag = group_tag(ranks, self.tag_ub)
 
         def make():
             world = self.comm.Get_group()
             grp = world.Incl(list(ranks))
             try:
-                return self.comm.Create_group(grp, tag=CREATE_TAG)
+                return self.comm.Create_group(grp, tag=tag)
             finally:
                 grp.Free()
                 world.Free()
-        return _errors_return(bounded(make, deadline, self.rank, tuple(r for r in ranks if r != self.rank),
+        return errors_return(bounded(make, deadline, self.rank, tuple(r for r in ranks if r != self.rank),
                                       f"creating the communicator of group {list(ranks)}", self.timeout))
 
     # -- the control channel (meshcomm.runtime.control) ----------------------------------
@@ -362,7 +312,7 @@ class MPIBackend(MPICollectives, Backend):
         self._ctl_out.append((self.ctl.Isend(buf, dest=peer, tag=CTL_TAG), buf))
 
     def ctl_poll(self) -> list:
-        MPI, out, st = _mpi(), [], self._status
+        MPI, out, st = mpi(), [], self._status
         while self.ctl.Iprobe(source=MPI.ANY_SOURCE, tag=CTL_TAG, status=st):
             buf = np.empty(st.Get_count(MPI.BYTE), dtype=np.uint8)
             src = st.Get_source()
@@ -404,7 +354,7 @@ class MPIBackend(MPICollectives, Backend):
             except Exception:
                 pass
         self._persistent.clear()
-        for c in list(self._groups.values()) + self._own:
+        for c in list(self._groups.values()) + self._own + list(self._bases.values()):
             if c is not None:
                 try:
                     c.Free()
@@ -412,36 +362,9 @@ class MPIBackend(MPICollectives, Backend):
                     pass
         self._groups.clear()
         self._own.clear()
+        self._bases.clear()
         for c in (self.comm, self.meta, self.ctl):
             try:
                 c.Free()
             except Exception:
                 pass
-
-
-def bounded(fn, deadline, rank, peers, what, timeout):
-    """fn() on a daemon thread, waited for with `deadline` (a blocking MPI call that a missing
-    peer would hold forever); PeerTimeoutError naming `peers` past it (the thread is left)."""
-    import threading
-    box: list = []
-
-    def run():
-        try:
-            box.append((True, fn()))
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            box.append((False, e))
-    t = threading.Thread(target=run, name="meshcomm-create", daemon=True)
-    t.start()
-    spins = 0
-    while not box:
-        if deadline is not None and time.monotonic() > deadline:
-            t_ = f"{timeout:g}s" if timeout is not None else "the timeout"
-            raise PeerTimeoutError(f"rank {rank}: {what} did not complete within {t_} (MESHCOMM_TIMEOUT); "
-                                   f"one of rank(s) {list(peers)} did not arrive or died", peers, what)
-        spins += 1
-        backoff(spins)
-        t.join(0.0005 if spins > 64 else 0)
-    ok, v = box[0]
-    if not ok:
-        raise v
-    return v

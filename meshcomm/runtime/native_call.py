@@ -117,8 +117,8 @@ def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> tuple:
     """Per run parity (program.next_seq), [(group, this process's device in it, its poster)]
     for every group this process is in, in the groups' global order (a process in several
     groups takes part in each in that order: the same everywhere, so no deadlock). Over MPI
-    the odd runs post on a duplicate of the Program's own communicator
-    (`MPIBackend.communicator(twin=)`), so a run never matches one at another place in the
+    the odd runs post on a second communicator of the Program's own
+    (`MPIBackend.communicator`), so a run never matches one at another place in the
     call sequence (a broadcast's root finishes alone there). gloo's posts share one group: its sends wait for the receiver,
     so no member of a gloo collective finishes alone and a skipped call stalls instead."""
     prim = nat.prim
@@ -131,13 +131,11 @@ def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> tuple:
         if not me:
             continue
         ranks = tuple(sorted(rank_of(d) for d in g))
-        comm = prim.communicator(ranks, deadline) if prim.name == "mpi" else None
         for posts in out:
-            if posts is out[1] and comm is None:
+            if posts is out[1] and prim.name != "mpi":
                 posts.append(out[0][-1])
                 continue
-            if posts is out[1]:
-                comm = prim.communicator(ranks, deadline, twin=comm)
+            comm = prim.communicator(ranks, deadline) if prim.name == "mpi" else None
             post = poster(ctx, prim, req, g, me[0], dt, tile, shapes, kind, comm)
             if comm is not None and kind == "numpy":
                 post = persistent(ctx, prim, req, g, me[0], dt, tile, shapes, comm, post)

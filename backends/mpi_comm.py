@@ -1,0 +1,116 @@
+"""MPI requests and communicators for backends/mpi.py: the works a wait polls, and the
+communicator creations that a deadline bounds (an `Idup` polled, a `Create_group` on a
+thread the deadline can give up on), apart from the backend that uses them."""
+from __future__ import annotations
+
+import time
+import zlib
+
+import numpy as np
+
+from meshcomm.errors import PeerTimeoutError
+
+from .base import Work, backoff, wait_polling
+
+
+_MPI: list = []     # mpi4py's MPI module, imported on first use (this module loads without MPI)
+
+
+def mpi():
+    if not _MPI:
+        from mpi4py import MPI
+        _MPI.append(MPI)
+    return _MPI[0]
+
+
+class MPIMultiWork(Work):
+    """Several requests completing together (a broadcast done as point-to-point sends)."""
+
+    def __init__(self, reqs, buf, op, peers, rank):
+        self.reqs, self.buf, self.op, self.peers, self.rank = reqs, buf, op, peers, rank
+
+    def cancel(self) -> None:
+        for r in self.reqs:
+            try:
+                r.Cancel()
+            except Exception:
+                pass
+
+    def test(self) -> bool:
+        try:
+            return mpi().Request.Testall(self.reqs)
+        except mpi().Exception as e:
+            raise PeerTimeoutError(f"rank {self.rank}: {self.op} with peer rank(s) {list(self.peers)} "
+                                   f"failed: {e}", self.peers, self.op) from e
+
+
+class MPIWork(Work):
+    __slots__ = ("req", "buf", "op", "peers", "rank")
+
+    def __init__(self, req, buf, op, peers, rank):
+        self.req, self.buf, self.op, self.peers, self.rank = req, buf, op, peers, rank
+
+    def cancel(self) -> None:
+        if self.op == "recv":
+            try:
+                self.req.Cancel()
+            except Exception:
+                pass
+
+    def test(self) -> bool:
+        try:
+            return self.req.Test()
+        except mpi().Exception as e:
+            raise PeerTimeoutError(f"rank {self.rank}: {self.op} with peer rank(s) {list(self.peers)} "
+                                   f"failed: {e}", self.peers, self.op) from e
+
+
+def timed_dup(comm, deadline, ranks=None, timeout=None):
+    """Comm.Idup polled to `deadline`, unwatched; `ranks`: its members' world ranks."""
+    new, req = comm.Idup()
+    ranks = tuple(range(comm.Get_size())) if ranks is None else tuple(ranks)
+    me = ranks[comm.Get_rank()]
+    w = MPIWork(req, None, "communicator duplication", tuple(r for r in ranks if r != me), me)
+    wait_polling([w], deadline, me, timeout, watched=False)
+    return new
+
+
+def errors_return(c):      # errors raise as exceptions (not abort)
+    return c.Set_errhandler(mpi().ERRORS_RETURN) or c
+
+
+def group_tag(ranks, tag_ub) -> int:
+    """The tag of the group's Comm.Create_group: the set of its ranks as bits (unique) where
+    that fits under the tag bound, else a hash of them. MPI tells concurrent creations on
+    one parent apart by tag: a member still creating one group and another already creating
+    the next overlapping one must not share a tag."""
+    bits = sum(1 << r for r in ranks)
+    return bits if bits <= tag_ub else zlib.crc32(np.asarray(ranks, np.int64).tobytes()) % (tag_ub + 1)
+
+
+def bounded(fn, deadline, rank, peers, what, timeout):
+    """fn() on a daemon thread, waited for with `deadline` (a blocking MPI call that a missing
+    peer would hold forever); PeerTimeoutError naming `peers` past it (the thread is left)."""
+    import threading
+    box: list = []
+
+    def run():
+        try:
+            box.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            box.append((False, e))
+    t = threading.Thread(target=run, name="meshcomm-create", daemon=True)
+    t.start()
+    spins = 0
+    while not box:
+        if deadline is not None and time.monotonic() > deadline:
+            t_ = f"{timeout:g}s" if timeout is not None else "the timeout"
+            raise PeerTimeoutError(f"rank {rank}: {what} did not complete within {t_} (MESHCOMM_TIMEOUT); "
+                                   f"one of rank(s) {list(peers)} did not arrive or died", peers, what)
+        spins += 1
+        backoff(spins)
+        t.join(0.0005 if spins > 64 else 0)
+    ok, v = box[0]
+    if not ok:
+        raise v
+    return v
