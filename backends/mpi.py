@@ -3,24 +3,24 @@
 * Messages are raw bytes (any dtype: bfloat16, float16, ...; the executor views packed
   buffers as uint8). Reductions take typed NumPy buffers (integer dtypes, or floats with
   REDUCE_MODE = "collective" in backends/base.py).
-* The backend works on three duplicates of the world communicator (data, metadata and the
-  control channel of meshcomm.runtime.control), so it never matches the user's own MPI
+* The backend works on duplicates of the world communicator (data, metadata, the control
+  channel of meshcomm.runtime.control, arrivals), so it never matches the user's own MPI
   traffic. Errors return as exceptions (not abort). A Program's point-to-point messages
   carry tags of its own (meshcomm.runtime.program): two Programs never match each other's.
 * Sub-communicators for broadcasts/reductions across hosts come from `Comm.Create_group`
   (collective over the members only), created at a Program's construction in plan order,
-  cached by rank tuple, on a thread the deadline can give up on (a frozen member would
-  otherwise hold every other member in the call forever); each group's creation carries a
-  tag of its own (`group_tag`), so creations of overlapping groups that members reach at
-  different times never share one. A Program's native collectives get communicators of
+  cached by rank tuple, once every member has said it is here (a timed exchange that names
+  a frozen member, which would otherwise hold the others in the call forever); each group's
+  creation carries a tag of its own (`group_tag`), so creations of overlapping groups that
+  members reach at different times never share one. A Program's native collectives get communicators of
   their own (`communicator`): `Comm.Idup`s, polled to the deadline, of a base communicator
   made once per group, so a group's blocking creation happens once per process.
 * A broadcast inside one host is the root's Isend to each member, not `Ibcast` (each
   receiver copies from the root's buffer in parallel: about 2x MPICH's `Ibcast`, BENCHMARKS.md);
   integer reduces gather to the root there (3-7x `Ireduce`). Across hosts MPI's trees stay.
 * Every wait polls `Test` with a deadline: a peer that never arrives is named.
-* MPI_THREAD_MULTIPLE (mpi4py's default): creations run on a bounded thread. Host buffers
-  only. Native collectives (bound once, on a Program's own communicators): mpi_collectives.py.
+* MPI_THREAD_MULTIPLE (mpi4py's default): an asynchronous call runs on the context's queue
+  thread. Host buffers only. Native collectives (bound once, on a Program's own communicators): mpi_collectives.py.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from meshcomm.errors import PeerTimeoutError
 from . import base as _base, pacing
 from .base import QUICK, TAG_MOD, Backend, backoff, wait_polling
 from .mpi_collectives import MPICollectives
-from .mpi_comm import MPIMultiWork, MPIWork, bounded, errors_return, group_tag, mpi, timed_dup
+from .mpi_comm import MPIMultiWork, MPIWork, errors_return, group_tag, mpi, timed_dup
 
 __all__ = ["MPIBackend"]
 
@@ -163,7 +163,8 @@ class MPIBackend(MPICollectives, Backend):
         self.comm = timed_dup(base, deadline)
         self.meta = timed_dup(base, deadline)
         self.ctl = timed_dup(base, deadline)        # the control channel (meshcomm.runtime.control)
-        for c in (self.comm, self.meta, self.ctl):
+        self.arrive = timed_dup(base, deadline)     # "here" before a blocking creation (_create)
+        for c in (self.comm, self.meta, self.ctl, self.arrive):
             c.Set_errhandler(MPI.ERRORS_RETURN)
         self.rank = self.comm.Get_rank()
         self.world_size = self.comm.Get_size()
@@ -290,20 +291,23 @@ class MPIBackend(MPICollectives, Backend):
         return c
 
     def _create(self, ranks, deadline):
-        """Comm.Create_group of `ranks`, tagged `group_tag(ranks)`, on a thread the deadline can
-        give up on."""
+        """Comm.Create_group of `ranks` (tagged `group_tag(ranks)`) on this thread, once every
+        member has said it is here (a missing member is named at the deadline, instead of a
+        blocking call that waits for it forever). Not on a thread of its own: a blocking
+        creation on a second thread hung now and then under MPICH (docs/runtime.md)."""
         tag = group_tag(ranks, self.tag_ub)
-
-        def make():
-            world = self.comm.Get_group()
-            grp = world.Incl(list(ranks))
-            try:
-                return self.comm.Create_group(grp, tag=tag)
-            finally:
-                grp.Free()
-                world.Free()
-        return errors_return(bounded(make, deadline, self.rank, tuple(r for r in ranks if r != self.rank),
-                                      f"creating the communicator of group {list(ranks)}", self.timeout))
+        what = f"the creation of the communicator of group {list(ranks)}"
+        timed_allgather(self.arrive, None, deadline, tag, self.timeout, what, "did not reach it", ranks=ranks)
+        if deadline is not None and time.monotonic() > deadline:   # here too late: the others gave up
+            raise PeerTimeoutError(f"rank {self.rank}: {what} began after the deadline "
+                                   "(MESHCOMM_TIMEOUT)", tuple(r for r in ranks if r != self.rank), what)
+        world = self.comm.Get_group()
+        grp = world.Incl(list(ranks))
+        try:
+            return errors_return(self.comm.Create_group(grp, tag=tag))
+        finally:
+            grp.Free()
+            world.Free()
 
     # -- the control channel (meshcomm.runtime.control) ----------------------------------
     def ctl_send(self, peer, data: bytes) -> None:
@@ -363,7 +367,7 @@ class MPIBackend(MPICollectives, Backend):
         self._groups.clear()
         self._own.clear()
         self._bases.clear()
-        for c in (self.comm, self.meta, self.ctl):
+        for c in (self.comm, self.meta, self.ctl, self.arrive):
             try:
                 c.Free()
             except Exception:

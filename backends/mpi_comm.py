@@ -1,16 +1,15 @@
-"""MPI requests and communicators for backends/mpi.py: the works a wait polls, and the
-communicator creations that a deadline bounds (an `Idup` polled, a `Create_group` on a
-thread the deadline can give up on), apart from the backend that uses them."""
+"""MPI requests and communicators for backends/mpi.py, apart from the backend that uses
+them: the works a wait polls, a communicator duplication polled to a deadline, and the tag
+of a group's creation."""
 from __future__ import annotations
 
-import time
 import zlib
 
 import numpy as np
 
 from meshcomm.errors import PeerTimeoutError
 
-from .base import Work, backoff, wait_polling
+from .base import Work, wait_polling
 
 
 _MPI: list = []     # mpi4py's MPI module, imported on first use (this module loads without MPI)
@@ -86,31 +85,3 @@ def group_tag(ranks, tag_ub) -> int:
     the next overlapping one must not share a tag."""
     bits = sum(1 << r for r in ranks)
     return bits if bits <= tag_ub else zlib.crc32(np.asarray(ranks, np.int64).tobytes()) % (tag_ub + 1)
-
-
-def bounded(fn, deadline, rank, peers, what, timeout):
-    """fn() on a daemon thread, waited for with `deadline` (a blocking MPI call that a missing
-    peer would hold forever); PeerTimeoutError naming `peers` past it (the thread is left)."""
-    import threading
-    box: list = []
-
-    def run():
-        try:
-            box.append((True, fn()))
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            box.append((False, e))
-    t = threading.Thread(target=run, name="meshcomm-create", daemon=True)
-    t.start()
-    spins = 0
-    while not box:
-        if deadline is not None and time.monotonic() > deadline:
-            t_ = f"{timeout:g}s" if timeout is not None else "the timeout"
-            raise PeerTimeoutError(f"rank {rank}: {what} did not complete within {t_} (MESHCOMM_TIMEOUT); "
-                                   f"one of rank(s) {list(peers)} did not arrive or died", peers, what)
-        spins += 1
-        backoff(spins)
-        t.join(0.0005 if spins > 64 else 0)
-    ok, v = box[0]
-    if not ok:
-        raise v
-    return v

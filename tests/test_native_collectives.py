@@ -112,3 +112,18 @@ def test_tuning_table_knows_the_native_ops_and_bus_factors():
         tuning.bus_factor("allscatter", 4)
     with pytest.raises(ValueError, match="positive int"):
         tuning.bus_factor("allreduce", 0)
+
+
+def test_group_tags_tell_overlapping_groups_apart():
+    # Comm.Create_group's tag per group (backends/mpi_comm.group_tag): the ranks as bits where
+    # that fits under the bound, so no two groups of a world up to 28 processes share one
+    from itertools import combinations
+
+    from meshcomm.backends.mpi_comm import group_tag
+    groups = [g for k in range(2, 9) for g in combinations(range(8), k)]
+    tags = [group_tag(g, (1 << 29) - 1) for g in groups]
+    assert len(set(tags)) == len(groups)
+    assert group_tag((0, 1, 3), (1 << 29) - 1) == 0b1011
+    big = [group_tag(tuple(range(i, i + 40)), 32767) for i in range(10)]   # past the bound: hashed
+    assert all(0 <= t <= 32767 for t in big) and len(set(big)) == len(big)
+
