@@ -56,11 +56,14 @@ def _entry(t, nbytes, exact, memcpy_s, note="") -> dict:
 
 def time_interleaved(comm, methods, repeats: int, warmup: int = 1) -> dict:
     """{name: (median seconds, last result)} for methods [(name, fn)], run in rounds: one
-    call of each method per round, so every method sees the same load on a shared machine."""
+    call of each method per round, so every method sees the same load on a shared machine;
+    each round starts one method later (the first of a round measured up to 1.3x slower than
+    the same call later in it, 8 processes here), so no method always goes first."""
     times = {n: [] for n, _ in methods}
     last = {}
     for i in range(warmup + repeats):
-        for name, fn in methods:
+        k = i % len(methods)
+        for name, fn in methods[k:] + methods[:k]:
             t, last[name] = spmd.time_once(comm, fn)
             if i >= warmup:
                 times[name].append(t)
