@@ -12,15 +12,16 @@
   cached by rank tuple, once every member has said it is here (a timed exchange that names
   a frozen member, which would otherwise hold the others in the call forever); each group's
   creation carries a tag of its own (`group_tag`), so creations of overlapping groups that
-  members reach at different times never share one. A Program's native collectives get communicators of
-  their own (`communicator`): `Comm.Idup`s, polled to the deadline, of a base communicator
-  made once per group, so a group's blocking creation happens once per process.
+  members reach at different times never share one. A Program's native collectives get
+  communicators of their own (`communicator`): `Comm.Idup`s, polled to the deadline, of a
+  base communicator made once per group: a group's blocking creation happens once.
 * A broadcast inside one host is the root's Isend to each member, not `Ibcast` (each
   receiver copies from the root's buffer in parallel: about 2x MPICH's `Ibcast`, BENCHMARKS.md);
   integer reduces gather to the root there (3-7x `Ireduce`). Across hosts MPI's trees stay.
 * Every wait polls `Test` with a deadline: a peer that never arrives is named.
 * MPI_THREAD_MULTIPLE (mpi4py's default): an asynchronous call runs on the context's queue
-  thread. Host buffers only. Native collectives (bound once, on a Program's own communicators): mpi_collectives.py.
+  thread. Host buffers only. Native collectives (bound once, on a Program's own
+  communicators): mpi_collectives.py.
 """
 from __future__ import annotations
 
@@ -172,7 +173,8 @@ class MPIBackend(MPICollectives, Backend):
         self.timeout = timeout
         self._groups: dict[tuple[int, ...], object] = {}
         # per group, the communicator a Program's own ones are duplicated from (nothing else posts on it)
-        self._bases: dict[tuple[int, ...], object] = {tuple(range(self.world_size)): timed_dup(base, deadline)}
+        self._bases: dict[tuple[int, ...], object] = {}
+        self._bases[tuple(range(self.world_size))] = errors_return(timed_dup(base, deadline))
         self._own: list = []             # communicators made for Programs (freed at close)
         self._persistent: list = []      # persistent requests of Programs (bind(bufs=...))
         self._meta_seq = 0
