@@ -126,4 +126,3 @@ def test_group_tags_tell_overlapping_groups_apart():
     assert group_tag((0, 1, 3), (1 << 29) - 1) == 0b1011
     big = [group_tag(tuple(range(i, i + 40)), 32767) for i in range(10)]   # past the bound: hashed
     assert all(0 <= t <= 32767 for t in big) and len(set(big)) == len(big)
-

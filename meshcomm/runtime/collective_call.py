@@ -30,8 +30,8 @@ from .collective_input import GATHERS, Request, local_facts, masked, request, ro
 from .context import init_hint, no_context
 from .local_program import LocalKernel
 from ..handle import Handle
-from .program import (PlanRun, Program, consume, construct, eager, empty_like, fences_of, lookup, new, outside,
-                      participants, tags_of)
+from .program import (PlanRun, Program, consume, construct, eager, empty_like, fences_of, host_dtype, lookup, new,
+                      outside, participants, tags_of)
 
 __all__ = ["Request", "run", "program", "tiles_of", "coded_dims", "build", "finish_tiles"]
 
@@ -103,10 +103,9 @@ class CollectiveKernel:
         self._bare = None
         if len(self.owned) == 1 and a.kind in (None, "numpy") and a.devtype == "cpu":
             mine = a.tile if a.shapes is None else a.shapes.get(self.owned[0])
-            try:
-                self._bare = (self.owned[0], tuple(mine), np.dtype(arrays.numpy_dtype(a.dtype[0])).newbyteorder("="))
-            except TypeError:
-                self._bare = None
+            dt = host_dtype(a.dtype[0])
+            if mine is not None and dt is not None:
+                self._bare = (self.owned[0], tuple(mine), dt)
         self._takes_none = (len(self.owned) == 1 and req.op in ("broadcast", "scatter")
                             and self.owned[0] not in roots_of(req))
         self.posts = ([], [])       # per run parity (native_call.posters)

@@ -118,12 +118,14 @@ def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> tuple:
     for every group this process is in, in the groups' global order (a process in several
     groups takes part in each in that order: the same everywhere, so no deadlock). Over MPI
     the odd runs post on a second communicator of the Program's own
-    (`MPIBackend.communicator`), so a run never matches one at another place in the
-    call sequence (a broadcast's root finishes alone there). gloo's posts share one group: its sends wait for the receiver,
-    so no member of a gloo collective finishes alone and a skipped call stalls instead."""
+    (`MPIBackend.communicator`), so a run never matches one at another place in the call
+    sequence (a broadcast's root finishes alone there). gloo's posts share one group: its
+    sends wait for the receiver, so no member of a gloo collective finishes alone and a
+    skipped call stalls instead."""
     prim = nat.prim
     rank_of = ctx.ownership.rank_of
-    if prim.name != "mpi":
+    own_comms = prim.name == "mpi"
+    if not own_comms:
         prim.prepare_groups([r for r in nat.all_ranks if len(r) > 1], deadline)
     out = ([], [])
     for g in groups(req.mesh, req.axes):
@@ -132,10 +134,10 @@ def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> tuple:
             continue
         ranks = tuple(sorted(rank_of(d) for d in g))
         for posts in out:
-            if posts is out[1] and prim.name != "mpi":
+            if posts is out[1] and not own_comms:
                 posts.append(out[0][-1])
                 continue
-            comm = prim.communicator(ranks, deadline) if prim.name == "mpi" else None
+            comm = prim.communicator(ranks, deadline) if own_comms else None
             post = poster(ctx, prim, req, g, me[0], dt, tile, shapes, kind, comm)
             if comm is not None and kind == "numpy":
                 post = persistent(ctx, prim, req, g, me[0], dt, tile, shapes, comm, post)

@@ -365,6 +365,15 @@ def fences_of(tiles) -> tuple:
     return tuple(fences.values())
 
 
+def host_dtype(name: str):
+    """The NumPy dtype, in native byte order, that a host tile of an agreed dtype has on a
+    kernel's fast check (a bare NumPy run), or None where NumPy has no such dtype."""
+    try:
+        return np.dtype(arrays.numpy_dtype(name)).newbyteorder("=")
+    except TypeError:
+        return None
+
+
 def facts_of(tiles) -> tuple:
     """(dtype (name, itemsize), kind, device type) of a process's tiles, or Nones."""
     if not tiles:

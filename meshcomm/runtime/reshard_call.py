@@ -23,8 +23,8 @@ from ..validate import (check_keys, check_layouts, check_tile_shapes, infer_shap
                         normalize_input, resolve_shape_dtype)
 
 from ..handle import Handle
-from .program import (PlanRun, Program, consume, construct, eager, empty_like, facts_of, fences_of, layouts_fp, new,
-                      outside, participants, tags_of)
+from .program import (PlanRun, Program, consume, construct, eager, empty_like, facts_of, fences_of, host_dtype,
+                      layouts_fp, new, outside, participants, tags_of)
 
 __all__ = ["reshard", "program"]
 
@@ -77,12 +77,9 @@ class ReshardKernel:
         self.runner = PlanRun(ctx, be, p, comp, tags, agreed.devtype or "cpu", deadline)
         # the common run: NumPy tiles in native byte order of the agreed shapes and dtype,
         # one per owned src device (checked in prepare without the general validation)
-        self._host = None
-        if agreed.kind in (None, "numpy") and agreed.devtype in (None, "cpu"):
-            try:
-                self._host = (np.dtype(arrays.numpy_dtype(agreed.dtype)).newbyteorder("="), fences_of({}))
-            except TypeError:
-                self._host = None
+        host = agreed.kind in (None, "numpy") and agreed.devtype in (None, "cpu")
+        dt = host_dtype(agreed.dtype) if host else None
+        self._host = None if dt is None else (dt, fences_of({}))
 
     def describe(self) -> str:
         return "plan"
