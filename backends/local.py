@@ -17,12 +17,17 @@ __all__ = ["LocalBackend", "alloc_like", "aligned_numpy"]
 
 
 def alloc_like(like, shape, zero: bool, op: str = "sum"):
-    """A new tile of `shape` with `like`'s dtype and device (NumPy or torch); when `zero`,
+    """A new tile of `shape` with `like`'s dtype and device (NumPy, torch or CuPy); when `zero`,
     filled with the identity of `op` (zeros for a sum)."""
-    if type(like).__module__.startswith("torch"):
+    mod = type(like).__module__
+    if mod.startswith("torch"):
         import torch
         f = torch.zeros if zero else torch.empty
         t = f(shape, dtype=like.dtype, device=like.device)
+    elif mod.startswith("cupy"):        # the packed path on CuPy arrays (meshcomm.cuda.executor)
+        import cupy
+        with cupy.cuda.Device(like.device.id):
+            t = (cupy.zeros if zero else cupy.empty)(shape, dtype=like.dtype)
     else:
         t = aligned_numpy(shape, like.dtype, zero)
     return fill_identity_(t, op) if zero and op != "sum" else t

@@ -15,10 +15,16 @@
   rank 0 picks a free port and broadcasts MASTER_ADDR/MASTER_PORT.
 * Native collectives (all_reduce, all_gather_single, ... with async_op=True on the cached
   groups; what gloo lacks is built from what it has): backends/torch_collectives.py.
+* CUDA tensors on a process group without a CUDA backend (one the user made with gloo alone,
+  e.g. several processes sharing one GPU, where NCCL refuses): point-to-point messages and
+  reductions go through host copies (`stage_cuda`), as MPI's do: a send copies to the host on
+  the current stream (the communication stream, after the packing), a receive lands in host
+  memory and is copied to its tensor when waited for.
 """
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import pickle
 import socket
@@ -67,6 +73,37 @@ class _TorchWork(Work):
         return self.work is not None and self.work.is_completed()
 
 
+class _Staged(_TorchWork):
+    """A receive into a CUDA tensor through host memory (`stage_cuda`): copied to the
+    tensor once waited for (`finish`, as the native collectives' unpadding is)."""
+    __slots__ = ("device_buf",)
+
+    def __init__(self, op, peers, host, device_buf):
+        super().__init__(op, peers, host)
+        self.device_buf = device_buf
+
+    def finish(self) -> None:
+        self.device_buf.copy_(self.buf)
+
+
+def _cuda_backend(dist) -> str | None:
+    """The name of the default process group's backend for CUDA tensors ("nccl", "gloo", ...),
+    from its configuration ("gloo", "nccl", "cpu:gloo,cuda:nccl"); None without one."""
+    try:
+        name = str(dist.get_backend()).lower()
+    except Exception:
+        return None
+    if ":" not in name:
+        return name if name != "gloo" else None
+    return dict(p.split(":", 1) for p in name.split(",") if ":" in p).get("cuda")
+
+
+def _to_device(back, host, dev) -> None:
+    if back is not None:
+        back()
+    dev.copy_(host)
+
+
 class _AllOf(Work):
     """Several works completing together (a broadcast sent point to point)."""
 
@@ -112,6 +149,9 @@ class TorchBackend(TorchCollectives, Backend):
         self._meta_seq = 0
         self._ctl_read = 0             # control messages read from the store
         self._waiter = None            # threads that block in gloo's waits (wait_all)
+        # gloo's point-to-point calls take host memory only: CUDA tensors go through host copies
+        # where no CUDA backend (NCCL) is configured (module docstring)
+        self.stage_cuda = _cuda_backend(dist) in (None, "gloo")
         _base.set_local_processes(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
 
     @classmethod
@@ -173,7 +213,13 @@ class TorchBackend(TorchCollectives, Backend):
         return cls(rank, world, timeout, owns_pg=True)
 
     # -- point to point (batched) --------------------------------------------------------
+    def _host(self, buf):
+        """`buf`, or its host copy when CUDA tensors are staged (the copy runs on the current
+        stream, after the work queued there, and the host waits for it)."""
+        return buf.cpu() if self.stage_cuda and buf.device.type == "cuda" else buf
+
     def isend(self, buf, peer, tag):
+        buf = self._host(buf)
         pace = pacing.pacer(self.rank)
         if pace is not None and pace.crosses(peer):     # MESHCOMM_EMULATE_GBPS (benchmarks)
             return pace.send(lambda: _TorchWork("send", (peer,), buf, self.dist.isend(buf, peer, tag=tag)),
@@ -183,7 +229,11 @@ class TorchBackend(TorchCollectives, Backend):
         return w
 
     def irecv(self, buf, peer, tag):
-        w = _TorchWork("recv", (peer,), buf)
+        if self.stage_cuda and buf.device.type == "cuda":
+            w = _Staged("recv", (peer,), buf.new_empty(buf.shape, device="cpu"), buf)
+            buf = w.buf
+        else:
+            w = _TorchWork("recv", (peer,), buf)
         self._batch.append((self.dist.P2POp(self.dist.irecv, buf, peer, tag=tag), w))
         return w
 
@@ -217,10 +267,10 @@ class TorchBackend(TorchCollectives, Backend):
     gather_reduces = True
 
     def bcast_group(self, ranks, device_kind="cpu") -> bool:
-        return device_kind == "cuda"
+        return device_kind == "cuda" and not self.stage_cuda
 
     def bcast(self, buf, root, ranks, tag=None):
-        if tag is not None and buf.device.type != "cuda":
+        if tag is not None and (buf.device.type != "cuda" or self.stage_cuda):
             if self.rank == root:               # a plan's broadcast: point to point from the root
                 works = [self.isend(buf, r, tag) for r in ranks if r != root]
                 return _AllOf(works, f"bcast in group {list(ranks)}", tuple(r for r in ranks if r != root))
@@ -239,10 +289,14 @@ class TorchBackend(TorchCollectives, Backend):
         self.flush()
         R = self.dist.ReduceOp
         rop = {"sum": R.SUM, "prod": R.PRODUCT, "min": R.MIN, "max": R.MAX}[op]
+        dev, buf = buf, self._host(buf)
         w, back = widened(buf, op)
         work = self.dist.reduce(w, dst=root, op=rop, group=self._group(ranks), async_op=True)
+        post = back if self.rank == root else None
+        if buf is not dev and self.rank == root:        # staged: the result back to the device
+            post = functools.partial(_to_device, back, buf, dev)
         return CollWork(f"reduce in group {list(ranks)}", tuple(r for r in ranks if r != self.rank), (buf, w),
-                        work, self.rank, back if self.rank == root else None)
+                        work, self.rank, post)
 
     def prepare_groups(self, groups: Sequence[tuple[int, ...]], deadline):
         # Called by EVERY rank with the same list, in the same order: new_group is collective

@@ -17,9 +17,16 @@ comparison. unpack-add (float32) reads two bytes per byte written; its ratio is 
 the same copy.
 
 Part 2: a float32 tensor of 1 GiB, resharded in one process between two layouts on 8 devices
-that all live on this GPU: the local backend (torch slicing), the packed message path
-(meshcomm.cuda.executor: pack kernel, unpack kernel) and a 1 GiB device-to-device copy;
-wall-clock time per reshard including host work (median of repeats).
+that all live on this GPU: `meshcomm.reshard` (the local backend: one strided copy per piece),
+a Program of the same reshard, the packed message path (meshcomm.cuda.executor: pack kernel,
+unpack kernel), torch's own copies of the same boxes into preallocated tiles (the hand-written
+baseline: `out[d][box].copy_(tile[box])` for every piece, the slices worked out beforehand)
+and a 1 GiB device-to-device copy; wall-clock time per reshard including host work (median of
+repeats).
+
+Part 3: host overhead per call of a small reshard (64 x 64 float32 on the same 8 devices): the
+mean host time to issue one call, over a loop of --calls calls that the GPU keeps up with, for
+a Program, `meshcomm.reshard`, the packed path and the hand-written torch copies.
 """
 from __future__ import annotations
 
@@ -147,13 +154,42 @@ def bench_rows(torch, args):
     return results
 
 
+def layouts():
+    import meshcomm as mc
+    src = mc.Layout(mc.Mesh([[0, 1, 2, 3], [4, 5, 6, 7]], ("x", "y")), ("x", "y"))
+    dst = mc.Layout(mc.Mesh([[10, 11], [12, 13], [14, 15], [16, 17]], ("a", "b")), (None, ("a", "b")))
+    return src, dst
+
+
+def hand_copies(torch, p, shards):
+    """torch's own copies of the plan's boxes: preallocated dst tiles, slices worked out once;
+    returns run() -> {dst device: tile}."""
+    from meshcomm.planners.boxes import local_slices
+    st, dt = p.src.tiles(p.shape), p.dst.tiles(p.shape)
+    like = next(iter(shards.values()))
+    out = {d: torch.empty(tuple(b - a for a, b in box), dtype=like.dtype, device=like.device)
+           for d, box in dt.boxes.items()}
+    pieces = []
+    for t in p.transfers:
+        assert t.kind != "reduce"
+        s = t.srcs[0]
+        for b in t.boxes:
+            for d in t.dsts:
+                pieces.append((out[d][local_slices(b, dt.boxes[d])], shards[s][local_slices(b, st.boxes[s])]))
+
+    def run():
+        for o, i in pieces:
+            o.copy_(i)
+        return out
+    return run
+
+
 def bench_reshard(torch, args):
     import meshcomm as mc
     from meshcomm.cuda.executor import execute_packed
     n = 8192 if args.quick else 16384                       # 16384^2 float32 = 1 GiB
     shape = (n, n)
-    src = mc.Layout(mc.Mesh([[0, 1, 2, 3], [4, 5, 6, 7]], ("x", "y")), ("x", "y"))
-    dst = mc.Layout(mc.Mesh([[10, 11], [12, 13], [14, 15], [16, 17]], ("a", "b")), (None, ("a", "b")))
+    src, dst = layouts()
     x = torch.randn(shape, device="cuda")
     shards = {d: t.contiguous() for d, t in mc.shard(x, src).items()}
     p = mc.plan(shape, torch.float32, src, dst)
@@ -162,21 +198,62 @@ def bench_reshard(torch, args):
     assert torch.equal(mc.unshard(out, dst), x)
     out2 = execute_packed(p, shards)
     assert torch.equal(mc.unshard(out2, dst), x)
+    prog = mc.Program.reshard(src, dst, shape=shape, dtype=torch.float32)
+    assert torch.equal(mc.unshard(prog(shards), dst), x)
+    hand = hand_copies(torch, p, shards)
+    assert torch.equal(mc.unshard(hand(), dst), x)
     del out, out2
     reps = 3 if args.quick else 10
-    t_local = wall_time(torch, lambda: mc.reshard(shards, src, dst), reps, 2)
-    t_packed = wall_time(torch, lambda: execute_packed(p, shards), reps, 2)
     a = x.view(-1)
     b = torch.empty_like(a)
-    t_copy = wall_time(torch, lambda: b.copy_(a), reps, 2)
-    rec = dict(shape=shape, dtype="float32", bytes=nbytes, src=str(src), dst=str(dst),
-               transfers=len(p.transfers), local_s=t_local, packed_s=t_packed, copy_s=t_copy,
-               local_GBps=nbytes / t_local / 1e9, packed_GBps=nbytes / t_packed / 1e9,
-               copy_GBps=nbytes / t_copy / 1e9)
-    print(f"\nreshard {nbytes / 2**30:.2f} GiB float32 {shape}: {src}  ->  {dst}  ({len(p.transfers)} transfers)")
-    print(f"  local backend (torch slicing)   {t_local * 1e3:8.2f} ms  {rec['local_GBps']:7.0f} GB/s")
-    print(f"  packed path (pack+unpack kernels){t_packed * 1e3:7.2f} ms  {rec['packed_GBps']:7.0f} GB/s")
-    print(f"  one device-to-device copy        {t_copy * 1e3:8.2f} ms  {rec['copy_GBps']:7.0f} GB/s")
+    methods = [("reshard", "meshcomm.reshard (local backend)", lambda: mc.reshard(shards, src, dst)),
+               ("program", "Program of the same reshard", lambda: prog(shards)),
+               ("packed", "packed path (pack+unpack kernels)", lambda: execute_packed(p, shards)),
+               ("torch", "torch copies of the same boxes", hand),
+               ("copy", "one device-to-device copy", lambda: b.copy_(a))]
+    rec = dict(shape=shape, dtype="float32", bytes=nbytes, src=str(src), dst=str(dst), transfers=len(p.transfers),
+               pieces=sum(len(t.boxes) * len(t.dsts) for t in p.transfers))
+    for key, _, fn in methods:
+        rec[f"{key}_s"] = wall_time(torch, fn, reps, 2)
+        rec[f"{key}_GBps"] = nbytes / rec[f"{key}_s"] / 1e9
+    print(f"\nreshard {nbytes / 2**30:.2f} GiB float32 {shape}: {src}  ->  {dst}  ({len(p.transfers)} transfers, "
+          f"{rec['pieces']} pieces); median of {reps}")
+    for key, name, _ in methods:
+        print(f"  {name:<36} {rec[key + '_s'] * 1e3:8.2f} ms  {rec[key + '_GBps']:7.0f} GB/s  "
+              f"{rec['copy_s'] / rec[key + '_s']:5.2f}x copy")
+    return rec
+
+
+def bench_overhead(torch, args):
+    """Host microseconds per call of a small reshard (Part 3)."""
+    import meshcomm as mc
+    from meshcomm.cuda.executor import execute_packed
+    src, dst = layouts()
+    shape = (64, 64)
+    x = torch.randn(shape, device="cuda")
+    shards = {d: t.contiguous() for d, t in mc.shard(x, src).items()}
+    p = mc.plan(shape, torch.float32, src, dst)
+    prog = mc.Program.reshard(src, dst, shape=shape, dtype=torch.float32)
+    hand = hand_copies(torch, p, shards)
+    methods = [("program", "Program", lambda: prog(shards)),
+               ("reshard", "meshcomm.reshard", lambda: mc.reshard(shards, src, dst)),
+               ("packed", "packed path", lambda: execute_packed(p, shards)),
+               ("torch", "torch copies of the same boxes", hand)]
+    rec = dict(shape=shape, pieces=sum(len(t.boxes) * len(t.dsts) for t in p.transfers), calls=args.calls)
+    print(f"\nhost time per call, small reshard {shape} float32 ({rec['pieces']} pieces), "
+          f"mean of {args.calls} calls, best of 5 loops")
+    for key, name, fn in methods:
+        assert torch.equal(mc.unshard(fn(), dst), x)
+        best = float("inf")
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / args.calls)
+        torch.cuda.synchronize()
+        rec[f"{key}_us"] = best * 1e6
+        print(f"  {name:<32} {best * 1e6:8.1f} us")
     return rec
 
 
@@ -192,6 +269,7 @@ def main(argv=None):
     ap.add_argument("--sets", type=int, default=2, help="buffer sets to rotate through")
     ap.add_argument("--busy-cycles", type=int, default=2_000_000, help="sleep kernel before each timed op")
     ap.add_argument("--skip-reshard", action="store_true")
+    ap.add_argument("--calls", type=int, default=2000, help="calls per loop of the host-overhead part")
     args = ap.parse_args(argv)
     if args.quick:
         args.total_mib = min(args.total_mib, 64)
@@ -208,11 +286,12 @@ def main(argv=None):
           f"{'ratio':>6} {'add':>8} {'ratio':>6} {'slicing':>8}")
     rows = bench_rows(torch, args)
     reshard = None if args.skip_reshard else bench_reshard(torch, args)
+    overhead = bench_overhead(torch, args)
     ok512 = [r["pack_vs_copy"] >= 0.8 and r["unpack_vs_copy"] >= 0.8 for r in rows if r["row_bytes"] >= 512]
     print(f"\npack and unpack at >= 80% of copy for rows >= 512 B: {sum(ok512)}/{len(ok512)} configurations")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(env=env, args=vars(args), rows=rows, reshard=reshard), f, indent=1)
+            json.dump(dict(env=env, args=vars(args), rows=rows, reshard=reshard, overhead=overhead), f, indent=1)
         print(f"wrote {args.json}")
 
 

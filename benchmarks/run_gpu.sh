@@ -11,8 +11,10 @@
 # 3. installs meshcomm (editable, no dependencies) if that Python cannot import it, and MPI
 #    (mpich, mpi4py) from .whl/ when mpiexec is missing;
 # 4. compiles every .cu with nvcc for sm_80 and sm_90 (python -m meshcomm.cuda.build --check);
-# 5. runs the GPU tests (pytest -m gpu) and the CPU tests of the kernels' code;
-# 6. runs the pack/unpack benchmark and the 1 GiB reshard (benchmarks/gpu_pack.py).
+# 5. runs the GPU tests (pytest -m gpu: tests/test_gpu.py, tests/test_gpu_reshard.py) and the
+#    CPU tests of the kernels' code;
+# 6. runs the pack/unpack benchmark, the 1 GiB reshard and the host overhead per call of a small
+#    reshard (benchmarks/gpu_pack.py).
 # Exits non-zero when a step fails. To watch the stream fence matter: the test
 # test_without_fence_the_race_shows runs the fenced test's reshard with fence=False
 # (python -m pytest -m gpu -k without_fence tests/test_gpu.py; cuda/executor.py's
@@ -50,7 +52,9 @@ if ! "$PY" -c "import cupy" 2>/dev/null; then
 fi
 "$PY" -c "import cupy; print('cupy', cupy.__version__)" || { echo "CuPy missing: kernel tests will skip"; status=1; }
 
-if ! "$PY" -c "import meshcomm.cuda, meshcomm.planners, meshcomm.backends" 2>/dev/null; then
+# worker scripts run from temporary folders: meshcomm must import from anywhere, not only here
+export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
+if ! (cd / && "$PY" -c "import meshcomm.cuda, meshcomm.planners, meshcomm.backends") 2>/dev/null; then
     "$PY" -m pip install -q --no-deps --no-build-isolation -e . \
         || { "$PY" -m pip install -q --no-deps --no-build-isolation --target /tmp/meshcomm-site . \
              && export PYTHONPATH=/tmp/meshcomm-site${PYTHONPATH:+:$PYTHONPATH}; }
@@ -73,12 +77,12 @@ echo "== nvcc compile check"
 
 echo "== GPU tests"
 export MESHCOMM_TIMEOUT=${MESHCOMM_TIMEOUT:-60}
-[ -n "${SKIP_TESTS:-}" ] || timeout 300 "$PY" -m pytest -q -rA -p no:cacheprovider --timeout=600 --junitxml="$OUTDIR/gpu-tests.xml" \
-    -m "gpu or not slow" tests/test_gpu.py tests/test_pack.py tests/test_cuda_compile.py \
+[ -n "${SKIP_TESTS:-}" ] || timeout 330 "$PY" -m pytest -q -rA -p no:cacheprovider --timeout=240 --junitxml="$OUTDIR/gpu-tests.xml" \
+    -m "gpu or not slow" tests/test_gpu.py tests/test_gpu_reshard.py tests/test_pack.py tests/test_cuda_compile.py \
     2>&1 | tee "$OUTDIR/gpu-tests.txt" || status=1
 
 echo "== benchmark"
-[ -n "${SKIP_BENCH:-}" ] || timeout 400 "$PY" benchmarks/gpu_pack.py ${QUICK:+--quick} --json "$OUTDIR/gpu_pack.json" \
+[ -n "${SKIP_BENCH:-}" ] || timeout 300 "$PY" benchmarks/gpu_pack.py ${QUICK:+--quick} --json "$OUTDIR/gpu_pack.json" \
     2>&1 | tee "$OUTDIR/gpu_pack.txt" || status=1
 
 echo "run_gpu.sh: done, status $status; outputs in $OUTDIR"

@@ -18,8 +18,9 @@ class Program(program.Program):
 
     # -- constructors -------------------------------------------------------------------
     @classmethod
-    def reshard(cls, src, dst, *, shape, dtype, backend=None, compression=None) -> "Program":
-        return reshard_call.program(src, dst, shape, dtype, backend, compression)
+    def reshard(cls, src, dst, *, shape, dtype, backend=None, compression=None, device=None) -> "Program":
+        """`device` ("cpu" or "cuda"): where the tiles live, for a process that holds none."""
+        return reshard_call.program(src, dst, shape, dtype, backend, compression, device)
 
     @classmethod
     def reshard_many(cls, src, dst, *, shapes, dtypes, backend=None, bucket_mb=None, compression=None):

@@ -111,7 +111,8 @@ class ReshardKernel:
         dt, kind, devtype = facts_of(shards)
         if dt is not None and dt[0] != a.dtype:
             raise TypeError(f"rank {self.ctx.rank}: src tiles have dtype {dt[0]}, the Program's is {a.dtype}")
-        if a.kind is not None and kind is not None and (kind, devtype) != (a.kind, a.devtype):
+        if (a.kind is not None and kind is not None and kind != a.kind) or \
+                (a.devtype is not None and devtype is not None and devtype != a.devtype):
             raise TypeError(f"rank {self.ctx.rank}: src tiles are {kind} on {devtype}, the Program was "
                             f"constructed for {a.kind} on {a.devtype}")
         if kind == "jax":
@@ -178,8 +179,9 @@ def _facts(ctx, x, src, dst, shape, dtype, compression):
         if shp is not None:
             check_tile_shapes({d: v.shape for d, v in shards.items()}, src.tiles(shp), "src", rank=ctx.rank)
         _, kind, devtype = facts_of(shards)
-        if kind is None and dtype is not None:
-            kind, devtype = ("torch" if type(dtype).__module__.startswith("torch") else "numpy"), "cpu"
+        if kind is None and dtype is not None:      # no tiles here: a torch dtype says torch, and
+            # the device type is the tile holders' (results here land on the current CUDA device)
+            kind, devtype = ("torch", None) if type(dtype).__module__.startswith("torch") else ("numpy", "cpu")
         codec_cost.check(compression, name, devtype, "reshard")
     except (ValueError, TypeError) as e:
         err = e
@@ -213,10 +215,12 @@ def _agreed(metas, src, dpp) -> Agreed:
 
 
 def _build(ctx, be, src, dst, compression, kinded=True):
+    from .agreement import value
+
     def build(pid, metas, deadline):
         a = _agreed(metas, src, ctx.devices_per_process)
-        if not kinded:
-            a = dataclasses.replace(a, kind=None, devtype=None)
+        if not kinded:          # a Program: what the constructors said, else each run's tiles
+            a = dataclasses.replace(a, kind=value(metas, "kind"), devtype=value(metas, "devtype"))
         p = make_plan(a.shape, a.dtype, src, dst)
         comp = None if compression is None else codec_cost.resolve(
             compression, p, backend=be, world=ctx.world_size, devices_per_process=ctx.devices_per_process)
@@ -275,8 +279,10 @@ def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=
     return prog.start_checked(lambda: prog._kernel.check(shards, bare, None), async_op, stamp)
 
 
-def program(src, dst, shape, dtype, backend, compression) -> Program:
-    """`Program.reshard`: every process constructs it with the same arguments."""
+def program(src, dst, shape, dtype, backend, compression, device=None) -> Program:
+    """`Program.reshard`: every process constructs it with the same arguments. `device`
+    ("cpu" or "cuda", optional): where the tiles are, so that a process holding no src tile
+    gets its results there (else each run's tiles say, and such a process gets host arrays)."""
     from .. import compression as codecs
     from . import current
     check_layouts(src, dst)
@@ -285,6 +291,9 @@ def program(src, dst, shape, dtype, backend, compression) -> Program:
         raise TypeError("Program.reshard needs shape= and dtype= (the global shape and element type)")
     shape = src.check_shape(normalize_shape(shape))
     name, itemsize = arrays.normalize_dtype(dtype)
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda' (or None: the tiles say), got {device!r}")
+    kind = "torch" if device == "cuda" or type(dtype).__module__.startswith("torch") else None
     ctx = current()
     if ctx is None:
         from .context import no_context
@@ -298,7 +307,7 @@ def program(src, dst, shape, dtype, backend, compression) -> Program:
         codec_cost.check(compression, name, "cpu", "reshard")
     except (ValueError, TypeError) as e:
         err = err or e
-    fields = _fields(src, dst, be, shape, (name, itemsize), None, None, compression)
+    fields = _fields(src, dst, be, shape, (name, itemsize), kind, device, compression)
     extra = {"desc": f"src={src!r} dst={dst!r}"}
     ranks = participants(ctx, src.mesh, dst.mesh)
     if ctx.rank not in ranks:
