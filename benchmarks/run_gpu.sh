@@ -39,7 +39,7 @@ echo "python: $(command -v "$PY") ($("$PY" -c 'import torch; print("torch", torc
 nvidia-smi > "$OUTDIR/nvidia-smi.txt" 2>&1 || true
 head -n 12 "$OUTDIR/nvidia-smi.txt"
 
-if ! "$PY" -c "import cupy" 2>/dev/null; then
+if ! (cd / && "$PY" -c "import cupy") 2>/dev/null; then
     major=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9][0-9]*\)\..*/\1/p' | head -n 1)
     [ -z "$major" ] && major=$("$PY" -c "import torch; print(torch.version.cuda.split('.')[0])")
     [ "$major" -ge 13 ] 2>/dev/null && pkg=cupy-cuda13x || pkg=cupy-cuda12x
@@ -53,7 +53,6 @@ fi
 "$PY" -c "import cupy; print('cupy', cupy.__version__)" || { echo "CuPy missing: kernel tests will skip"; status=1; }
 
 # worker scripts run from temporary folders: meshcomm must import from anywhere, not only here
-export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 if ! (cd / && "$PY" -c "import meshcomm.cuda, meshcomm.planners, meshcomm.backends") 2>/dev/null; then
     "$PY" -m pip install -q --no-deps --no-build-isolation -e . \
         || { "$PY" -m pip install -q --no-deps --no-build-isolation --target /tmp/meshcomm-site . \

@@ -54,3 +54,22 @@ def test_kernels_issue_16_byte_loads_and_stores(tmp_path):
     for name in ("mc_pack", "mc_unpack"):
         assert {"st.global.v4.u32", "st.global.v2.u32", "st.global.u32", "st.global.u16",
                 "st.global.u8"} <= acc[name], sorted(acc[name])
+
+
+def test_checkout_root_on_sys_path_does_not_hide_nvidias_cuda_namespace(tmp_path):
+    """`cuda/` at the repository's top level is a regular package; with the checkout's root on
+    sys.path (`python -m pytest` run there) it must not hide NVIDIA's `cuda` namespace package
+    (cuda.pathfinder, cuda.bindings: CuPy imports them). A stand-in portion of that namespace
+    sits in another sys.path entry; both it and meshcomm.cuda must import."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    site = tmp_path / "site"
+    (site / "cuda" / "pathfinder").mkdir(parents=True)          # a namespace portion: no cuda/__init__.py
+    (site / "cuda" / "pathfinder" / "__init__.py").write_text("WHERE = 'nvidia'\n")
+    code = ("import cuda.pathfinder, meshcomm.cuda; assert cuda.pathfinder.WHERE == 'nvidia'; "
+            "assert callable(meshcomm.cuda.pack_cuda); print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "PYTHONPATH": f"{root}:{site}"})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
