@@ -66,6 +66,7 @@ class LocalBackend:
         is worked out once per plan (`_program`)."""
         prog = _program(plan, share, alias)
         op = plan.reduce_op
+        rows = _row_copier(like)
         bufs, aliased = [], set()
         for k, (shape, zero, view) in enumerate(prog.slots):
             if view is not None:
@@ -82,7 +83,8 @@ class LocalBackend:
             src = bufs if from_out else shards
             if kind == "copy":
                 s, sw = srcs[0]
-                bufs[slot][where] = src[s][sw]
+                if rows is None or not rows(bufs[slot][where], src[s][sw]):
+                    bufs[slot][where] = src[s][sw]
                 continue
             view = bufs[slot][where or ...]         # 0-d: a view, not a scalar
             (s, sw), rest = srcs[0], srcs[1:]
@@ -90,6 +92,15 @@ class LocalBackend:
             for s, sw in rest:
                 combine_(view, src[s][sw], op)
         return {d: bufs[k] for d, k in prog.slot_of.items()}
+
+
+def _row_copier(like):
+    """For CUDA tensors with CuPy: meshcomm.cuda's copy_rows (one cudaMemcpy2DAsync per piece
+    that is rows at a fixed pitch); else None (torch's copy)."""
+    if getattr(getattr(like, "device", None), "type", None) != "cuda" or not type(like).__module__.startswith("torch"):
+        return None
+    from meshcomm.cuda import kernels
+    return kernels.copy_rows if kernels.available() else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from meshcomm.caches import memo
-__all__ = ["available", "pack_cuda", "unpack_cuda", "plan_boxes", "BoxPlan", "KernelUnsupported",
+__all__ = ["available", "pack_cuda", "unpack_cuda", "copy_rows", "plan_boxes", "BoxPlan", "KernelUnsupported",
            "SOURCE", "KERNEL_NAMES", "ADD_KERNELS", "add_kernel_for"]
 
 SOURCE = Path(__file__).with_name("pack.cu")
@@ -282,11 +282,23 @@ def _arr(x, what: str) -> _Arr:
                 x.device.id, x.flags.c_contiguous, x.nbytes)
 
 
+_STREAMS: dict = {}     # (torch stream handle, device) -> CuPy's wrapper of it, made once
+
+
 def _stream(a: _Arr):
     cp = _cupy()
     if a.kind == "torch":
         import torch
-        return cp.cuda.ExternalStream(torch.cuda.current_stream(a.device).cuda_stream, a.device)
+        key = (torch.cuda.current_stream(a.device).cuda_stream, a.device)
+        s = _STREAMS.get(key)
+        if s is None:
+            if len(_STREAMS) > 256:
+                _STREAMS.clear()
+            import warnings
+            with warnings.catch_warnings():     # CuPy 14 deprecates ExternalStream; it still works
+                warnings.simplefilter("ignore", DeprecationWarning)
+                s = _STREAMS[key] = cp.cuda.ExternalStream(*key)
+        return s
     return cp.cuda.get_current_stream()
 
 
@@ -364,14 +376,61 @@ def unpack_cuda(buf, tile, slices: Sequence[tuple[slice, ...]], accumulate: bool
                 group: int | None = None) -> None:
     """Scatter a packed buffer into tile[sl] for each sl, in one launch; add when `accumulate`."""
     t = _arr(tile, "tile")
-    if t.kind == "cupy" and not t.obj.flags.writeable:
-        raise ValueError("tile is read-only")
     slices = [tuple(sl) for sl in slices]
     nbytes = _message_bytes(slices, t.shape, t.itemsize)
     b = _arr(buf, "buf")
     _check_buffer(b, t, nbytes, "buf")
     name = add_kernel_for(t.dtype) if accumulate else "mc_unpack"
     _launch(name, t, b.addr, slices, group)
+
+
+def copy_rows(dst, src) -> bool:
+    """`dst[...] = src` for torch CUDA tensors of one shape and dtype on one device as ONE
+    cudaMemcpy2DAsync on the current stream, when each is rows of contiguous elements at a
+    fixed pitch once adjacent contiguous dims are merged (a box of a row-major tile cut along
+    at most one dim besides the first, say): the copy engine's speed instead of an elementwise
+    kernel's. Returns False, having done nothing, for anything else (the caller copies)."""
+    if not available() or dst.dtype != src.dtype or dst.shape != src.shape or dst.device != src.device \
+            or dst.device.type != "cuda" or dst.numel() == 0:
+        return False
+    rows = _rows(tuple(dst.shape), dst.stride(), src.stride())
+    if rows is None:
+        return False
+    h, w, dp, sp = rows
+    it = dst.element_size()
+    if max(dp, sp) * it >= 1 << 31:             # past any device's maximum pitch
+        return False
+    cp = _cupy()
+    rt = cp.cuda.runtime
+    import torch
+    stream = torch.cuda.current_stream(dst.device).cuda_stream
+    with cp.cuda.Device(dst.device.index):
+        rt.memcpy2DAsync(dst.data_ptr(), dp * it, src.data_ptr(), sp * it, w * it, h,
+                         rt.memcpyDeviceToDevice, stream)
+    return True
+
+
+def _rows(shape, dstrides, sstrides):
+    """(rows, elements per row, dst pitch, src pitch) in elements after merging adjacent dims
+    that are contiguous in both, or None where more than one strided dim is left or the
+    innermost is not contiguous."""
+    dims = [[n, a, b] for n, a, b in zip(shape, dstrides, sstrides) if n != 1]
+    if not dims:
+        return 1, 1, 1, 1
+    merged = [dims[-1]]
+    for n, a, b in reversed(dims[:-1]):
+        m = merged[-1]
+        if a == m[0] * m[1] and b == m[0] * m[2]:
+            m[0] *= n
+        else:
+            merged.append([n, a, b])
+    if merged[0][1:] != [1, 1] or len(merged) > 2:
+        return None
+    w = merged[0][0]
+    if len(merged) == 1:
+        return 1, w, w, w
+    h, dp, sp = merged[1]
+    return (h, w, dp, sp) if dp >= w and sp >= w else None
 
 
 def _check_buffer(b: _Arr, t: _Arr, nbytes: int, what: str) -> None:
