@@ -66,7 +66,7 @@ class LocalBackend:
         is worked out once per plan (`_program`)."""
         prog = _program(plan, share, alias)
         op = plan.reduce_op
-        rows = _row_copier(like)
+        kcopy = _kernel_copier(like)
         bufs, aliased = [], set()
         for k, (shape, zero, view) in enumerate(prog.slots):
             if view is not None:
@@ -83,7 +83,7 @@ class LocalBackend:
             src = bufs if from_out else shards
             if kind == "copy":
                 s, sw = srcs[0]
-                if rows is None or not rows(bufs[slot][where], src[s][sw]):
+                if kcopy is None or not kcopy(bufs[slot], where, src[s], sw):
                     bufs[slot][where] = src[s][sw]
                 continue
             view = bufs[slot][where or ...]         # 0-d: a view, not a scalar
@@ -94,13 +94,13 @@ class LocalBackend:
         return {d: bufs[k] for d, k in prog.slot_of.items()}
 
 
-def _row_copier(like):
-    """For CUDA tensors with CuPy: meshcomm.cuda's copy_rows (one cudaMemcpy2DAsync per piece
-    that is rows at a fixed pitch); else None (torch's copy)."""
+def _kernel_copier(like):
+    """For CUDA tensors with CuPy: meshcomm.cuda's copy_box (a large piece with one contiguous
+    side as one pack or unpack launch); else None (torch's copy)."""
     if getattr(getattr(like, "device", None), "type", None) != "cuda" or not type(like).__module__.startswith("torch"):
         return None
     from meshcomm.cuda import kernels
-    return kernels.copy_rows if kernels.available() else None
+    return kernels.copy_box if kernels.available() else None
 
 
 @dataclasses.dataclass(frozen=True)

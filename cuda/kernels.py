@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from meshcomm.caches import memo
-__all__ = ["available", "pack_cuda", "unpack_cuda", "copy_rows", "plan_boxes", "BoxPlan", "KernelUnsupported",
+__all__ = ["available", "pack_cuda", "unpack_cuda", "copy_box", "plan_boxes", "BoxPlan", "KernelUnsupported",
            "SOURCE", "KERNEL_NAMES", "ADD_KERNELS", "add_kernel_for"]
 
 SOURCE = Path(__file__).with_name("pack.cu")
@@ -384,53 +384,31 @@ def unpack_cuda(buf, tile, slices: Sequence[tuple[slice, ...]], accumulate: bool
     _launch(name, t, b.addr, slices, group)
 
 
-def copy_rows(dst, src) -> bool:
-    """`dst[...] = src` for torch CUDA tensors of one shape and dtype on one device as ONE
-    cudaMemcpy2DAsync on the current stream, when each is rows of contiguous elements at a
-    fixed pitch once adjacent contiguous dims are merged (a box of a row-major tile cut along
-    at most one dim besides the first, say): the copy engine's speed instead of an elementwise
-    kernel's. Returns False, having done nothing, for anything else (the caller copies)."""
-    if not available() or dst.dtype != src.dtype or dst.shape != src.shape or dst.device != src.device \
-            or dst.device.type != "cuda" or dst.numel() == 0:
-        return False
-    rows = _rows(tuple(dst.shape), dst.stride(), src.stride())
-    if rows is None:
-        return False
-    h, w, dp, sp = rows
-    it = dst.element_size()
-    if max(dp, sp) * it >= 1 << 31:             # past any device's maximum pitch
-        return False
-    cp = _cupy()
-    rt = cp.cuda.runtime
-    import torch
-    stream = torch.cuda.current_stream(dst.device).cuda_stream
-    with cp.cuda.Device(dst.device.index):
-        rt.memcpy2DAsync(dst.data_ptr(), dp * it, src.data_ptr(), sp * it, w * it, h,
-                         rt.memcpyDeviceToDevice, stream)
-    return True
+COPY_MIN_BYTES = 1 << 20     # smaller pieces: torch's copy costs less host time than a launch here
 
 
-def _rows(shape, dstrides, sstrides):
-    """(rows, elements per row, dst pitch, src pitch) in elements after merging adjacent dims
-    that are contiguous in both, or None where more than one strided dim is left or the
-    innermost is not contiguous."""
-    dims = [[n, a, b] for n, a, b in zip(shape, dstrides, sstrides) if n != 1]
-    if not dims:
-        return 1, 1, 1, 1
-    merged = [dims[-1]]
-    for n, a, b in reversed(dims[:-1]):
-        m = merged[-1]
-        if a == m[0] * m[1] and b == m[0] * m[2]:
-            m[0] *= n
-        else:
-            merged.append([n, a, b])
-    if merged[0][1:] != [1, 1] or len(merged) > 2:
-        return None
-    w = merged[0][0]
-    if len(merged) == 1:
-        return 1, w, w, w
-    h, dp, sp = merged[1]
-    return (h, w, dp, sp) if dp >= w and sp >= w else None
+def copy_box(dst, dsl, src, ssl) -> bool:
+    """`dst[dsl] = src[ssl]` (torch CUDA tensors of one dtype; dsl, ssl tuples of slices with
+    explicit bounds, as planners.boxes.local_slices gives) with ONE pack launch when the
+    destination box is contiguous in `dst`, or one unpack launch when the source box is
+    contiguous in `src` (the kernels run near copy speed on strided rows, where torch's
+    elementwise copy does not). Returns False, having done nothing, for a piece under
+    COPY_MIN_BYTES, with both boxes strided, or one the kernels do not take (the caller copies)."""
+    if dst.dim() == 0 or math.prod(sl.stop - sl.start for sl in dsl) * dst.element_size() < max(COPY_MIN_BYTES, 1) \
+            or dst.dtype != src.dtype or not available():
+        return False
+    d = dst[dsl]
+    try:
+        if d.is_contiguous():
+            pack_cuda(src, [ssl], out=d.view(-1))
+            return True
+        s = src[ssl]
+        if s.is_contiguous():
+            unpack_cuda(s.view(-1), dst, [dsl])
+            return True
+    except KernelUnsupported:
+        pass
+    return False
 
 
 def _check_buffer(b: _Arr, t: _Arr, nbytes: int, what: str) -> None:

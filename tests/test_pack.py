@@ -355,34 +355,3 @@ def test_packed_executor_matches_local_backend(lib):
         assert all(same(h.wait()[d], want[d]) for d in want)
     assert {("bcast", "src"), ("bcast", "dst"), ("reduce", "src"), ("send", "dst"), ("copy", "src")} <= set(kinds)
 
-
-def test_row_copies_are_found_only_where_one_memcpy2d_is_exact():
-    """cuda.kernels._rows: the 2-D copy (rows, row length, dst pitch, src pitch) of two views,
-    checked against NumPy: copying row by row at those pitches gives exactly dst[...] = src."""
-    from meshcomm.cuda.kernels import _rows
-    rng = np.random.default_rng(5)
-    found = 0
-    for _ in range(300):
-        nd = int(rng.integers(1, 5))
-        full = tuple(int(rng.integers(1, 7)) for _ in range(nd))
-        box = tuple(slice(int(a), int(a) + int(rng.integers(1, n - a + 1)))
-                    for a, n in ((int(rng.integers(0, n)), n) for n in full))
-        src_full = np.arange(np.prod(full)).reshape(full)
-        dst_full = -np.ones([b.stop - b.start + int(rng.integers(0, 3)) for b in box], dtype=src_full.dtype)
-        src = src_full[box]
-        dst = dst_full[tuple(slice(0, b.stop - b.start) for b in box)]
-        got = _rows(src.shape, [x // 8 for x in dst.strides], [x // 8 for x in src.strides])
-        if got is None:
-            continue
-        found += 1
-        h, w, dp, sp = got
-        flat_d, flat_s = dst_full.reshape(-1), src_full.reshape(-1)
-        d0 = (dst.__array_interface__["data"][0] - dst_full.__array_interface__["data"][0]) // 8
-        s0 = (src.__array_interface__["data"][0] - src_full.__array_interface__["data"][0]) // 8
-        for r in range(h):                       # what cudaMemcpy2D does
-            flat_d[d0 + r * dp:d0 + r * dp + w] = flat_s[s0 + r * sp:s0 + r * sp + w]
-        assert (dst == src).all() and h * w == src.size, (full, box, got)
-    assert found > 100
-    assert _rows((4, 3, 5), (15, 5, 1), (40, 8, 1)) is None      # two strided dims: not one 2-D copy
-    assert _rows((4, 5), (5, 2), (5, 1)) is None                  # inner dim not contiguous
-    assert _rows((4, 5), (5, 1), (20, 1)) == (4, 5, 5, 20)
