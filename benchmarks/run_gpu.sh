@@ -14,7 +14,8 @@
 # 5. runs the GPU tests (pytest -m gpu: tests/test_gpu.py, tests/test_gpu_reshard.py) and the
 #    CPU tests of the kernels' code;
 # 6. runs the pack/unpack benchmark, the 1 GiB reshard and the host overhead per call of a small
-#    reshard (benchmarks/gpu_pack.py).
+#    reshard (benchmarks/gpu_pack.py), and where the host time of one launch goes
+#    (benchmarks/gpu_launch_profile.py).
 # Exits non-zero when a step fails. To watch the stream fence matter: the test
 # test_without_fence_the_race_shows runs the fenced test's reshard with fence=False
 # (python -m pytest -m gpu -k without_fence tests/test_gpu.py; cuda/executor.py's
@@ -83,6 +84,9 @@ export MESHCOMM_TIMEOUT=${MESHCOMM_TIMEOUT:-60}
 echo "== benchmark"
 [ -n "${SKIP_BENCH:-}" ] || timeout 300 "$PY" benchmarks/gpu_pack.py ${QUICK:+--quick} --json "$OUTDIR/gpu_pack.json" \
     2>&1 | tee "$OUTDIR/gpu_pack.txt" || status=1
+
+echo "== host time of one kernel launch"
+[ -n "${SKIP_BENCH:-}" ] || timeout 120 "$PY" benchmarks/gpu_launch_profile.py 2>&1 | tee "$OUTDIR/launch_profile.txt" || status=1
 
 echo "run_gpu.sh: done, status $status; outputs in $OUTDIR"
 exit $status
