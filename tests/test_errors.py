@@ -477,3 +477,12 @@ def test_mesh_grid_numbers_must_be_integers():
     with raises(ValueError, r"Mesh.grid shape.*non-negative.*-2"):
         mc.Mesh.grid((2, -2))
     assert mc.Mesh.grid((np.int64(2), 2), start=np.int32(4)).device_ids == (4, 5, 6, 7)
+
+
+def test_program_reshard_device_must_be_cpu_or_cuda():
+    m = mc.Mesh([0, 1], ("x",))
+    with raises(ValueError, r"device must be 'cpu' or 'cuda' \(or None: the tiles say\), got 'gpu'"):
+        mc.Program.reshard(mc.Layout(m, ("x",)), mc.Layout(m, (None,)), shape=(4,), dtype="float32", device="gpu")
+    prog = mc.Program.reshard(mc.Layout(m, ("x",)), mc.Layout(m, (None,)), shape=(4,), dtype="float32", device="cpu")
+    out = prog({0: np.arange(2.0, dtype=np.float32), 1: np.arange(2.0, 4.0, dtype=np.float32)})
+    assert (out[1] == np.arange(4.0)).all()

@@ -218,6 +218,12 @@ def test_gloo_processes_share_one_gpu(tmp_path, device="cuda"):
     assert text.count("GLOO GPU OK") == 2, text[-6000:]
 
 
+def test_gloo_processes_harness_on_cpu(tmp_path):
+    """The same two processes on CPU tensors: a process without src tiles that passes a torch
+    dtype (eager) or device= (Program) gets torch results; every result exact."""
+    test_gloo_processes_share_one_gpu(tmp_path, device="cpu")
+
+
 # -- reshard_jax with JAX on the GPU ---------------------------------------------------------------
 
 JAX_RESHARD = textwrap.dedent('''
