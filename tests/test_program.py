@@ -96,3 +96,4 @@ def test_fits_takes_c_ordered_numpy_tiles_of_the_planned_shape_only():
     assert not program.fits(prog, {})
     torch = pytest.importorskip("torch")
     assert not program.fits(prog, {0: torch.zeros(4, 6)})
+

@@ -454,3 +454,25 @@ def test_verifier_catches_wrong_sender_and_bytes_and_stage():
     if len(ts) > 1:
         with pytest.raises(PlanError, match="stage"):
             mc.verify(_broken(p, ts))
+
+
+def test_one_process_program_runs_planned_tiles_directly_and_anything_else_through_the_checks():
+    import torch
+    src = mc.Layout(mc.Mesh([[0, 1], [2, 3]], ("x", "y")), ("x", "y"))
+    dst = mc.Layout(mc.Mesh([4, 5, 6], ("z",)), (None, "z"))
+    x = np.arange(35.0, dtype=np.float32).reshape(5, 7)
+    prog = mc.Program.reshard(src, dst, shape=(5, 7), dtype="float32")
+    shards = mc.shard(x, src)
+    assert (mc.unshard(prog(shards), dst) == x).all()
+    tshards = {d: torch.from_numpy(v.copy()) for d, v in shards.items()}
+    out = prog(tshards)
+    assert all(isinstance(v, torch.Tensor) for v in out.values()) and (mc.unshard(out, dst).numpy() == x).all()
+    bad = dict(shards)
+    bad[0] = bad[0].astype(np.float64)
+    with pytest.raises(TypeError, match="float64"):
+        prog(bad)
+    bad[0] = np.zeros((2, 2), np.float32)
+    with pytest.raises(ValueError, match="device 0"):
+        prog(bad)
+    with pytest.raises(ValueError, match="missing device"):
+        prog({d: v for d, v in shards.items() if d != 3})

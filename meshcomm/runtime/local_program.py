@@ -37,9 +37,46 @@ class LocalKernel:
 
 
 def local_reshard(src, dst, shape, dtype, compression):
-    p = plan(shape, arrays.normalize_dtype(dtype)[0], src, dst)
-    return new(None, 0, f"reshard {src} -> {dst} {shape}", LocalKernel(
-        lambda x: _bare(one_process(x, src, dst, shape, dtype, compression=compression), dst), "plan"), p)
+    name = arrays.normalize_dtype(dtype)[0]
+    p = plan(shape, name, src, dst)
+
+    def general(x):
+        return _bare(one_process(x, src, dst, shape, dtype, compression=compression), dst)
+    run = general if compression is not None else _planned(p, name, general)
+    return new(None, 0, f"reshard {src} -> {dst} {shape}", LocalKernel(run, "plan"), p)
+
+
+def _planned(p, name: str, general):
+    """A run of the planned reshard: a dict of NumPy arrays (native byte order) or torch
+    tensors, one of the planned shape and dtype per src device, goes straight to the local
+    backend; anything else (a bare array, JAX arrays, a wrong tile, the log on) takes the
+    general path, with its errors."""
+    from ..backends.local import LocalBackend
+    want = {d: tuple(b - a for a, b in box) for d, box in p.src.tiles(p.shape).boxes.items()}
+    np_dt = arrays.numpy_dtype(name) if name != "bfloat16" else None
+    torch_dt = []                           # resolved at the first torch run
+
+    def run(x):
+        if type(x) is not dict or len(x) != len(want) or _log.ON:
+            return general(x)
+        first = next(iter(x.values()))
+        if type(first) is np.ndarray:
+            ok = np_dt is not None and all(type(v) is np.ndarray and v.dtype == np_dt and want.get(d) == v.shape
+                                          for d, v in x.items())
+        elif arrays.is_torch(first):
+            if not torch_dt:
+                torch_dt.append(_torch_dtype(name))
+            ok = all(arrays.is_torch(v) and v.dtype == torch_dt[0] and want.get(d) == tuple(v.shape)
+                     and v.device == first.device for d, v in x.items())
+        else:
+            ok = False
+        return LocalBackend().execute(p, x, like=first) if ok else general(x)
+    return run
+
+
+def _torch_dtype(name: str):
+    import torch
+    return getattr(torch, name, None)
 
 
 def _bare(res, dst):
