@@ -17,7 +17,6 @@ it prevents (tests/test_gpu.py), never for use.
 """
 from __future__ import annotations
 
-import os
 from typing import Mapping
 
 from meshcomm.backends import streams

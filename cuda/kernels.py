@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import math
-import os
 import threading
 from pathlib import Path
 from typing import Sequence
@@ -116,7 +114,7 @@ def plan_boxes(shape, strides, itemsize: int, tensor_addr: int, buf_addr: int,
     if tensor_addr % itemsize or buf_addr % itemsize:
         raise KernelUnsupported("tile or buffer address is not aligned to the element size")
     boxes = _norm_slices(slices, shape)
-    recs, units, row_units_of = [], [], []
+    recs, units = [], []
     boff = 0
     for box in boxes:
         sizes = [b - a for a, b in box]
