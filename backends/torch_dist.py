@@ -272,6 +272,7 @@ class TorchBackend(TorchCollectives, Backend):
     def bcast(self, buf, root, ranks, tag=None):
         if tag is not None and (buf.device.type != "cuda" or self.stage_cuda):
             if self.rank == root:               # a plan's broadcast: point to point from the root
+                buf = self._host(buf)           # staged once for every receiver
                 works = [self.isend(buf, r, tag) for r in ranks if r != root]
                 return _AllOf(works, f"bcast in group {list(ranks)}", tuple(r for r in ranks if r != root))
             return self.irecv(buf, root, tag)
