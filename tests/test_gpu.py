@@ -24,6 +24,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import meshcomm as mc  # noqa: E402
+from jax_gpu import run_on_jax_gpu  # noqa: E402
 from meshcomm.backends.pack import message_elems, pack, unpack, uses_kernels  # noqa: E402
 
 pytestmark = [
@@ -379,12 +380,4 @@ JAX_SCRIPT = textwrap.dedent('''
 
 
 def test_jax_gpu_arrays_reach_the_kernels_through_dlpack(cupy, tmp_path):
-    script = tmp_path / "jax_dlpack.py"
-    script.write_text(JAX_SCRIPT)
-    env = dict(os.environ, JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    env.pop("XLA_FLAGS", None)
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    if r.stdout.startswith("SKIP"):
-        pytest.skip(f"no JAX GPU here: {r.stdout.strip()}")
-    assert "JAX OK" in r.stdout
+    run_on_jax_gpu(tmp_path, JAX_SCRIPT, "JAX OK")

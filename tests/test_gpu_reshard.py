@@ -27,6 +27,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import meshcomm as mc  # noqa: E402
+from jax_gpu import run_on_jax_gpu  # noqa: E402
 from meshcomm.arrays import numpy_dtype  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
@@ -261,12 +262,4 @@ JAX_RESHARD = textwrap.dedent('''
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 def test_reshard_jax_on_the_gpu(tmp_path):
-    script = tmp_path / "jax_reshard.py"
-    script.write_text(JAX_RESHARD)
-    env = dict(os.environ, JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    env.pop("XLA_FLAGS", None)
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    if r.stdout.startswith("SKIP"):
-        pytest.skip(f"no JAX GPU here: {r.stdout.strip()}")
-    assert "JAX RESHARD OK" in r.stdout
+    run_on_jax_gpu(tmp_path, JAX_RESHARD, "JAX RESHARD OK")
