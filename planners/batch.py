@@ -115,18 +115,6 @@ class BatchPlan:
     simulate = Plan.simulate
     summary = Plan.summary
 
-    def for_device(self, device: int) -> tuple[int, ...]:
-        """Indices (in global order) of the messages a device takes part in."""
-        return self.by_device.get(device, ())
-
-    @functools.cached_property
-    def by_device(self) -> dict[int, tuple[int, ...]]:
-        out = defaultdict(list)
-        for i, m in enumerate(self.transfers):
-            for d in m.participants:
-                out[d].append(i)
-        return {d: tuple(v) for d, v in out.items()}
-
     @property
     def nbytes(self) -> int:
         """Bytes of all the tensors."""

@@ -1,7 +1,7 @@
 """Pure helpers on boxes: ((start, stop), ...) per tensor dimension, stop exclusive."""
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Sequence
 
 Box = tuple[tuple[int, int], ...]
 
@@ -111,8 +111,3 @@ def interval_pairs(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -
         else:
             q += 1
     return out
-
-
-def iter_points(box: Box) -> Iterator[tuple[int, ...]]:  # pragma: no cover - debugging aid
-    import itertools
-    return itertools.product(*(range(a, b) for a, b in box))

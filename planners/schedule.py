@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import hashlib
 from collections import Counter, defaultdict
-from typing import Iterable
 
 from .boxes import Box, box_size, box_str
 from .topology import Topology
@@ -150,18 +149,6 @@ class Plan:
                                self.fill_op)).encode())
         return h.hexdigest()[:16]
 
-    def for_device(self, device: int) -> tuple[int, ...]:
-        """Indices (in global order) of the transfers a device takes part in."""
-        return self._by_device.get(device, ())
-
-    @functools.cached_property
-    def _by_device(self) -> dict[int, tuple[int, ...]]:
-        out = defaultdict(list)
-        for i, t in enumerate(self.transfers):
-            for d in t.participants:
-                out[d].append(i)
-        return {d: tuple(v) for d, v in out.items()}
-
     # -- link loads (bytes) ----------------------------------------------------------
     def link_loads(self, topology: Topology | None = None) -> dict[tuple[str, int], int]:
         """Bytes per directed link: ("nic_out"|"nic_in", node) and ("dev_out"|"dev_in", device).
@@ -245,7 +232,3 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return str(n)
-
-
-def total_box_bytes(boxes: Iterable[Box], itemsize: int) -> int:
-    return sum(box_size(b) for b in boxes) * itemsize
