@@ -293,7 +293,9 @@ def program(src, dst, shape, dtype, backend, compression, device=None) -> Progra
     name, itemsize = arrays.normalize_dtype(dtype)
     if device not in (None, "cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda' (or None: the tiles say), got {device!r}")
-    kind = "torch" if device == "cuda" or type(dtype).__module__.startswith("torch") else None
+    # with device=, a CUDA device or a torch dtype says torch tensors (for a process without tiles)
+    kind = "torch" if device == "cuda" or (device is not None and type(dtype).__module__.startswith("torch")) \
+        else None
     ctx = current()
     if ctx is None:
         from .context import no_context
@@ -304,7 +306,7 @@ def program(src, dst, shape, dtype, backend, compression, device=None) -> Progra
     try:
         ctx.ownership.check_mesh(src.mesh, "src")
         ctx.ownership.check_mesh(dst.mesh, "dst")
-        codec_cost.check(compression, name, "cpu", "reshard")
+        codec_cost.check(compression, name, device, "reshard")
     except (ValueError, TypeError) as e:
         err = err or e
     fields = _fields(src, dst, be, shape, (name, itemsize), kind, device, compression)
