@@ -23,8 +23,7 @@ from ..validate import (check_keys, check_layouts, check_tile_shapes, infer_shap
                         normalize_input, resolve_shape_dtype)
 
 from ..handle import Handle
-from .plan_run import PlanRun
-from .program import (Program, consume, construct, eager, empty_like, facts_of, fences_of, host_dtype,
+from .program import (PlanRun, Program, consume, construct, eager, empty_like, facts_of, fences_of, host_dtype,
                       layouts_fp, new, outside, participants, tags_of)
 
 __all__ = ["reshard", "program"]
