@@ -124,8 +124,6 @@ class CollectiveKernel:
             self.runner = PlanRun(ctx, be, self.plan, comp, tags_of(pid, getattr(be, "tag_ub", 1 << 29)),
                                   a.devtype, deadline)
             self.src_devs = set(prob.src.mesh.device_ids)
-        # Program._run_lean: a bare tile in, the bare result out of one native call
-        self.lean = self._one is not None and self._bare is not None and prob.scale == 1
 
     def describe(self) -> str:
         return f"{self.native.prim.name} native" if self.native is not None else "plan"
@@ -180,17 +178,6 @@ class CollectiveKernel:
                 raise ValueError(f"{req.op}: out= buffer of device {d} is {tuple(v.shape)} {arrays.dtype_of(v)[0]}, "
                                  f"the result is {tuple(shapes[d])} {self.a.dtype[0]}")
         return dict(out)
-
-    def lean_ok(self, x) -> bool:
-        f = self._bare
-        return type(x) is np.ndarray and x.shape == f[1] and x.dtype == f[2]
-
-    def lean_run(self, x, parity: int, deadline):
-        me, post = self._one[parity]
-        works, fin = post(x)
-        issued[self.native.key, self.req.op] += 1
-        self.native.prim.wait_all(works, deadline)
-        return fin().get(me)
 
     def run(self, st, deadline, stamp=None):
         tiles, bare, kind, fences, out = st

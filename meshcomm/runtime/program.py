@@ -62,7 +62,6 @@ class Program:
         self.runs = 0
         self.failed: str | None = None
         self.check_every = settings.get("CHECK") == "every"     # read at construction
-        self._lean = ctx is not None and getattr(kernel, "lean", False) and not self.check_every
 
     def __repr__(self) -> str:
         return f"Program(#{self.id} {self.label}, runs={self.runs})"
@@ -73,29 +72,7 @@ class Program:
         recv_counts=None)`: counts are data)."""
         if more or recv_counts is not None:
             x = (x, more[0] if more else None, more[1] if len(more) > 1 else recv_counts)
-        elif self._lean and not async_op and out is None and not _log.ON and self._kernel.lean_ok(x):
-            return self._run_lean(x)
         return self.start(x, async_op, out, _log.stamp(async_op) if _log.ON else None)
-
-    def _run_lean(self, x):
-        """A run the kernel takes whole (`lean_ok`: one native call on a bare tile): start's and
-        _go's bookkeeping in one function, since where processes outnumber cores every layer a
-        run passes through costs several times its CPU (BENCHMARKS 5)."""
-        ctx, ch, last = self.ctx, control._CHANNEL, self.ctx._last
-        if self.failed is not None or (ch is not None and (ch.errors or self.id in ch.failed)) \
-                or (last is not None and not last.done()):
-            return self.start(x, False, None, None)         # the general path, with its errors
-        self.runs += 1
-        call = control.Call("run", self.id, self.label, self.runs, next_seq(ctx, self.ranks))
-        with ctx._lock:
-            prev = control.enter(ch, call)
-            try:
-                r = self._kernel.lean_run(x, call.seq & 1, time.monotonic() + ctx.timeout)
-            except Exception as e:
-                self._run_failed(ch, prev, call, e)
-                raise
-            control.leave(ch, prev)
-        return r
 
     def start(self, x, async_op, out, stamp, st=None):
         """A run: `st` is the kernel's prepared input where the caller checked it already."""
@@ -139,17 +116,12 @@ class Program:
             self._kernel.parity = call.seq & 1      # runs one at a time, in call order (ctx._lock)
             r = self._kernel.run(st, time.monotonic() + self.ctx.timeout, stamp)
         except Exception as e:
-            self._run_failed(ch, prev, call, e)
+            if not getattr(e, "local_only", False):
+                self.failed = f"run {call.run}: {type(e).__name__}"
+            control.leave(ch, prev, e)
             raise
         control.leave(ch, prev)
         return r
-
-    def _run_failed(self, ch, prev, call, e):
-        """A run's error (both run paths): the Program fails unless the error was this
-        process's alone, and the control channel tells every peer."""
-        if not getattr(e, "local_only", False):
-            self.failed = f"run {call.run}: {type(e).__name__}"
-        control.leave(ch, prev, e)
 
     def start_checked(self, check, async_op, stamp):
         """A run of input the caller has validated already: `check()` gives the kernel's
