@@ -10,7 +10,7 @@ from .. import log as _log
 from ..planning import plan
 from ..validate import check_tile_shapes, normalize_input, resolve_shape_dtype
 from .context import init_hint
-from .program import new
+from .program import host_dtype, new
 
 __all__ = ["one_process", "reshard_local", "local_reshard", "LocalKernel"]
 
@@ -53,10 +53,11 @@ def _planned(p, name: str, general):
     general path, with its errors."""
     from ..backends.local import LocalBackend
     want = {d: tuple(b - a for a, b in box) for d, box in p.src.tiles(p.shape).boxes.items()}
-    np_dt = arrays.numpy_dtype(name) if name != "bfloat16" else None
-    torch_dt = []                           # resolved at the first torch run
+    np_dt = host_dtype(name)
+    torch_dt = None                         # resolved at the first torch run
 
     def run(x):
+        nonlocal torch_dt
         if type(x) is not dict or len(x) != len(want) or _log.ON:
             return general(x)
         first = next(iter(x.values()))
@@ -64,9 +65,8 @@ def _planned(p, name: str, general):
             ok = np_dt is not None and all(type(v) is np.ndarray and v.dtype == np_dt and want.get(d) == v.shape
                                           for d, v in x.items())
         elif arrays.is_torch(first):
-            if not torch_dt:
-                torch_dt.append(_torch_dtype(name))
-            ok = all(arrays.is_torch(v) and v.dtype == torch_dt[0] and want.get(d) == tuple(v.shape)
+            torch_dt = torch_dt or _torch_dtype(name)
+            ok = all(arrays.is_torch(v) and v.dtype == torch_dt and want.get(d) == tuple(v.shape)
                      and v.device == first.device for d, v in x.items())
         else:
             ok = False
