@@ -172,7 +172,8 @@ GLOO_WORKER = textwrap.dedent('''
         for out in (got, again):
             assert set(out) == {d for d in want if mine(d)}, (i, sorted(out))
             for d, t in out.items():
-                assert t.device.type == DEV and np.array_equal(bits(t), np.ascontiguousarray(want[d]).reshape(-1).view(np.uint8) if dtype != "bfloat16" else np.ascontiguousarray(want[d]).view(np.int16).reshape(-1).view(np.uint8)), (i, d, str(src), str(dst), dtype)
+                expect = np.ascontiguousarray(want[d]).reshape(-1).view(np.uint8)     # NumPy's bytes, bfloat16 too
+                assert t.device.type == DEV and np.array_equal(bits(t), expect), (i, d, str(src), str(dst), dtype)
         n_ok += 1
     # many tensors in one batch
     m = mc.Mesh(np.arange(8).reshape(2, 4), ("x", "y"))
