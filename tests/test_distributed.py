@@ -257,11 +257,11 @@ def test_a_frozen_peer_at_each_stage(tmp_path, init, stage, form):
     out = tmp_path / "out"
     out.mkdir()
     env = dict(os.environ, MESHCOMM_TIMEOUT=str(timeout), MESHCOMM_LOG=str(tmp_path / "log"))
-    subprocess.run([MPIEXEC, "-n", "4", sys.executable, str(ROOT / "tests" / "workers" / "freeze_worker.py"),
-                    "--init", init, "--stage", stage, "--form", form, "--out", str(out)],
-                   capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run([MPIEXEC, "-n", "4", sys.executable, str(ROOT / "tests" / "workers" / "freeze_worker.py"),
+                        "--init", init, "--stage", stage, "--form", form, "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, env=env)
     res = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
-    assert sorted(res) == [0, 1, 2], res
+    assert sorted(res) == [0, 1, 2], (res, r.stdout[-4000:], r.stderr[-8000:])
     for r in res.values():
         assert r["error"] is not None, r
         assert r["seconds"] < timeout + 10, r

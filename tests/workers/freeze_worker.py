@@ -13,6 +13,7 @@ there). Survivors write OUT/rank<r>.json {seconds, error}; rank 0 then kills the
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -37,6 +38,10 @@ def main():
     ap.add_argument("--form", required=True, choices=["eager", "program"])
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    # a survivor still here long after its timeout (or one that crashes) prints every
+    # thread's stack: the test shows this output when a survivor's result is missing
+    faulthandler.enable(all_threads=True)
+    faulthandler.dump_traceback_later(float(os.environ.get("MESHCOMM_TIMEOUT", "3")) + 40, exit=False)
     ctx = mc.init(backend=a.init)
     me, n = ctx.rank, ctx.world_size
     lag = n - 1
