@@ -205,6 +205,38 @@ def wait_polling(works: Sequence[Work], deadline: float | None, rank=None, timeo
         backoff(spins)
 
 
+# How long past the deadline the waiting thread lets the waiter threads' own timeouts (gloo's,
+# which say what failed) come first before it raises itself: no wait outlives its deadline
+# by more, whatever a blocking wait inside a library does.
+GRACE_S = 1.0
+
+
+def wait_threads(be, polled, waits, deadline) -> None:
+    """The wait of the backends whose works block (torch's gloo point-to-point): `waits`
+    [(work, Future of its blocking wait)] complete on waiter threads while this thread tests
+    the `polled` works (MPI progresses only inside MPI calls: mixed.py) and watches the
+    control channel (WATCH) with what is still pending, so a peer's error
+    raises here within milliseconds and a stalled wait names exactly the peers it waits for.
+    A waiter's error raises as it comes; past the deadline (+GRACE_S for the waiters) a
+    PeerTimeoutError names what is still pending."""
+    spins = 0
+    while polled or waits:
+        polled = [w for w in polled if not w.test()]
+        waits = [(w, f) for w, f in waits if not f.done() or f.result()]
+        if not (polled or waits):
+            return
+        if deadline is not None:
+            late = time.monotonic() - deadline
+            if late > 0 and (polled or late > GRACE_S):
+                raise timeout_error(be.rank, polled + [w for w, _ in waits], be.timeout)
+        watch(polled + [w for w, _ in waits], deadline)
+        if polled:
+            spins += 1
+            backoff(spins)
+        else:
+            time.sleep(2e-4)            # the waiters block in C++: nothing here to poll fast
+
+
 def watch(pending: Sequence[Work], deadline) -> None:
     """Poll the control channel from a wait (gives the works up when it raises)."""
     w = WATCH

@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 
 from . import tuning
-from .base import Backend, backoff, timeout_error, torch_of, wait_polling, watch
+from .base import Backend, torch_of, wait_polling, wait_threads
 
 __all__ = ["MixedBackend"]
 
@@ -115,17 +114,7 @@ class MixedBackend(Backend):
         mw = [w for w in works if not hasattr(w, "work")]
         if not tw:
             return wait_polling(mw, deadline, self.rank, self.timeout)
-        waits = self.torch.wait_async(tw, deadline)
-        pending, spins = mw, 0
-        while pending or waits:
-            pending = [w for w in pending if not w.test()]
-            waits = [(w, f) for w, f in waits if not f.done() or f.result()]
-            if pending and deadline is not None and time.monotonic() > deadline:
-                raise timeout_error(self.rank, pending, self.timeout)
-            if pending or waits:
-                watch(pending + [w for w, _ in waits], deadline)
-                spins += 1
-                backoff(spins)
+        wait_threads(self, mw, self.torch.wait_async(tw, deadline), deadline)
         for w in tw:
             finish = getattr(w, "finish", None)
             if finish is not None:

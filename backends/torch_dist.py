@@ -328,12 +328,7 @@ class TorchBackend(TorchCollectives, Backend):
             return
         if _base.WATCH is None:
             return self._block(live, deadline)
-        waits = self.wait_async(live, deadline)
-        while waits:
-            waits = [(w, f) for w, f in waits if not f.done() or f.result()]
-            if waits:
-                _base.watch([w for w, _ in waits], deadline)
-                time.sleep(2e-4)
+        _base.wait_threads(self, [], self.wait_async(live, deadline), deadline)
         for w in live:
             finish = getattr(w, "finish", None)     # native collectives: unpad (torch_collectives)
             if finish is not None:

@@ -144,3 +144,42 @@ def test_two_slow_ranks_in_the_same_construction_are_not_a_mismatch():
         c0.watch([W(1)], None)
         c1.watch([W(0)], None)
         time.sleep(0.003)
+
+
+def test_a_blocking_wait_that_ignores_its_deadline_still_raises_past_it():
+    """A waiter thread stuck inside a library's wait (past the timeout it was given: a fault
+    no real peer can be made to produce on demand) does not hold the waiting thread: the
+    one wait loop raises PeerTimeoutError naming the peer GRACE_S after the deadline, and a
+    waiter's own error raises as it comes."""
+    import concurrent.futures
+    import threading
+
+    from backends import base
+
+    class Be:
+        rank, timeout = 0, 0.2
+
+    class W(base.Work):
+        op, peers = "recv", (3,)
+
+        def test(self):
+            return False
+    stuck = threading.Event()
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        fut = pool.submit(stuck.wait, 30)
+        t0 = time.monotonic()
+        with pytest.raises(PeerTimeoutError) as e:
+            base.wait_threads(Be(), [], [(W(), fut)], t0 + 0.2)
+        assert 0.2 + base.GRACE_S <= time.monotonic() - t0 < 0.2 + base.GRACE_S + 2
+        assert "peer rank(s) [3]" in str(e.value)
+        stuck.set()
+
+        def fails():
+            raise PeerTimeoutError("rank 0: recv with peer rank(s) [1] failed: closed", (1,), "recv")
+        with pytest.raises(PeerTimeoutError, match=r"\[1\] failed"):
+            base.wait_threads(Be(), [], [(W(), pool.submit(fails))], time.monotonic() + 5)
+    finally:
+        stuck.set()
+        pool.shutdown()
+        base.ABANDONED.clear()
