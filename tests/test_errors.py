@@ -486,3 +486,29 @@ def test_program_reshard_device_must_be_cpu_or_cuda():
     prog = mc.Program.reshard(mc.Layout(m, ("x",)), mc.Layout(m, (None,)), shape=(4,), dtype="float32", device="cpu")
     out = prog({0: np.arange(2.0, dtype=np.float32), 1: np.arange(2.0, 4.0, dtype=np.float32)})
     assert (out[1] == np.arange(4.0)).all()
+
+
+def test_one_process_programs_check_their_runs_like_a_launchers():
+    """Without a launcher a collective Program's run is checked against its shape= and dtype=
+    (it ran any tile before), and reshard_many names a tensor that is not in its batch (it
+    was dropped before); a gather's tiles may still differ along its dim."""
+    m = mc.Mesh(np.arange(4), ("x",))
+    ar = mc.Program.all_reduce(m, "x", shape=(3,), dtype="float32")
+    with pytest.raises(ValueError, match=r"all_reduce: the tile of device 0 has shape \(4,\), the Program's is \(3,\)"):
+        ar({d: np.ones(4, np.float32) for d in range(4)})
+    with pytest.raises(TypeError, match="the tiles have dtype float64, the Program's is float32"):
+        ar({d: np.ones(3) for d in range(4)})
+    assert np.array_equal(ar({d: np.full(3, d, np.float32) for d in range(4)})[2], np.full(3, 6.0))
+    ag = mc.Program.all_gather(m, "x", shape=(3, 2), dtype="float32")
+    tiles = {d: np.full((3 - (d == 1), 2), d, np.float32) for d in range(4)}
+    assert ag(tiles)[0].shape == (11, 2)
+    with pytest.raises(ValueError, match="may differ along dim 0 only"):
+        ag({d: np.ones((3, 3), np.float32) for d in range(4)})
+    src, dst = mc.Layout(m, ("x",)), mc.Layout(m, (None, "x"))
+    pm = mc.Program.reshard_many({"a": src}, {"a": dst}, shapes={"a": (8, 8)}, dtypes={"a": "float32"})
+    sh = mc.shard(np.ones((8, 8), np.float32), src)
+    with pytest.raises(ValueError, match=r"tensors \['b'\] are not in the batch"):
+        pm({"a": sh, "b": sh})
+    with pytest.raises(TypeError, match="reshard_many takes"):
+        pm([sh])
+    assert pm({"a": sh})["a"][1].shape == (8, 2)

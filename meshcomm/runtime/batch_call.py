@@ -120,14 +120,7 @@ class BatchKernel:
         return tuple((n, tuple(sorted((d, tuple(v.shape)) for d, v in sh.items()))) for n, (sh, _) in st[0].items())
 
     def prepare(self, xs, out):
-        if xs is None:
-            xs = {}
-        if not isinstance(xs, Mapping):
-            raise TypeError(f"reshard_many takes {{name: this process's src tiles}}, got {type(xs).__name__}")
-        names = {t.name for t in self.tensors}
-        extra = sorted(set(xs) - names)
-        if extra:
-            raise ValueError(f"reshard_many: tensors {extra[:4]} are not in the batch")
+        xs = batch_input(xs, {t.name for t in self.tensors})
         got = {}
         for t in self.tensors:
             shards, _ = local_input(self.ctx, xs.get(t.name, {}), t.src, t.dst)
@@ -186,6 +179,18 @@ def _plans(tensors: list[Tensor], bucket_mb):
     bp = plan_many({t.name: t.shape for t in tensors}, {t.name: t.dtype for t in tensors},
                    {t.name: t.src for t in tensors}, {t.name: t.dst for t in tensors}, bucket_mb=bucket_mb)
     return [bp.plan_of(t.name) for t in tensors]
+
+
+def batch_input(xs, names) -> Mapping:
+    """A batch run's input {name: tiles} checked against the batch's `names` (None: no tiles)."""
+    if xs is None:
+        return {}
+    if not isinstance(xs, Mapping):
+        raise TypeError(f"reshard_many takes {{name: this process's src tiles}}, got {type(xs).__name__}")
+    extra = sorted(set(xs) - set(names), key=str)
+    if extra:
+        raise ValueError(f"reshard_many: tensors {extra[:4]} are not in the batch")
+    return xs
 
 
 def _build(ctx, be, names, srcs, dsts, bucket_mb, kinded=True):
@@ -250,6 +255,7 @@ def program(src, dst, shapes, dtypes, backend, bucket_mb, compression) -> Progra
         from .local_program import one_process
 
         def run(xs):
+            xs = batch_input(xs, names)
             return {n: (one_process(xs.get(n, {}), srcs[n], dsts[n], shp[n], dts[n][0])[0] if srcs[n].mesh.device_ids
                         else {}) for n in names}
         return new(None, 0, f"reshard_many of {len(names)} tensors", LocalKernel(run, "plans"))

@@ -390,15 +390,34 @@ def local_collective(req, tile, dtype) -> Program:
     if tile is not None:
         prob = build(req, tile, None)
         p = plan(prob.shape, arrays.normalize_dtype(dtype)[0], prob.src, prob.dst)
-    return new(None, 0, f"{req.op} over {req.axes} of {req.mesh}", LocalKernel(lambda x: collective_local(req, x), "plan"), p)
+    declared = (tile, arrays.normalize_dtype(dtype))
+    return new(None, 0, f"{req.op} over {req.axes} of {req.mesh}",
+               LocalKernel(lambda x: collective_local(req, x, declared), "plan"), p)
 
 
-def collective_local(req, x):
-    """Without a launcher: every device's tile is here; the plan runs in memory."""
+def _check_declared(req, tiles, declared) -> None:
+    """A one-process Program's tiles against its shape= and dtype= (as a launcher's run checks
+    them; a gather's tiles may differ along `dim`)."""
+    (tile, dtype), f = declared, local_facts(req, tiles)
+    if f["dtype"] is not None and f["dtype"][0] != dtype[0]:
+        raise TypeError(f"{req.op}: the tiles have dtype {f['dtype'][0]}, the Program's is {dtype[0]}")
+    k = req.dim % len(tile) if tile and req.op in GATHERS else None
+    for d, v in tiles.items():
+        if v is not None and tile is not None and (v.ndim != len(tile) or any(
+                a != b for i, (a, b) in enumerate(zip(v.shape, tile)) if i != k)):
+            raise ValueError(f"{req.op}: the tile of device {d} has shape {tuple(v.shape)}, the Program's is "
+                             f"{tuple(tile)}" + (f" (tiles may differ along dim {req.dim} only)" if k is not None else ""))
+
+
+def collective_local(req, x, declared=None):
+    """Without a launcher: every device's tile is here; the plan runs in memory
+    (`declared`: a Program's (shape, dtype), checked first)."""
     from ..backends.local import LocalBackend
     owned = tuple(req.mesh.device_ids)
     where = "this process (without meshcomm.init it owns every device" + init_hint() + ")"
     tiles, bare = tiles_of(req, x, owned, where)
+    if declared is not None:
+        _check_declared(req, tiles, declared)
     facts = local_facts(req, tiles)
     if facts["tile"] is None:
         raise ValueError(f"{req.op}: no tile given, so shape and dtype are unknown")
