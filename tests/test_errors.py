@@ -490,7 +490,7 @@ def test_program_reshard_device_must_be_cpu_or_cuda():
 
 def test_one_process_programs_check_their_runs_like_a_launchers():
     """Without a launcher a collective Program's run is checked against its shape= and dtype=
-    (it ran any tile before), and reshard_many names a tensor that is not in its batch (it
+    (it ran any tile before), all_to_all_v its rows likewise, and reshard_many names a tensor that is not in its batch (it
     was dropped before); a gather's tiles may still differ along its dim."""
     m = mc.Mesh(np.arange(4), ("x",))
     ar = mc.Program.all_reduce(m, "x", shape=(3,), dtype="float32")
@@ -512,3 +512,8 @@ def test_one_process_programs_check_their_runs_like_a_launchers():
     with pytest.raises(TypeError, match="reshard_many takes"):
         pm([sh])
     assert pm({"a": sh})["a"][1].shape == (8, 2)
+    a2a = mc.Program.all_to_all_v(m, "x", rows=(2,), dtype="float32")
+    counts = {d: np.ones(4, np.int64) for d in range(4)}
+    with pytest.raises(ValueError, match=r"rows are \(3,\) float32, the Program's are \(2,\) float32"):
+        a2a({d: np.ones((4, 3), np.float32) for d in range(4)}, counts)
+    assert a2a({d: np.full((4, 2), d, np.float32) for d in range(4)}, counts)[0][:, 0].tolist() == [0, 1, 2, 3]

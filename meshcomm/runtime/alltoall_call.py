@@ -18,7 +18,7 @@ from .. import log as _log
 from ..planners.alltoall import plan_alltoall
 from ..backends.base import empty_wire, from_wire, to_wire
 from ..planners import Topology
-from .alltoall_input import assemble, axis_groups, local, split_rows, validate_owned  # noqa: F401
+from .alltoall_input import assemble, axis_groups, check_rows, local, split_rows, validate_owned  # noqa: F401
 from .local_program import LocalKernel
 from ..handle import Handle
 from .program import Program, construct, eager, new, outside, participants, tags_of, half
@@ -208,10 +208,7 @@ class A2AKernel:
 
     def check(self, a, bare):
         if a is not None:
-            like = a[3]
-            if tuple(like.shape[1:]) != self.rows or arrays.dtype_of(like)[0] != self.dtype:
-                raise ValueError(f"all_to_all_v: rank {self.ctx.rank}'s rows are {tuple(like.shape[1:])} "
-                                 f"{arrays.dtype_of(like)[0]}, the Program's are {self.rows} {self.dtype}")
+            check_rows(a[3], (self.rows, self.dtype), f"rank {self.ctx.rank}'s ")
         return a, bare
 
     def run(self, st, deadline, stamp=None):
@@ -284,7 +281,7 @@ def program(mesh, axis, rows, dtype, backend, topology, algorithm) -> Program:
     if ctx is None:
         from .context import no_context
         no_context(backend, "Program.all_to_all_v")
-        return local_all_to_all_v(mesh, axis, rows, dtype, topology, algorithm)
+        return local_all_to_all_v(mesh, axis, rows, name, topology, algorithm)
     be, err = ctx.resolve_backend(backend)
     ranks = participants(ctx, mesh)
     if ctx.rank not in ranks:
@@ -297,4 +294,5 @@ def program(mesh, axis, rows, dtype, backend, topology, algorithm) -> Program:
 def local_all_to_all_v(mesh, axis, rows, dtype, topology, algorithm) -> Program:
     groups = axis_groups(mesh, axis)
     return new(None, 0, f"all_to_all_v along {axis!r}", LocalKernel(
-        lambda a: local(a[0], a[1], mesh, axis, a[2], False, topology, algorithm, groups), "rows"))
+        lambda a: local(a[0], a[1], mesh, axis, a[2], False, topology, algorithm, groups, declared=(rows, dtype)),
+        "rows"))

@@ -14,7 +14,7 @@ from ..planners.alltoall import AllToAllPlan, plan_alltoall
 from ..validate import native_byte_order
 from .context import init_hint
 
-__all__ = ["axis_groups", "validate_owned", "local", "split_rows", "assemble", "cat"]
+__all__ = ["axis_groups", "validate_owned", "local", "check_rows", "split_rows", "assemble", "cat"]
 
 
 
@@ -144,14 +144,27 @@ def _validate(x, send_counts, recv_counts, mesh, axis, owned, groups, where):
     return xs, scs, rcs, like, row_elems, row_bytes
 
 
-def local(x, send_counts, mesh, axis, recv_counts, async_op, topology, algorithm, groups, stamp=None):
-    """Without a launcher: every device's rows are here; run each group's plan in memory."""
+def check_rows(like, declared, who: str = "") -> None:
+    """Rows (`like`: one process's tile) against a Program's (row shape, dtype name)."""
+    rows, dtype = declared
+    if tuple(like.shape[1:]) != tuple(rows) or arrays.dtype_of(like)[0] != dtype:
+        raise ValueError(f"all_to_all_v: {who}rows are {tuple(like.shape[1:])} {arrays.dtype_of(like)[0]}, "
+                         f"the Program's are {tuple(rows)} {dtype}")
+
+
+def local(x, send_counts, mesh, axis, recv_counts, async_op, topology, algorithm, groups, stamp=None,
+          declared=None):
+    """Without a launcher: every device's rows are here; run each group's plan in memory
+    (`declared`: a Program's (row shape, dtype name), checked first)."""
     owned = list(mesh.device_ids)
     n = mesh.axis_size(axis)
     bare = not isinstance(x, Mapping)
     xs, scs, rcs, like, row_elems, row_bytes = _validate(
         x, send_counts, recv_counts, mesh, axis, owned, groups,
         "without meshcomm.init this process owns every device" + init_hint())
+    if declared is not None:
+        for v in xs.values():
+            check_rows(v, declared)
     topo = Topology.coerce(topology)
     out = {}
     for g in groups:
