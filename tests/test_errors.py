@@ -517,3 +517,36 @@ def test_one_process_programs_check_their_runs_like_a_launchers():
     with pytest.raises(ValueError, match=r"rows are \(3,\) float32, the Program's are \(2,\) float32"):
         a2a({d: np.ones((4, 3), np.float32) for d in range(4)}, counts)
     assert a2a({d: np.full((4, 2), d, np.float32) for d in range(4)}, counts)[0][:, 0].tolist() == [0, 1, 2, 3]
+
+
+def test_one_process_programs_take_out_buffers_like_a_launchers():
+    """Without a launcher `out=` fills the caller's buffers (it was refused before), checked
+    first as a launcher's run checks them; all_to_all_v, whose result shapes are data, says
+    it takes none (under a launcher it dropped them)."""
+    m = mc.Mesh(np.arange(4), ("x",))
+    src, dst = mc.Layout(m, ("x",)), mc.Layout(m, (None, "x"))
+    p = mc.Program.reshard(src, dst, shape=(8, 8), dtype="float32")
+    x = np.arange(64, dtype=np.float32).reshape(8, 8)
+    sh = mc.shard(x, src)
+    out = {0: np.zeros((8, 2), np.float32)}
+    y = p(sh, out=out)
+    assert y[0] is out[0] and np.array_equal(out[0], x[:, :2]) and np.array_equal(y[3], x[:, 6:])
+    assert p(sh, out=out, async_op=True).wait()[0] is out[0]
+    with pytest.raises(ValueError, match=r"out= buffer of device 0 is \(8, 3\) float32, the result is \(8, 2\) float32"):
+        p(sh, out={0: np.zeros((8, 3), np.float32)})
+    with pytest.raises(ValueError, match="device 7, which gets no result"):
+        p(sh, out={7: np.zeros((8, 2), np.float32)})
+    with pytest.raises(TypeError, match="is numpy, the result is torch"):
+        p({d: torch.from_numpy(v.copy()) for d, v in sh.items()}, out={0: np.zeros((8, 2), np.float32)})
+    t = {1: torch.zeros(8, 2)}
+    assert p({d: torch.from_numpy(v.copy()) for d, v in sh.items()}, out=t)[1] is t[1]
+    assert torch.equal(t[1], torch.from_numpy(x[:, 2:4]))
+    ar = mc.Program.all_reduce(m, "x", shape=(3,), dtype="float32")
+    o = {2: np.empty(3, np.float32)}
+    assert ar({d: np.full(3, d, np.float32) for d in range(4)}, out=o)[2] is o[2] and o[2].tolist() == [6.0] * 3
+    pm = mc.Program.reshard_many({"a": src}, {"a": dst}, shapes={"a": (8, 8)}, dtypes={"a": "float32"})
+    om = {"a": {3: np.zeros((8, 2), np.float32)}}
+    assert pm({"a": sh}, out=om)["a"][3] is om["a"][3] and np.array_equal(om["a"][3], x[:, 6:])
+    a2a = mc.Program.all_to_all_v(m, "x", rows=(2,), dtype="float32")
+    with pytest.raises(TypeError, match="all_to_all_v: out= is not taken"):
+        a2a({d: np.ones((4, 2), np.float32) for d in range(4)}, {d: np.ones(4, np.int64) for d in range(4)}, out={})

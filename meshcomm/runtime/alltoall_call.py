@@ -19,7 +19,7 @@ from ..planners.alltoall import plan_alltoall
 from ..backends.base import empty_wire, from_wire, to_wire
 from ..planners import Topology
 from .alltoall_input import assemble, axis_groups, check_rows, local, split_rows, validate_owned  # noqa: F401
-from .local_program import LocalKernel
+from .local_program import LocalKernel, no_out
 from ..handle import Handle
 from .program import Program, construct, eager, new, outside, participants, tags_of, half
 
@@ -202,6 +202,8 @@ class A2AKernel:
         return None if st[0] is None else tuple(sorted((d, tuple(v.shape)) for d, v in st[0][0].items()))
 
     def prepare(self, args, out=None):
+        if out is not None:
+            raise TypeError(no_out("all_to_all_v"))
         x, send_counts, recv_counts = args
         st = validate_owned(self.ctx, x, send_counts, recv_counts, self.mesh, self.axis, self.groups)
         return self.check(st, not isinstance(x, dict))
@@ -295,4 +297,4 @@ def local_all_to_all_v(mesh, axis, rows, dtype, topology, algorithm) -> Program:
     groups = axis_groups(mesh, axis)
     return new(None, 0, f"all_to_all_v along {axis!r}", LocalKernel(
         lambda a: local(a[0], a[1], mesh, axis, a[2], False, topology, algorithm, groups, declared=(rows, dtype)),
-        "rows"))
+        "rows", "all_to_all_v"))

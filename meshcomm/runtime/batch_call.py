@@ -250,7 +250,7 @@ def program(src, dst, shapes, dtypes, backend, bucket_mb, compression) -> Progra
     ctx = current()
     if ctx is None:
         from .context import no_context
-        from .local_program import LocalKernel
+        from .local_program import LocalKernel, fill_out
         no_context(backend, "Program.reshard_many")
         from .local_program import one_process
 
@@ -258,7 +258,9 @@ def program(src, dst, shapes, dtypes, backend, bucket_mb, compression) -> Progra
             xs = batch_input(xs, names)
             return {n: (one_process(xs.get(n, {}), srcs[n], dsts[n], shp[n], dts[n][0])[0] if srcs[n].mesh.device_ids
                         else {}) for n in names}
-        return new(None, 0, f"reshard_many of {len(names)} tensors", LocalKernel(run, "plans"))
+        def fill(res, out, what):
+            return {**res, **{n: fill_out(res[n], o, f"{what} {n!r}") for n, o in batch_input(out, names).items()}}
+        return new(None, 0, f"reshard_many of {len(names)} tensors", LocalKernel(run, "plans", "reshard_many", fill))
     be, err = ctx.resolve_backend(backend)
     fields = _fields(names, srcs, dsts, be, shp, dts, kinds, bucket_mb)
     ranks = participants(ctx, *(l.mesh for n in names for l in (srcs[n], dsts[n])))

@@ -28,7 +28,7 @@ from . import native_call
 from .agreement import value
 from .collective_input import GATHERS, Request, local_facts, masked, request, roots_of, tiles_of  # noqa: F401
 from .context import init_hint, no_context
-from .local_program import LocalKernel
+from .local_program import LocalKernel, fill_out
 from ..handle import Handle
 from .program import (PlanRun, Program, consume, construct, eager, empty_like, fences_of, host_dtype, lookup, new,
                       outside, participants, tags_of)
@@ -392,7 +392,7 @@ def local_collective(req, tile, dtype) -> Program:
         p = plan(prob.shape, arrays.normalize_dtype(dtype)[0], prob.src, prob.dst)
     declared = (tile, arrays.normalize_dtype(dtype))
     return new(None, 0, f"{req.op} over {req.axes} of {req.mesh}",
-               LocalKernel(lambda x: collective_local(req, x, declared), "plan"), p)
+               LocalKernel(lambda x: collective_local(req, x, declared), "plan", req.op, fill_out), p)
 
 
 def _check_declared(req, tiles, declared) -> None:

@@ -3,6 +3,8 @@ plan runs in memory (backends/local.py). The same Program API as under `meshcomm
 eager calls without a context use the functions here too."""
 from __future__ import annotations
 
+from typing import Mapping
+
 import numpy as np
 
 from .. import arrays
@@ -12,28 +14,66 @@ from ..validate import check_tile_shapes, normalize_input, resolve_shape_dtype
 from .context import init_hint
 from .program import host_dtype, new
 
-__all__ = ["one_process", "reshard_local", "local_reshard", "LocalKernel"]
+__all__ = ["one_process", "reshard_local", "local_reshard", "LocalKernel", "fill_out", "no_out"]
 
 
 class LocalKernel:
-    """A Program's kernel in one process: `fn(x)` per run."""
+    """A Program's kernel in one process: `fn(x)` per run; `out=` buffers are filled from its
+    results (`fill`: fill_out, per tensor for a batch; None where a result's shape is data)."""
 
-    def __init__(self, fn, what):
-        self.fn, self.what = fn, what
+    def __init__(self, fn, what, label, fill=None):
+        self.fn, self.what, self.label, self.fill = fn, what, label, fill
 
     def describe(self) -> str:
         return self.what
 
     def prepare(self, x, out=None):
-        if out is not None:
-            raise ValueError("out= is taken under a launcher only (one process allocates its results)")
-        return x
+        if out is not None and self.fill is None:
+            raise TypeError(no_out(self.label))
+        return x, out
 
     def run(self, st, deadline, stamp=None):
-        return self.fn(st)
+        x, out = st
+        res = self.fn(x)
+        return res if out is None else self.fill(res, out, self.label)
 
     def finish(self, r):
         return r
+
+
+def no_out(what: str) -> str:
+    return f"{what}: out= is not taken here (its results' shapes follow each run's counts)"
+
+
+def fill_out(res, out, what: str):
+    """A one-process run's results copied into the caller's `out=` buffers ({device: buffer},
+    or one buffer where the result is one array), each checked first as a launcher's run
+    checks them (device, shape, dtype, kind, writable C order); the results with those
+    buffers in their place."""
+    bare = not isinstance(res, Mapping)
+    if bare != (not isinstance(out, Mapping)):
+        raise TypeError(f"{what}: out= must be " + ("one array, like the result" if bare else
+                                                     "a dict {device: buffer}, like the result"))
+    res_d, out_d = ({None: res}, {None: out}) if bare else (res, out)
+    for d, v in out_d.items():
+        where = "out=" if bare else f"out= buffer of device {d}"
+        if d not in res_d or res_d[d] is None:
+            raise ValueError(f"{what}: out= holds a buffer for device {d}, which gets no result")
+        r = res_d[d]
+        if arrays.kind_of(v) != ("numpy" if arrays.kind_of(r) == "jax" else arrays.kind_of(r)):
+            raise TypeError(f"{what}: {where} is {arrays.kind_of(v)}, the result is {arrays.kind_of(r)}")
+        if tuple(v.shape) != tuple(r.shape) or arrays.dtype_of(v)[0] != arrays.dtype_of(r)[0]:
+            raise ValueError(f"{what}: {where} is {tuple(v.shape)} {arrays.dtype_of(v)[0]}, the result is "
+                             f"{tuple(r.shape)} {arrays.dtype_of(r)[0]}")
+        if not (v.is_contiguous() if arrays.is_torch(v) else v.flags.c_contiguous and v.flags.writeable):
+            raise ValueError(f"{what}: {where} must be a writable C-contiguous array")
+    for d, v in out_d.items():
+        r = res_d[d]
+        if arrays.is_torch(v):
+            v.copy_(r)
+        else:
+            np.copyto(v, np.asarray(r))
+    return out if bare else {**res, **out}
 
 
 def local_reshard(src, dst, shape, dtype, compression):
@@ -43,7 +83,8 @@ def local_reshard(src, dst, shape, dtype, compression):
     def general(x):
         return _bare(one_process(x, src, dst, shape, dtype, compression=compression), dst)
     run = general if compression is not None else _planned(p, name, general)
-    return new(None, 0, f"reshard {src} -> {dst} {shape}", LocalKernel(run, "plan"), p)
+    label = f"reshard {src} -> {dst} {shape}"
+    return new(None, 0, label, LocalKernel(run, "plan", "reshard", fill_out), p)
 
 
 def _planned(p, name: str, general):
