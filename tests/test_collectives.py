@@ -1,7 +1,7 @@
 """Collectives on mesh axes: one process against NumPy, their plans verified, and real
 multi-process runs (mpiexec) on every backend: eager calls and Programs, exact results,
 repeated calls that construct no Program, the fault matrix and (over MPI) errors in runs;
-known library bugs as strict xfails (tests/workers/collectives_worker.py KNOWN_BUGS)."""
+cases once library bugs, each fixed, one launch each (tests/workers/collectives_worker.py KNOWN_BUGS)."""
 from __future__ import annotations
 
 import sys
@@ -208,11 +208,9 @@ def test_mpiexec_8_every_element_type_and_torch_tiles(tmp_path):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("case,stat,count", [
-    pytest.param("cached-bad-argument", "cached_fault_next_ok", 2, id="cached-bad-argument",
-                 marks=pytest.mark.xfail(strict=False, reason="was intermittent (about 3 of 90 loaded launches: a "
-                                         "report raised again at the next call; a construction beside the failed run "
-                                         "took the others' next Metas); both fixed, 0 of 40 since: non-strict until "
-                                         "more runs agree")),
+    # fixed: was intermittent (about 3 of 90 loaded launches: a report raised again at the next
+    # call; a construction beside the failed run took the others' next Metas); 0 of 70 since
+    pytest.param("cached-bad-argument", "cached_fault_next_ok", 2, id="cached-bad-argument"),
     # fixed: a non-root passing None runs the Program it ran last (program.lookup(latest=))
     pytest.param("none-after-tiles", "none_after_tiles_ok", 6, id="none-after-tiles"),
     # fixed: every call of an uneven gather agrees first (program.eager(agree_always=))
