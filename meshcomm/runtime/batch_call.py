@@ -258,6 +258,7 @@ def program(src, dst, shapes, dtypes, backend, bucket_mb, compression) -> Progra
             xs = batch_input(xs, names)
             return {n: (one_process(xs.get(n, {}), srcs[n], dsts[n], shp[n], dts[n][0])[0] if srcs[n].mesh.device_ids
                         else {}) for n in names}
+
         def fill(res, out, what):
             return {**res, **{n: fill_out(res[n], o, f"{what} {n!r}") for n, o in batch_input(out, names).items()}}
         return new(None, 0, f"reshard_many of {len(names)} tensors", LocalKernel(run, "plans", "reshard_many", fill))

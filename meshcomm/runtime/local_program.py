@@ -65,12 +65,15 @@ def fill_out(res, out, what: str):
         if tuple(v.shape) != tuple(r.shape) or arrays.dtype_of(v)[0] != arrays.dtype_of(r)[0]:
             raise ValueError(f"{what}: {where} is {tuple(v.shape)} {arrays.dtype_of(v)[0]}, the result is "
                              f"{tuple(r.shape)} {arrays.dtype_of(r)[0]}")
-        if not (v.is_contiguous() if arrays.is_torch(v) else v.flags.c_contiguous and v.flags.writeable):
+        if not (v.is_contiguous() if arrays.is_torch(v) else  # CuPy arrays have no flags.writeable
+                v.flags.c_contiguous and getattr(v.flags, "writeable", True)):
             raise ValueError(f"{what}: {where} must be a writable C-contiguous array")
     for d, v in out_d.items():
         r = res_d[d]
         if arrays.is_torch(v):
             v.copy_(r)
+        elif type(v).__module__.startswith("cupy"):
+            v[...] = r
         else:
             np.copyto(v, np.asarray(r))
     return out if bare else {**res, **out}
