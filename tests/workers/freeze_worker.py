@@ -8,7 +8,8 @@ the communicator creation of a construction: a native collective Program on a su
 MPI, `new_group` over torch), `transfer` (50 ms into a loop of 16 MiB reshards). Forms: `eager`
 (mc.reshard / mc.all_reduce) or `program` (mc.Program). After its stage each survivor makes
 one more call over every rank (a survivor whose own part could finish learns of the failure
-there). Survivors write OUT/rank<r>.json {seconds, error}; rank 0 then kills the frozen rank.
+there). Survivors write OUT/rank<r>.json {seconds, error} and wait for each other's; rank 0
+then kills the frozen rank.
 """
 from __future__ import annotations
 
@@ -92,9 +93,9 @@ def main():
                 mc.Program.all_reduce(grid, "b", shape=(3,), dtype="float64")(tile)
         else:
             prog = mc.Program.reshard(src, dst, shape=x.shape, dtype=x.dtype) if a.form == "program" else None
-            if me == lag:
-                threading.Timer(0.05, freeze).start()
             MPI.COMM_WORLD.Barrier()
+            if me == lag:                       # after the barrier: frozen inside it, the last
+                threading.Timer(0.05, freeze).start()   # rank could hold a survivor there
             t0 = time.monotonic()
             for _ in range(10000):
                 y = prog(mine) if prog is not None else mc.reshard(mine, src, dst)
@@ -105,13 +106,18 @@ def main():
     except (PeerTimeoutError, PeerError, ValueError, RuntimeError) as e:
         err = f"{type(e).__name__}: {e}"
     dt = time.monotonic() - t0
-    with open(os.path.join(a.out, f"rank{me}.json"), "w") as f:
+    tmp = os.path.join(a.out, f".rank{me}.tmp")
+    with open(tmp, "w") as f:
         json.dump({"rank": me, "seconds": round(dt, 2), "error": err}, f)
+    os.replace(tmp, os.path.join(a.out, f"rank{me}.json"))     # whole, or not there
     sys.stdout.flush()
+    # every survivor waits for the others' results before it leaves: MPICH's launcher ends
+    # the whole job as soon as one process exits without MPI_Finalize, so a survivor leaving
+    # at once took a slower one (still in its error path) with it
+    deadline = time.time() + 60
+    while time.time() < deadline and sum(f.endswith(".json") for f in os.listdir(a.out)) < n - 1:
+        time.sleep(0.05)
     if me == 0:
-        deadline = time.time() + 60
-        while time.time() < deadline and len(os.listdir(a.out)) < n - 1:
-            time.sleep(0.1)
         os.kill(pids[lag], signal.SIGKILL)
     os._exit(0)
 
