@@ -260,7 +260,10 @@ def program(src, dst, shapes, dtypes, backend, bucket_mb, compression) -> Progra
                         else {}) for n in names}
 
         def fill(res, out, what):
-            return {**res, **{n: fill_out(res[n], o, f"{what} {n!r}") for n, o in batch_input(out, names).items()}}
+            out = batch_input(out, names)
+            for n, o in out.items():        # every tensor's buffers checked before any is written
+                fill_out(res[n], o, f"{what} {n!r}", copy=False)
+            return {**res, **{n: fill_out(res[n], o, f"{what} {n!r}") for n, o in out.items()}}
         return new(None, 0, f"reshard_many of {len(names)} tensors", LocalKernel(run, "plans", "reshard_many", fill))
     be, err = ctx.resolve_backend(backend)
     fields = _fields(names, srcs, dsts, be, shp, dts, kinds, bucket_mb)

@@ -45,11 +45,11 @@ def no_out(what: str) -> str:
     return f"{what}: out= is not taken here (its results' shapes follow each run's counts)"
 
 
-def fill_out(res, out, what: str):
+def fill_out(res, out, what: str, copy: bool = True):
     """A one-process run's results copied into the caller's `out=` buffers ({device: buffer},
     or one buffer where the result is one array), each checked first as a launcher's run
     checks them (device, shape, dtype, kind, writable C order); the results with those
-    buffers in their place."""
+    buffers in their place (`copy=False`: only the checks)."""
     bare = not isinstance(res, Mapping)
     if bare != (not isinstance(out, Mapping)):
         raise TypeError(f"{what}: out= must be " + ("one array, like the result" if bare else
@@ -68,6 +68,8 @@ def fill_out(res, out, what: str):
         if not (v.is_contiguous() if arrays.is_torch(v) else  # CuPy arrays have no flags.writeable
                 v.flags.c_contiguous and getattr(v.flags, "writeable", True)):
             raise ValueError(f"{what}: {where} must be a writable C-contiguous array")
+    if not copy:                        # checked only (a batch checks every tensor's first)
+        return res
     for d, v in out_d.items():
         r = res_d[d]
         if arrays.is_torch(v):
