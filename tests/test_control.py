@@ -154,7 +154,7 @@ def test_a_blocking_wait_that_ignores_its_deadline_still_raises_past_it():
     import concurrent.futures
     import threading
 
-    from backends import base
+    from meshcomm.backends import base
 
     class Be:
         rank, timeout = 0, 0.2
