@@ -15,7 +15,7 @@ from . import arrays
 from .layout import Blocks, Layout, normalize_shape
 
 __all__ = ["check_layout", "check_layouts", "check_keys", "check_tile_shapes", "normalize_input",
-           "resolve_shape_dtype", "infer_shape", "native_byte_order"]
+           "resolve_shape_dtype", "infer_shape", "native_byte_order", "check_out_buffer"]
 
 
 def check_layout(layout, what: str = "layout") -> None:
@@ -209,3 +209,19 @@ def _unique_chunk_total(sizes: Mapping[int, int], k: int) -> int | None:
         ok &= got == s
     cand = np.nonzero(ok)[0]
     return int(cand[0]) if len(cand) == 1 else None
+
+
+def check_out_buffer(v, shape, dtype: str, where: str, kind: str | None = None, of: str = "the result is") -> None:
+    """An `out=` buffer against the result it takes (`where` names it in the errors): its shape
+    and dtype; with `kind` (the tiles' or the result's: "numpy", "torch" or "jax", whose
+    results land in NumPy buffers) also a writable C-ordered array of that kind."""
+    got = arrays.dtype_of(v)[0]
+    if tuple(v.shape) != tuple(shape) or got != dtype:
+        raise ValueError(f"{where} is {tuple(v.shape)} {got}, the result is {tuple(shape)} {dtype}")
+    if kind is None:
+        return
+    if not (v.is_contiguous() if arrays.is_torch(v) else
+            isinstance(v, np.ndarray) and v.flags.c_contiguous and v.flags.writeable):
+        raise ValueError(f"{where} must be a writable C-contiguous array")
+    if arrays.kind_of(v) != ("numpy" if kind == "jax" else kind):
+        raise TypeError(f"{where} is {arrays.kind_of(v)}, {of} {kind}")

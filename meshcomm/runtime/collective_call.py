@@ -24,6 +24,7 @@ from ..backends.base import issued
 from ..collectives.layouts import gather_sizes, groups, problem
 from ..planning import plan as make_plan
 from ..planning import plan
+from ..validate import check_out_buffer
 from . import native_call
 from .agreement import value
 from .collective_input import GATHERS, Request, local_facts, masked, request, roots_of, tiles_of  # noqa: F401
@@ -174,9 +175,7 @@ class CollectiveKernel:
             if d not in self.owned or d not in shapes:
                 raise ValueError(f"{req.op}: out= holds a buffer for device {d}, which gets no result on "
                                  f"rank {self.ctx.rank}")
-            if tuple(v.shape) != tuple(shapes[d]) or arrays.dtype_of(v) != self.a.dtype:
-                raise ValueError(f"{req.op}: out= buffer of device {d} is {tuple(v.shape)} {arrays.dtype_of(v)[0]}, "
-                                 f"the result is {tuple(shapes[d])} {self.a.dtype[0]}")
+            check_out_buffer(v, shapes[d], self.a.dtype[0], f"{req.op}: out= buffer of device {d}")
         return dict(out)
 
     def run(self, st, deadline, stamp=None):

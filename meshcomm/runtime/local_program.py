@@ -10,7 +10,7 @@ import numpy as np
 from .. import arrays
 from .. import log as _log
 from ..planning import plan
-from ..validate import check_tile_shapes, normalize_input, resolve_shape_dtype
+from ..validate import check_out_buffer, check_tile_shapes, normalize_input, resolve_shape_dtype
 from .context import init_hint
 from .program import host_dtype, new
 
@@ -60,24 +60,14 @@ def fill_out(res, out, what: str, copy: bool = True):
         if d not in res_d or res_d[d] is None:
             raise ValueError(f"{what}: out= holds a buffer for device {d}, which gets no result")
         r = res_d[d]
-        if arrays.kind_of(v) != ("numpy" if arrays.kind_of(r) == "jax" else arrays.kind_of(r)):
-            raise TypeError(f"{what}: {where} is {arrays.kind_of(v)}, the result is {arrays.kind_of(r)}")
-        if tuple(v.shape) != tuple(r.shape) or arrays.dtype_of(v)[0] != arrays.dtype_of(r)[0]:
-            raise ValueError(f"{what}: {where} is {tuple(v.shape)} {arrays.dtype_of(v)[0]}, the result is "
-                             f"{tuple(r.shape)} {arrays.dtype_of(r)[0]}")
-        if not (v.is_contiguous() if arrays.is_torch(v) else  # CuPy arrays have no flags.writeable
-                v.flags.c_contiguous and getattr(v.flags, "writeable", True)):
-            raise ValueError(f"{what}: {where} must be a writable C-contiguous array")
+        check_out_buffer(v, r.shape, arrays.dtype_of(r)[0], f"{what}: {where}", arrays.kind_of(r))
     if not copy:                        # checked only (a batch checks every tensor's first)
         return res
     for d, v in out_d.items():
-        r = res_d[d]
         if arrays.is_torch(v):
-            v.copy_(r)
-        elif type(v).__module__.startswith("cupy"):
-            v[...] = r
+            v.copy_(res_d[d])
         else:
-            np.copyto(v, np.asarray(r))
+            np.copyto(v, np.asarray(res_d[d]))
     return out if bare else {**res, **out}
 
 

@@ -19,7 +19,7 @@ from .. import log as _log
 from ..backends import codec_cost
 from ..layout import normalize_shape
 from ..planning import plan as make_plan
-from ..validate import (check_keys, check_layouts, check_tile_shapes, infer_shape, native_byte_order,
+from ..validate import (check_keys, check_layouts, check_out_buffer, check_tile_shapes, infer_shape, native_byte_order,
                         normalize_input, resolve_shape_dtype)
 
 from ..handle import Handle
@@ -132,16 +132,8 @@ class ReshardKernel:
             if d not in self.out_shapes:
                 raise ValueError(f"out= holds a buffer for device {d}, which rank {self.ctx.rank} does not "
                                  f"own in the dst layout (it owns {list(self.owned_dst)})")
-            if tuple(v.shape) != self.out_shapes[d] or arrays.dtype_of(v)[0] != self.agreed.dtype:
-                raise ValueError(f"out= buffer of device {d} is {tuple(v.shape)} {arrays.dtype_of(v)[0]}, "
-                                 f"the result is {self.out_shapes[d]} {self.agreed.dtype}")
-            if not (v.is_contiguous() if arrays.is_torch(v) else (isinstance(v, np.ndarray) and v.flags.c_contiguous
-                                                                  and v.flags.writeable)):
-                raise ValueError(f"out= buffer of device {d} must be a writable C-contiguous array")
-            if shards:
-                k = arrays.kind_of(next(iter(shards.values())))
-                if arrays.kind_of(v) != ("numpy" if k == "jax" else k):
-                    raise TypeError(f"out= buffer of device {d} is {arrays.kind_of(v)}, the tiles are {k}")
+            check_out_buffer(v, self.out_shapes[d], self.agreed.dtype, f"out= buffer of device {d}",
+                             arrays.kind_of(next(iter(shards.values()))) if shards else None, "the tiles are")
         return dict(out)
 
     def run(self, st, deadline, stamp=None):
