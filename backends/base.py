@@ -100,6 +100,7 @@ class DoneWork(Work):
 
 SPIN, YIELD, SLEEP_MAX = 2000, 4000, 2e-4
 QUICK = 32          # tests of a lone work before the loop (no clock, no control channel)
+LOOK_S = 0.001      # with a test_all, how often a wait tests its works one by one
 SPIN_FREE = 2000    # polls before the first yield where this host has a core per process
 
 
@@ -177,20 +178,38 @@ def timeout_error(rank, works: Sequence[Work], timeout: float | None) -> PeerTim
 WATCH: Callable | None = None
 
 
-def wait_polling(works: Sequence[Work], deadline: float | None, rank=None, timeout=None, watched=True) -> None:
+def wait_polling(works: Sequence[Work], deadline: float | None, rank=None, timeout=None, watched=True,
+                 test_all=None) -> None:
     """The one poll/deadline loop: every wait of every backend ends here (or polls `watch`).
     Unwatched (a communicator's creation), only the deadline ends it: a member already past
-    its part of a collective creation is not "in another call"."""
-    if len(works) == 1:                 # a short message: done within a few tests
-        test = works[0].test
-        for _ in range(QUICK):
-            if test():
-                return
-            if not SPIN:
-                os.sched_yield()
+    its part of a collective creation is not "in another call". `test_all()`: whether every
+    work is done, in one call (MPI's Testall: one pass of its progress engine for all of
+    them); the works are then tested one by one only every LOOK_S (the deadline, the control
+    channel and the peers still awaited) or where it raises (the works name what failed)."""
+    if test_all is None and len(works) == 1:
+        test_all = works[0].test
+    if test_all is not None:            # short messages: done within a few tests
+        try:
+            for _ in range(QUICK):
+                if test_all():
+                    return
+                if not SPIN:
+                    os.sched_yield()
+        except Exception:  # noqa: BLE001 - the works' own tests below name the failure
+            test_all = None
     pending = list(works)
     spins = 0
+    look = 0.0
     while pending:
+        if test_all is not None and time.monotonic() < look:
+            try:
+                if test_all():
+                    return
+            except Exception:  # noqa: BLE001 - as above
+                test_all = None
+            spins += 1
+            backoff(spins)
+            continue
         still = [w for w in pending if not w.test()]
         if len(still) < len(pending):
             spins = 0
@@ -201,6 +220,7 @@ def wait_polling(works: Sequence[Work], deadline: float | None, rank=None, timeo
             raise timeout_error(rank, pending, timeout)
         if watched:
             watch(pending, deadline)
+        look = time.monotonic() + LOOK_S
         spins += 1
         backoff(spins)
 
@@ -620,6 +640,28 @@ def _alloc(like, shape, zero: bool, op: str = "sum"):
     return alloc_like(like, shape, zero, op)
 
 
+@memo(maxsize=256)
+def out_specs(plan, rank: int, devices_per_process: int) -> tuple:
+    """(dst device, tile shape, starts as fill_op's identity) of each dst tile `rank` owns."""
+    zero = set(plan.zero_fill)
+    return tuple((d, tuple(b - a for a, b in box), d in zero or box_size(box) == 0)
+                 for d, box in plan.dst.tiles(plan.shape).boxes.items() if d // devices_per_process == rank)
+
+
+def result_tiles(plan, specs, like, out=None) -> dict:
+    """A run's dst tiles: the caller's buffers where `out` has them (a Program's out=), else new."""
+    res = {}
+    for d, shape, zero in specs:
+        if out is not None and d in out:
+            res[d] = out[d]
+            if zero:
+                out[d][...] = _alloc(like, shape, zero=True, op=plan.fill_op)
+        else:
+            res[d] = _alloc(like, shape, zero=zero, op=plan.fill_op)
+    return res
+
+
+
 def execute(plan, shards: Mapping[int, object], like, *, rank: int, devices_per_process: int,
             backend: Backend, deadline: float | None, device_kind: str = "cpu",
             producer_fences=()) -> tuple[dict[int, object], "streams.Fence"]:
@@ -646,17 +688,7 @@ class Execution:
         self.rank_of = rank_of = lambda d: d // dpp  # noqa: E731
         self.plan, self.backend, self.device_kind = plan, backend, device_kind
         st, dt = plan.src.tiles(plan.shape), plan.dst.tiles(plan.shape)
-        zero = set(plan.zero_fill)
-        self.out = {}
-        for d, box in dt.boxes.items():
-            if rank_of(d) == rank:
-                shape, z = tuple(b - a for a, b in box), d in zero or box_size(box) == 0
-                if out is not None and d in out:    # the caller's buffer (a Program's out=)
-                    self.out[d] = out[d]
-                    if z:
-                        out[d][...] = _alloc(like, shape, zero=True, op=plan.fill_op)
-                else:
-                    self.out[d] = _alloc(like, shape, zero=z, op=plan.fill_op)
+        self.out = result_tiles(plan, out_specs(plan, rank, dpp), like, out)
         self.coll = collective_reduce_ok(plan.dtype, backend)
         self.dpp = dpp
         one = len(backend.members()) == 1
@@ -699,10 +731,9 @@ class Execution:
             self._done = streams.record(streams.comm_stream("local", self.device))
         elif self.fast is not None:
             b = self.backend.members()[0]
-            self._gen = program.run(self.fast, self.run.shards, self.out, b, self.tags, self.pending,
+            self._gen = program.run(self.fast, self.run.shards, self.out, b, self.tags,
                                     lambda works: b.wait_all(works, self._deadline), issued)
             self._done = streams.record(None)
-            issued[("rank_program", b.name)] += 1
         else:
             self._gen = self._program()
         next(self._gen)                 # runs up to the first wait
@@ -715,10 +746,6 @@ class Execution:
             pass
         return self.out, self._done
 
-    def abort(self) -> None:
-        abandon([w for _, works, _ in self.pending for w in works], cancel=True)
-        self.pending.clear()
-        self._gen = None
 
     def _program(self):
         plan, pending, run = self.plan, self.pending, self.run

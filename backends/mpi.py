@@ -25,7 +25,6 @@
 """
 from __future__ import annotations
 
-import os
 
 import pickle
 import time
@@ -36,7 +35,7 @@ import numpy as np
 from meshcomm.errors import PeerTimeoutError
 
 from . import base as _base, pacing
-from .base import QUICK, TAG_MOD, Backend, backoff, wait_polling
+from .base import TAG_MOD, Backend, backoff, wait_polling
 from .mpi_collectives import MPICollectives
 from .mpi_comm import MPIMultiWork, MPIWork, errors_return, group_tag, mpi, timed_dup
 
@@ -197,17 +196,20 @@ class MPIBackend(MPICollectives, Backend):
         return MPIWork(req, buf, "recv", (peer,), self.rank)
 
     def wait_all(self, works, deadline):
-        """wait_polling; a lone request is first tested raw (errors: the loop names peers)."""
-        if len(works) == 1 and type(works[0]) is MPIWork:
-            test, sched_yield = works[0].req.Test, os.sched_yield if not _base.SPIN else int
-            try:
-                for _ in range(QUICK):
-                    if test():
-                        return
-                    sched_yield()
-            except mpi().Exception:
-                pass
-        wait_polling(works, deadline, self.rank, self.timeout)
+        """wait_polling, testing every request in one Testall (errors: the loop names peers)."""
+        reqs = []
+        for w in works:
+            t = type(w)
+            if t is MPIWork:
+                reqs.append(w.req)
+            elif t is MPIMultiWork:
+                reqs.extend(w.reqs)
+            else:                       # a paced send (MESHCOMM_EMULATE_GBPS)
+                return wait_polling(works, deadline, self.rank, self.timeout)
+        if not reqs:
+            return None
+        test_all = reqs[0].Test if len(reqs) == 1 else (lambda: mpi().Request.Testall(reqs))
+        wait_polling(works, deadline, self.rank, self.timeout, test_all=test_all)
 
     # -- collectives on sub-communicators ----------------------------------------------
     def _group(self, ranks):

@@ -136,11 +136,12 @@ def _copy_into(src_tile, src: Piece, out, dsts) -> None:
             tile[dsl] = src_tile[ssl]
 
 
-def run(prog: RankProgram, shards, out, backend, tags: tuple, pending: list, wait, counts):
+def run(prog: RankProgram, shards, out, backend, tags: tuple, wait, counts):
     """A generator: issues stage 0 and yields (nothing waits before that), then waits for
     each stage with `wait(works)` and issues the next. `out`: this rank's dst tiles (NumPy,
-    C order, allocated by the caller); `pending` holds the stage in flight (for an abort);
-    `counts`: base.issued; `tags`: (first tag, span) of the Program's tag space."""
+    C order, allocated by the caller); `counts`: base.issued (it counts this run and its
+    messages); `tags`: (first tag, span) of the Program's tag space."""
+    counts[("rank_program", backend.name)] += 1
     t0, span = tags
     started = False
     for stage in prog.stages:
@@ -175,12 +176,10 @@ def run(prog: RankProgram, shards, out, backend, tags: tuple, pending: list, wai
             counts[(backend.name, "p2p")] += stage.messages
         if stage.bcasts:
             counts[(backend.name, "bcast")] += len(stage.bcasts)
-        pending.append((None, works, None))
         if not started:
             started = True
             yield
         wait(works)
-        pending.clear()
         for buf, into in fins:
             for d in into:
                 tile = out[d.dev]

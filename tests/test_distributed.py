@@ -202,7 +202,7 @@ def test_a_peer_that_never_joins_init(tmp_path):
 
 
 def test_given_up_work_keeps_its_buffers_until_mpi_is_done():
-    """An aborted plan's send and a receive given up on as a timeout does stay referenced
+    """A plan's send whose wait timed out and a receive given up on as a timeout does stay referenced
     (backends.base.abandon): the peer receives the source's bytes though rank 0 dropped the
     array, a late message lands in the kept buffer and not in memory allocated since, and the
     work is let go once it completed (tests/workers/abandon_worker.py says how)."""
@@ -218,7 +218,7 @@ def test_given_up_work_keeps_its_buffers_until_mpi_is_done():
            if line.startswith("RESULT ")][0]
     assert [r["rank"] for r in res] == [0, 1], text[-4000:]
     assert res[1] == {"rank": 1, "send_intact": True}, res
-    want = ("send_buffer_kept", "fresh_untouched_1", "recv_kept", "recv_buffer_kept",
+    want = ("send_timed_out", "send_buffer_kept", "fresh_untouched_1", "recv_kept", "recv_buffer_kept",
             "fresh_untouched_2", "landed_in_kept", "released_when_done")
     assert {k: res[0].get(k) for k in want} == dict.fromkeys(want, True), res[0]
 

@@ -227,7 +227,9 @@ def test_repeated_calls_run_their_program_without_agreeing_again(tmp_path):
     """4 processes (tests/workers/perf_worker.py): repeated identical calls where every
     process holds a tile construct no Program and agree on nothing after the first; where
     receivers hold none, every call agrees once and runs the same Program; a shape mismatch
-    still raises on every process, and the next call works."""
+    still raises on every process, and the next call works; a repeat in which one process
+    passes a tile of another dtype raises on every process, and the next call constructs
+    a new Program."""
     mpiexec = Path(sys.executable).parent / "mpiexec"
     if not mpiexec.exists():
         pytest.skip("mpiexec not found")

@@ -31,7 +31,8 @@ from .collective_input import GATHERS, Request, local_facts, masked, request, ro
 from .context import init_hint, no_context
 from .local_program import LocalKernel, fill_out
 from ..handle import Handle
-from .program import (PlanRun, Program, consume, construct, eager, empty_like, fences_of, host_dtype, lookup, new,
+from .plan_run import PlanRun
+from .program import (Program, consume, construct, eager, empty_like, fences_of, host_dtype, lookup, new,
                       outside, participants, tags_of)
 
 __all__ = ["Request", "run", "program", "tiles_of", "coded_dims", "build", "finish_tiles"]

@@ -23,8 +23,9 @@ from ..validate import (check_keys, check_layouts, check_out_buffer, check_tile_
                         normalize_input, resolve_shape_dtype)
 
 from ..handle import Handle
-from .program import (PlanRun, Program, consume, construct, eager, empty_like, facts_of, fences_of, host_dtype,
-                      layouts_fp, new, outside, participants, tags_of)
+from .plan_run import PlanRun
+from .program import (Program, consume, construct, eager, empty_like, facts_of, fences_of, host_dtype,
+                      layouts_fp, lookup, new, outside, participants, tags_of)
 
 __all__ = ["reshard", "program"]
 
@@ -87,17 +88,32 @@ class ReshardKernel:
     def facts(self, st) -> tuple:
         return tuple(sorted((d, tuple(v.shape)) for d, v in st[0].items())), facts_of(st[0])
 
-    def prepare(self, x, out):
+    def quick(self, x):
+        """The prepared input of the common run, or None where `x` is anything else: NumPy
+        tiles in native byte order of the agreed shapes and dtype, one per owned src device
+        (None or {} where it owns none). What `check` would give, without the general
+        validation; the eager call's fast path takes it as its test of "the same call"."""
         h = self._host
-        if h is not None and out is None and self.owned_src:
-            want = self.want
-            if type(x) is np.ndarray and len(want) == 1 and len(self.owned_dst) <= 1:
+        if h is None:
+            return None
+        want = self.want
+        if type(x) is np.ndarray:
+            if len(want) == 1 and len(self.owned_dst) <= 1:
                 (d, shape), = want.items()
                 if x.shape == shape and x.dtype == h[0]:
                     return {d: x}, True, h[1], "numpy", "cpu", None
-            elif type(x) is dict and len(x) == len(want) and all(
-                    type(v) is np.ndarray and v.shape == want.get(d) and v.dtype == h[0] for d, v in x.items()):
-                return dict(x), False, h[1], "numpy", "cpu", None
+        elif not want:
+            if x is None or (type(x) is dict and not x):
+                return {}, False, h[1], self.agreed.kind, self.agreed.devtype, None
+        elif type(x) is dict and len(x) == len(want) and all(
+                type(v) is np.ndarray and v.shape == want.get(d) and v.dtype == h[0] for d, v in x.items()):
+            return dict(x), False, h[1], "numpy", "cpu", None
+        return None
+
+    def prepare(self, x, out):
+        st = self.quick(x) if out is None else None
+        if st is not None:
+            return st
         shards, bare = local_input(self.ctx, x, self.src, self.dst)
         return self.check(shards, bare, out)
 
@@ -152,7 +168,8 @@ class ReshardKernel:
 
     def finish(self, r):
         out, done, kind, bare = r
-        consume(out, done)
+        if done is not None:
+            consume(out, done)
         if kind == "jax":
             out = arrays.to_jax_devices(out)
         if bare:
@@ -247,8 +264,6 @@ def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=
         local_input(ctx, x, src, dst)
         return Handle(result={}) if async_op else {}
     be, err = ctx.resolve_backend(backend)
-    e2, shards, bare, shp, dt, kind, devtype = _facts(ctx, x, src, dst, shape, dtype, compression)
-    err = err or e2
     shape_kw = None
     if shape is not None:
         try:
@@ -257,6 +272,16 @@ def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=
             shape_kw = repr(shape)
     sig = ("reshard", src, dst, shape_kw, None if dtype is None else str(dtype), be.name,
            codec_cost.agreement_key(compression))
+    if err is None:
+        # the Program this process ran last for these arguments, where every process decided
+        # alone then and x is the common run of it (its tiles' shapes and dtype: the same
+        # facts, so the same Program the checks below would find)
+        prog = ctx.call(lookup, ctx, sig, None, True)
+        st = None if prog is None else prog._kernel.quick(x)
+        if st is not None:
+            return prog.start(None, async_op, None, stamp, st)
+    e2, shards, bare, shp, dt, kind, devtype = _facts(ctx, x, src, dst, shape, dtype, compression)
+    err = err or e2
     tiles = tuple(sorted((d, tuple(v.shape)) for d, v in shards.items()))
     complete = shp is not None and dt is not None and kind is not None
     local_key = (shp, dt, kind, devtype, tiles) if complete and err is None else None

@@ -1,11 +1,12 @@
 """SPMD worker (2 processes, mpiexec): work given up on keeps its buffer until MPI is done
 with it (backends.base.abandon, the one path for timeouts and aborted runs).
 
-1. An aborted plan's send. Rank 0 starts a planned 8 MiB transfer to rank 1 (an Execution,
-   as a Program's run starts one), aborts it, drops every reference to the source array
-   and fills fresh memory. Rank 1 only then receives: the bytes must be
-   the source's. (Before abandon, `abort` dropped the send's request with its buffer: MPICH
-   then read freed memory, and the receiver failed in process_vm_readv, errno 14.)
+1. A plan's send given up on. Rank 0 starts a planned 8 MiB transfer to rank 1 (an
+   Execution, as a Program's run starts one) and waits for it past its deadline (a
+   PeerTimeoutError), drops every reference to the source array and fills fresh memory.
+   Rank 1 only then receives: the bytes must be the source's. (Before abandon, an aborted
+   run dropped the send's request with its buffer: MPICH then read freed memory, and the
+   receiver failed in process_vm_readv, errno 14.)
 2. A receive given up on as a timeout does (no cancel). Rank 0 drops its references and
    fills fresh memory; rank 1 sends only then. The message must land in the kept buffer, the
    fresh arrays stay untouched, and once the work completed the next `abandon` lets it go."""
@@ -19,6 +20,7 @@ from mpi4py import MPI
 
 import meshcomm as mc
 from meshcomm.backends import base
+from meshcomm.errors import PeerTimeoutError
 
 N = 8 << 20
 TAG = 7
@@ -33,7 +35,7 @@ def fresh_memory():
     return [np.full(N, 1, np.uint8) for _ in range(4)]
 
 
-# 1. an aborted plan's send
+# 1. a plan's send given up on (its wait timed out)
 src = mc.Layout(mc.Mesh(np.array([0]), ("x",)), (None,))
 dst = mc.Layout(mc.Mesh(np.array([1]), ("x",)), (None,))
 plan = mc.plan((N,), np.uint8, src, dst)
@@ -42,7 +44,10 @@ if comm.rank == 0:
     alive = weakref.ref(data)
     ex = base.Execution(plan, {0: data}, data, rank=0, devices_per_process=1, backend=be)
     ex.start()
-    ex.abort()
+    try:
+        ex.finish(time.monotonic() - 1)
+    except PeerTimeoutError:
+        res["send_timed_out"] = True
     del ex, data
     gc.collect()
     res["send_buffer_kept"] = alive() is not None

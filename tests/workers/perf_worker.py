@@ -49,6 +49,21 @@ def main() -> int:
     assert (ctx.programs - p0, ctx.attempts - a0) == (1, 1), \
         f"rank {r}: repeated calls constructed {ctx.programs - p0 - 1} Programs, agreed {ctx.attempts - a0 - 1} times"
     assert len(set(programs_run(seq))) == 1 and len(programs_run(seq)) == 5, (r, programs_run(seq))
+    # one process's tile of another dtype in a repeat: every process raises (the others ran
+    # the cached Program; it could not), and the next call constructs a new Program
+    p0, failed_prog = ctx.programs, programs_run(seq)[0]
+    try:
+        mc.reshard({r: xe[r].astype(np.float64)} if r == 1 else xe, every, dst, shape=g.shape)
+    except (ValueError, TypeError) as e:
+        assert r == 1 or "rank 1" in str(e) or "[1]" in str(e), (r, e)
+    else:
+        raise AssertionError(f"rank {r}: no error for one process's float64 tile")
+    seq = control.RECORDER.seq
+    for k in range(3):
+        y = mc.reshard(xe, every, dst, shape=g.shape)
+        assert np.array_equal(y[r], g), (r, k)
+    runs = programs_run(seq)
+    assert len(set(runs)) == 1 and runs[0] != failed_prog and ctx.programs - p0 == 1, (r, runs, failed_prog)
 
     # rows on ranks 0 and 1 only: with shape= and dtype= the receivers decide alone (one
     # agreement: the construction); without, every call agrees first, then runs the Program
