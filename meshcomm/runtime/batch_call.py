@@ -21,8 +21,8 @@ from ..layout import Layout, normalize_shape
 from ..validate import check_layouts, check_tile_shapes, infer_shape, resolve_shape_dtype
 from .agreement import value
 from ..handle import Handle
-from .program import (Program, construct, eager, empty_like, facts_of, fences_of, half, host_dtype, layouts_fp, lookup, new,
-                      outside, participants, tags_of)
+from .program import (Program, common_run, construct, eager, empty_like, facts_of, fences_of, fit_of, half, layouts_fp,
+                      lookup, new, outside, participants, tags_of)
 from .reshard_call import local_input
 
 __all__ = ["program", "reshard_many", "normalize_batch"]
@@ -95,12 +95,11 @@ class BatchKernel:
         self.bucket_bytes, self.tags = bucket_bytes, tags_of(pid, getattr(be, "tag_ub", 1 << 29))
         own = ctx.ownership
         self.want = {}
-        self._host = []         # per tensor, what `quick` takes: (name, want, host dtype, bare ok)
+        self._host = []         # per tensor, what `quick` takes: (name, want, fit, bare ok)
         for t in tensors:
             tiling = t.src.tiles(t.shape)
             want = self.want[t.name] = {d: tuple(b - a for a, b in tiling.boxes[d]) for d in own.owned(t.src)}
-            host = t.kind in (None, "numpy") and t.devtype in (None, "cpu")
-            self._host.append((t.name, want, host_dtype(t.dtype) if host else None, len(own.owned(t.dst)) <= 1))
+            self._host.append((t.name, want, fit_of(t.kind, t.devtype, t.dtype), len(own.owned(t.dst)) <= 1))
         self.prepare_groups(ctx, be)
         self.runner = batch_exec.Runner(plans, rank=ctx.rank, devices_per_process=ctx.devices_per_process,
                                         backend=be, bucket_bytes=bucket_bytes) \
@@ -123,33 +122,17 @@ class BatchKernel:
         return tuple((n, tuple(sorted((d, tuple(v.shape)) for d, v in sh.items()))) for n, (sh, _) in st[0].items())
 
     def quick(self, xs):
-        """{name: (tiles, None)} where every tensor's tiles are NumPy arrays of the agreed
-        shapes and dtype in native byte order (`prepare` without the general validation; the
-        eager call's test of "the same call"), else None."""
+        """{name: (tiles, None)} where every tensor's tiles are a common run
+        (`program.common_run`): `prepare` without the general validation (the eager call's
+        test of "the same call"), else None."""
         if type(xs) is not dict or any(n not in self.want for n in xs):
             return None
         got = {}
-        for name, want, h, bare_ok in self._host:
-            x = xs.get(name)
-            if h is None:
+        for name, want, fit, bare_ok in self._host:
+            tiles = None if fit is None else common_run(xs.get(name), want, fit, bare_ok)
+            if tiles is None:
                 return None
-            if type(x) is np.ndarray:
-                if len(want) != 1 or not bare_ok:
-                    return None
-                (d, shape), = want.items()
-                if x.shape != shape or x.dtype != h:
-                    return None
-                x = {d: x}
-            elif x is None or (type(x) is dict and not x):
-                if want:            # None or {} only where it owns no src device of the tensor
-                    return None
-                x = {}
-            elif type(x) is dict and len(x) == len(want) and all(
-                    type(v) is np.ndarray and v.shape == want.get(d) and v.dtype == h for d, v in x.items()):
-                x = dict(x)
-            else:
-                return None
-            got[name] = (x, None)
+            got[name] = (tiles[0], None)
         return got
 
     def prepare(self, xs, out):

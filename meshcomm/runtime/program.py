@@ -365,6 +365,41 @@ def fences_of(tiles) -> tuple:
     return tuple(fences.values())
 
 
+def fit_of(kind, devtype, dtype: str):
+    """What a kernel's common run takes, for a Program of this array kind (None: not agreed),
+    device type and dtype: (array class, dtype) of host tiles, or None (every run checked in
+    full): NumPy arrays in native byte order, or CPU torch tensors."""
+    if devtype not in (None, "cpu"):
+        return None
+    if kind in (None, "numpy"):
+        dt = host_dtype(dtype)
+        return None if dt is None else (np.ndarray, dt)
+    if kind == "torch":
+        import torch
+        dt = getattr(torch, dtype, None)
+        return None if not isinstance(dt, torch.dtype) else (torch.Tensor, dt)
+    return None
+
+
+def common_run(x, want: dict, fit, bare_ok: bool):
+    """(tiles {device: tile}, bare) where `x` is a common run: one tile of class and dtype
+    `fit` and of the shape `want` gives per owned device (a bare one where it owns one and
+    `bare_ok`; None or {} where it owns none), else None (the run is checked in full)."""
+    cls, dt = fit
+
+    def ok(v, shape) -> bool:
+        return type(v) is cls and v.shape == shape and v.dtype == dt and (cls is np.ndarray or v.device.type == "cpu")
+    if type(x) is dict:
+        return (dict(x), False) if len(x) == len(want) and all(ok(v, want.get(d)) for d, v in x.items()) else None
+    if x is None:
+        return None if want else ({}, False)
+    if len(want) == 1 and bare_ok:
+        (d, shape), = want.items()
+        if ok(x, shape):
+            return {d: x}, True
+    return None
+
+
 def host_dtype(name: str):
     """The NumPy dtype, in native byte order, that a host tile of an agreed dtype has on a
     kernel's fast check (a bare NumPy run), or None where NumPy has no such dtype."""

@@ -24,7 +24,7 @@ from ..validate import (check_keys, check_layouts, check_out_buffer, check_tile_
 
 from ..handle import Handle
 from .plan_run import PlanRun
-from .program import (Program, consume, construct, eager, empty_like, facts_of, fences_of, host_dtype,
+from .program import (Program, common_run, consume, construct, eager, empty_like, facts_of, fences_of, fit_of,
                       layouts_fp, lookup, new, outside, participants, tags_of)
 
 __all__ = ["reshard", "program"]
@@ -76,11 +76,9 @@ class ReshardKernel:
         out_tiling = dst.tiles(agreed.shape)
         self.out_shapes = {d: tuple(b - a for a, b in out_tiling.boxes[d]) for d in self.owned_dst}
         self.runner = PlanRun(ctx, be, p, comp, tags, agreed.devtype or "cpu", deadline)
-        # the common run: NumPy tiles in native byte order of the agreed shapes and dtype,
-        # one per owned src device (checked in prepare without the general validation)
-        host = agreed.kind in (None, "numpy") and agreed.devtype in (None, "cpu")
-        dt = host_dtype(agreed.dtype) if host else None
-        self._host = None if dt is None else (dt, fences_of({}))
+        # the common run (`quick`): host tiles of the agreed shapes and dtype
+        self._fit = fit_of(agreed.kind, agreed.devtype, agreed.dtype)
+        self._fences = fences_of({})
 
     def describe(self) -> str:
         return "plan"
@@ -89,26 +87,17 @@ class ReshardKernel:
         return tuple(sorted((d, tuple(v.shape)) for d, v in st[0].items())), facts_of(st[0])
 
     def quick(self, x):
-        """The prepared input of the common run, or None where `x` is anything else: NumPy
-        tiles in native byte order of the agreed shapes and dtype, one per owned src device
-        (None or {} where it owns none). What `check` would give, without the general
-        validation; the eager call's fast path takes it as its test of "the same call"."""
-        h = self._host
-        if h is None:
+        """The prepared input of a common run (`program.common_run`: NumPy arrays or CPU torch
+        tensors of the agreed shapes and dtype, one per owned src device), else None. What
+        `check` would give, without the general validation; the eager call's fast path takes
+        it as its test of "the same call"."""
+        got = None if self._fit is None else common_run(x, self.want, self._fit, len(self.owned_dst) <= 1)
+        if got is None:
             return None
-        want = self.want
-        if type(x) is np.ndarray:
-            if len(want) == 1 and len(self.owned_dst) <= 1:
-                (d, shape), = want.items()
-                if x.shape == shape and x.dtype == h[0]:
-                    return {d: x}, True, h[1], "numpy", "cpu", None
-        elif not want:
-            if x is None or (type(x) is dict and not x):
-                return {}, False, h[1], self.agreed.kind, self.agreed.devtype, None
-        elif type(x) is dict and len(x) == len(want) and all(
-                type(v) is np.ndarray and v.shape == want.get(d) and v.dtype == h[0] for d, v in x.items()):
-            return dict(x), False, h[1], "numpy", "cpu", None
-        return None
+        shards, bare = got
+        if not shards:
+            return shards, bare, self._fences, self.agreed.kind, self.agreed.devtype, None
+        return shards, bare, self._fences, "numpy" if self._fit[0] is np.ndarray else "torch", "cpu", None
 
     def prepare(self, x, out):
         st = self.quick(x) if out is None else None
