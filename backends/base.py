@@ -99,6 +99,7 @@ class DoneWork(Work):
 
 
 SPIN, YIELD, SLEEP_MAX = 2000, 4000, 2e-4
+EVERY = 4           # polls per yield of the core, from SPIN polls on
 QUICK = 32          # tests of a lone work before the loop (no clock, no control channel)
 LOOK_S = 0.001      # with a test_all, how often a wait tests its works one by one
 SPIN_FREE = 2000    # polls before the first yield where this host has a core per process
@@ -106,11 +107,13 @@ SPIN_FREE = 2000    # polls before the first yield where this host has a core pe
 
 def set_local_processes(k: int) -> None:
     """The polling policy for `k` processes on this host (each backend's init calls it): with
-    more processes than cores, a wait yields the core from its first miss (a spinning rank
-    steals the core its peer needs: a 1 KiB all_gather of 4 processes on 2 cores ran 1.6x
-    slower with 40 polls before the first yield); with a core each, it polls SPIN_FREE times
-    first (MPI progresses only inside its calls: yielding between them made a 1 MiB
-    all_reduce of 2 processes on 2 cores 1.4x slower)."""
+    more processes than cores, a wait yields the core from its first misses, once every EVERY
+    polls (a spinning rank steals the core its peer needs: a 1 KiB all_gather of 4 processes
+    on 2 cores ran 1.6x slower with 40 polls before the first yield; yielding after every
+    miss instead of every 4th made an MPI Iallgather polled from Python at 3, 4 and 8
+    processes on 2 cores 1.1-1.5x slower, 1 KiB to 1 MiB: BENCHMARKS 5); with a core each,
+    it polls SPIN_FREE times first (MPI progresses only inside its calls: yielding between
+    them made a 1 MiB all_reduce of 2 processes on 2 cores 1.4x slower)."""
     global SPIN
     try:
         cores = len(os.sched_getaffinity(0))
@@ -125,7 +128,8 @@ def backoff(spins: int) -> None:
     if spins < SPIN:
         return
     if spins < YIELD:
-        os.sched_yield()
+        if not spins % EVERY:
+            os.sched_yield()
         return
     time.sleep(min(SLEEP_MAX, 1e-5 * (spins - YIELD + 1)))
 
@@ -190,10 +194,10 @@ def wait_polling(works: Sequence[Work], deadline: float | None, rank=None, timeo
         test_all = works[0].test
     if test_all is not None:            # short messages: done within a few tests
         try:
-            for _ in range(QUICK):
+            for i in range(1, QUICK + 1):
                 if test_all():
                     return
-                if not SPIN:
+                if not SPIN and not i % EVERY:
                     os.sched_yield()
         except Exception:  # noqa: BLE001 - the works' own tests below name the failure
             test_all = None
