@@ -43,7 +43,7 @@ How a process runs a plan (`execute`):
   check, and `abort` it if the processes disagree.
 * Zero copies where possible: a single box contiguous in its tile is sent from (or
   received into) the tile's memory; otherwise boxes are packed/unpacked.
-* Compression (`Execution(..., compression=planners.compressed.Compression)`): the plan's
+* Compression (`compressed.CompressedExecution(..., compression=planners.compressed.Compression)`): the plan's
   transfers run as coded chunks through backends/compressed.py's pipeline (point-to-point
   messages only, so no groups), instead of the staged program below; nothing else changes.
 * CUDA: packing, unpacking and communication run on the backend's stream
@@ -729,11 +729,7 @@ class Execution:
             b.prepare_groups(need.get(b.name, []), deadline)
 
     def start(self) -> None:
-        if self.compression is not None:
-            from .compressed import run_compressed
-            self._gen = run_compressed(self, self.compression, lambda: self._deadline)
-            self._done = streams.record(streams.comm_stream("local", self.device))
-        elif self.fast is not None:
+        if self.fast is not None:
             b = self.backend.members()[0]
             self._gen = program.run(self.fast, self.run.shards, self.out, b, self.tags,
                                     lambda works: b.wait_all(works, self._deadline), issued)

@@ -1,7 +1,7 @@
 """The compressed executor: a plan's transfers carried as coded chunks through a pipeline (encode, wire, decode overlap).
 
-`Execution(..., compression=Compression(...))` (backends/base.py) runs this instead of its
-staged program; `execute_local` is the same for one process owning every device. What each
+`CompressedExecution(..., compression=Compression(...))`, an Execution (backends/base.py),
+runs this instead of its staged program; `execute_local` is the same for one process owning every device. What each
 transfer kind does with the codec, and the error it adds, is in planners/compressed.py;
 this module moves the bytes:
 
@@ -45,7 +45,8 @@ from meshcomm.compression import Encoded
 from meshcomm.compression.base import host_array
 from meshcomm.reduceops import combine_
 
-from .base import TAG_MOD
+from . import streams
+from .base import TAG_MOD, Execution
 from .local import alloc_like
 from .pipeline import Engine, stats
 
@@ -370,3 +371,13 @@ class _Program:
         if self._mine(r) and not remote:
             for m in range(len(msgs)):
                 eng.task(FINAL, lambda m=m: combine(m))
+
+
+class CompressedExecution(Execution):
+    """An Execution whose plan moves coded pieces (`compression=`, planners.compressed): its
+    steps run through `run_compressed`, stage by stage on the event loop."""
+
+    def start(self) -> None:
+        self._gen = run_compressed(self, self.compression, lambda: self._deadline)
+        self._done = streams.record(streams.comm_stream("local", self.device))
+        next(self._gen)                 # runs up to the first wait

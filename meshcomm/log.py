@@ -118,9 +118,16 @@ def _launcher_rank() -> int:
     return 0
 
 
+_CONTEXT: list = [None]     # the context of meshcomm.init (runtime.context sets it)
+
+
+def set_context(ctx) -> None:
+    """Called by meshcomm.init and finalize: the context a log started later syncs clocks with."""
+    _CONTEXT[0] = ctx
+
+
 def _current_context():
-    from .runtime.context import current
-    return current()
+    return _CONTEXT[0]
 
 
 def start(directory, flush_every: int = FLUSH_EVERY) -> str:

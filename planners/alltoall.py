@@ -27,7 +27,6 @@ NIC and pay their latency one after another); rounds run one after another.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Sequence
 
 from .topology import Topology

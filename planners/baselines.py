@@ -32,8 +32,7 @@ import math
 from collections import defaultdict
 from typing import Callable
 
-from .boxes import Box, box_size, intersect, row_major_range
-from .resharding import pieces
+from .boxes import Box, box_size, intersect, pieces, row_major_range
 from .schedule import Plan, Transfer, coalesce, transfer_kind
 from .topology import Topology
 

@@ -44,13 +44,12 @@ from meshcomm.caches import memo
 from .boxes import box_size, row_major_range
 from .resharding import pieces, plan_reshard
 from .batch_routes import Router
-from .schedule import Plan, Transfer, fmt_bytes
+from .schedule import PART_ALIGN, Plan, Transfer, fmt_bytes, staged_bytes
 from .topology import Topology
 
 __all__ = ["Message", "BatchPlan", "plan_batch", "tensor_work", "default_bucket_bytes",
            "PART_ALIGN", "BUCKET_WINDOW", "PLANNED", "staged_bytes"]
 
-PART_ALIGN = 16         # bytes: every part of a message starts at a multiple of this
 BUCKET_WINDOW = 2       # buckets a process has in flight at once
 CHUNKS = 2              # chunks of a route per link and bucket (finer packing of buckets)
 PLANNED: Counter = Counter()    # "pieces": distinct tensor classes worked out; "fallback": plans
@@ -70,16 +69,6 @@ class Message(Transfer):
         arrow = {"copy": "=>", "send": "->", "bcast": "=>>", "reduce": "+>"}[self.kind]
         return (f"{self.kind:6s} {','.join(map(str, self.srcs))} {arrow} {','.join(map(str, self.dsts))}"
                 f"  {self.nbytes}B  bucket {self.bucket}, {len(self.parts)} part(s)")
-
-
-def staged_bytes(m: Transfer) -> dict[int, int]:
-    """Bytes each device stages for message `m` (module docstring)."""
-    if m.kind == "copy":
-        return {}
-    out = dict.fromkeys(m.participants, m.nbytes)
-    if m.kind == "reduce":
-        out[m.dsts[0]] = m.nbytes * len(m.srcs)
-    return out
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

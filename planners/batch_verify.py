@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .batch import PART_ALIGN, staged_bytes
+from .schedule import PART_ALIGN, staged_bytes
 from .verify import PlanError, check_deadlock_free, verify
 
 __all__ = ["verify_batch"]

@@ -1,6 +1,7 @@
 """Pure helpers on boxes: ((start, stop), ...) per tensor dimension, stop exclusive."""
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 Box = tuple[tuple[int, int], ...]
@@ -110,4 +111,14 @@ def interval_pairs(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -
             p += 1
         else:
             q += 1
+    return out
+
+
+def pieces(src, dst, shape) -> list[tuple[tuple[int, ...], tuple[int, ...], Box]]:
+    """(src shard class, dst shard class, global box) for every non-empty intersection."""
+    st, dt = src.tiles(shape), dst.tiles(shape)
+    per_dim = [interval_pairs(st.dim_bounds[i], dt.dim_bounds[i]) for i in range(len(shape))]
+    out = []
+    for combo in itertools.product(*per_dim):
+        out.append((tuple(c[0] for c in combo), tuple(c[1] for c in combo), tuple(c[2] for c in combo)))
     return out

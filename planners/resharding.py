@@ -31,7 +31,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from collections import defaultdict
 from typing import Iterable
@@ -40,21 +39,12 @@ import networkx as nx
 
 from meshcomm.reduceops import check_dtype
 
-from .boxes import Box, box_size, interval_pairs, row_major_range
+from . import baselines
+from .boxes import Box, box_size, pieces, row_major_range
 from .schedule import Plan, Transfer, coalesce, transfer_kind
 from .topology import Topology
 
 __all__ = ["plan_reshard", "pieces", "transfer_graph"]
-
-
-def pieces(src, dst, shape) -> list[tuple[tuple[int, ...], tuple[int, ...], Box]]:
-    """(src shard class, dst shard class, global box) for every non-empty intersection."""
-    st, dt = src.tiles(shape), dst.tiles(shape)
-    per_dim = [interval_pairs(st.dim_bounds[i], dt.dim_bounds[i]) for i in range(len(shape))]
-    out = []
-    for combo in itertools.product(*per_dim):
-        out.append((tuple(c[0] for c in combo), tuple(c[1] for c in combo), tuple(c[2] for c in combo)))
-    return out
 
 
 def transfer_graph(src, dst, shape, itemsize: int = 1) -> nx.DiGraph:
@@ -229,7 +219,6 @@ def _best_of(p: Plan, shape, dtype, src, dst, topology: Topology) -> Plan:
     between them (a + b and b + a are the same bits; (a + b) + c and (b + c) + a may not be,
     nor min(-0.0, 0.0) and min(0.0, -0.0)). This planner reduces every value once and
     copies the result to its replicas."""
-    from . import baselines         # baselines import this module: import at call time
     if len(p.transfers) > COMPARE_MAX_TRANSFERS:
         return p
     if src.num_addends > 1 and dst.num_addends > 1 and src.partial_op != dst.partial_op:

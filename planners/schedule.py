@@ -72,6 +72,19 @@ class Transfer:
         return f"{self.kind:6s} {s} {arrow} {d}  {self.nbytes}B  {bx}"
 
 
+PART_ALIGN = 16         # bytes: every part of a batch message starts at a multiple of this
+
+
+def staged_bytes(m: Transfer) -> dict[int, int]:
+    """Bytes each device stages for message `m` (planners/batch.py's docstring)."""
+    if m.kind == "copy":
+        return {}
+    out = dict.fromkeys(m.participants, m.nbytes)
+    if m.kind == "reduce":
+        out[m.dsts[0]] = m.nbytes * len(m.srcs)
+    return out
+
+
 def transfer_kind(srcs: tuple[int, ...], dsts: tuple[int, ...], reduce: bool = False) -> str:
     """The kind a transfer from `srcs` to `dsts` has (see the module docstring)."""
     if reduce:

@@ -87,7 +87,9 @@ def graph(top_level_only: bool) -> nx.DiGraph:
 
 
 def test_no_import_cycle():
-    cycles = list(nx.simple_cycles(graph(top_level_only=True)))
+    """None, counting the imports inside functions too (an import deferred to call time to
+    get around a cycle is still one)."""
+    cycles = list(nx.simple_cycles(graph(top_level_only=False)))
     assert not cycles, f"import cycles: {cycles[:5]}"
 
 

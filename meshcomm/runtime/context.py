@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .. import settings
+from .. import log, settings
 from .ownership import Ownership
 
 __all__ = ["init", "finalize", "current", "Context", "BACKEND_NAMES"]
@@ -73,6 +73,7 @@ def current():
 def _set(ctx) -> None:
     global _CTX
     _CTX = ctx
+    log.set_context(ctx)
 
 
 def resolve_timeout(timeout) -> float:
@@ -138,8 +139,7 @@ def init(backend: str = "mpi", devices_per_process: int = 1, timeout: float | No
     if not _EXIT_HOOK:
         atexit.register(_finalize_at_exit)
         _EXIT_HOOK.append(True)
-    from .. import log      # MESHCOMM_LOG, and the log's clock offset to rank 0 (every rank)
-    log.on_init(ctx)
+    log.on_init(ctx)        # MESHCOMM_LOG, and the log's clock offset to rank 0 (every rank)
     return ctx
 
 

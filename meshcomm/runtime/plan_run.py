@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backends import base
+from ..backends.compressed import CompressedExecution
 from ..backends import program as rank_program
 from .program import half
 
@@ -43,7 +44,7 @@ class PlanRun:
                                       lambda works: b.wait_all(works, deadline), base.issued):
                 pass
             return res, None            # host tiles: nothing for a consumer to wait on
-        ex = base.Execution(self.plan, shards, like, rank=ctx.rank, devices_per_process=ctx.devices_per_process,
+        ex = (base.Execution if self.comp is None else CompressedExecution)(self.plan, shards, like, rank=ctx.rank, devices_per_process=ctx.devices_per_process,
                             backend=self.be, device_kind=self.device_kind, producer_fences=fences,
                             compression=self.comp, tags=half(self.tags, parity), out=out)
         ex.start()
