@@ -1,4 +1,5 @@
-"""The rank program (backends/program.py): what it decides ahead for each rank of a plan.
+"""The rank program (backends/program.py): what it decides ahead for each rank of a plan;
+a kernel's common run (runtime/program.py common_run).
 
 Its results are checked bitwise across real processes in tests/test_distributed.py (odd
 ranks step by step beside even ranks running programs); here, what it works out."""
@@ -97,3 +98,32 @@ def test_fits_takes_c_ordered_numpy_tiles_of_the_planned_shape_only():
     torch = pytest.importorskip("torch")
     assert not program.fits(prog, {0: torch.zeros(4, 6)})
 
+
+
+def test_common_run_takes_exact_host_tiles_only():
+    """A kernel's fast check (runtime/program.py common_run, the eager call's test of "the
+    same call" too): anything it refuses is checked in full, so it must refuse every tile
+    the full check would treat differently."""
+    from meshcomm.runtime.program import common_run, fit_of
+    fit = fit_of("numpy", "cpu", "float32")
+    want = {3: (4, 6)}
+    t = np.zeros((4, 6), np.float32)
+    assert common_run(t, want, fit, True) == ({3: t}, True)
+    assert common_run({3: t}, want, fit, True)[1] is False
+    assert common_run(t, want, fit, False) is None                      # owns several dst devices
+    assert common_run({2: t}, want, fit, True) is None                  # another device
+    assert common_run({3: t, 4: t}, want, fit, True) is None
+    assert common_run({3: t.astype(np.float64)}, want, fit, True) is None
+    assert common_run({3: t.astype(">f4")}, want, fit, True) is None    # byte-swapped: full check
+    assert common_run({3: np.zeros((6, 4), np.float32)}, want, fit, True) is None
+    assert common_run(None, want, fit, True) is None and common_run({}, want, fit, True) is None
+    assert common_run(None, {}, fit, True) == ({}, False) and common_run({}, {}, fit, True) == ({}, False)
+    assert common_run([t], want, fit, True) is None
+    assert fit_of("numpy", "cuda", "float32") is None and fit_of("jax", "cpu", "float32") is None
+    torch = pytest.importorskip("torch")
+    assert common_run({3: torch.zeros(4, 6)}, want, fit, True) is None  # a NumPy Program
+    tf = fit_of("torch", "cpu", "float32")
+    tt = torch.zeros(4, 6)
+    assert common_run(tt, want, tf, True) == ({3: tt}, True)
+    assert common_run({3: tt.double()}, want, tf, True) is None
+    assert common_run({3: t}, want, tf, True) is None
