@@ -351,10 +351,6 @@ class Backend:
                 "reduce": lambda s, r: self.reduce(s, root, ranks, op)}[what]
         return lambda s, r=None: call(s, r)
 
-    def barrier_group(self, ranks: tuple[int, ...], deadline: float | None) -> None:
-        """`ibarrier` waited for: returns once every member arrived, else PeerTimeoutError."""
-        self.wait_all([self.ibarrier(ranks)], deadline)
-
     def barrier(self, deadline: float | None) -> None:
         self.allgather_obj(None, deadline)
 

@@ -63,7 +63,7 @@ def run_cases(b, rank, world, seed, stats):
         for c, _, out in issued:
             c.check(rank, out)
         stats[f"cases_{b.name}"] += len(cases)
-        b.barrier_group(group, time.monotonic() + LONG)
+        b.wait_all([b.ibarrier(group)], time.monotonic() + LONG)
         stats[f"barriers_{b.name}"] += 1
 
 
