@@ -108,8 +108,8 @@ def test_common_run_takes_exact_host_tiles_only():
     fit = fit_of("numpy", "cpu", "float32")
     want = {3: (4, 6)}
     t = np.zeros((4, 6), np.float32)
-    assert common_run(t, want, fit, True) == ({3: t}, True)
-    assert common_run({3: t}, want, fit, True)[1] is False
+    assert common_run(t, want, fit, True) == ({3: t}, True, "numpy")
+    assert common_run({3: t}, want, fit, True)[1:] == (False, "numpy")
     assert common_run(t, want, fit, False) is None                      # owns several dst devices
     assert common_run({2: t}, want, fit, True) is None                  # another device
     assert common_run({3: t, 4: t}, want, fit, True) is None
@@ -117,13 +117,15 @@ def test_common_run_takes_exact_host_tiles_only():
     assert common_run({3: t.astype(">f4")}, want, fit, True) is None    # byte-swapped: full check
     assert common_run({3: np.zeros((6, 4), np.float32)}, want, fit, True) is None
     assert common_run(None, want, fit, True) is None and common_run({}, want, fit, True) is None
-    assert common_run(None, {}, fit, True) == ({}, False) and common_run({}, {}, fit, True) == ({}, False)
+    assert common_run(None, {}, fit, True) == ({}, False, None) == common_run({}, {}, fit, True)
     assert common_run([t], want, fit, True) is None
-    assert fit_of("numpy", "cuda", "float32") is None and fit_of("jax", "cpu", "float32") is None
+    assert fit_of("numpy", "cuda", "float32") == {} and fit_of("jax", "cpu", "float32") == {}
     torch = pytest.importorskip("torch")
     assert common_run({3: torch.zeros(4, 6)}, want, fit, True) is None  # a NumPy Program
-    tf = fit_of("torch", "cpu", "float32")
     tt = torch.zeros(4, 6)
-    assert common_run(tt, want, tf, True) == ({3: tt}, True)
-    assert common_run({3: tt.double()}, want, tf, True) is None
-    assert common_run({3: t}, want, tf, True) is None
+    for f in (fit_of("torch", "cpu", "float32"), fit_of(None, None, "float32")):
+        assert common_run(tt, want, f, True) == ({3: tt}, True, "torch")
+        assert common_run({3: tt.double()}, want, f, True) is None
+        assert common_run({3: torch.nn.Parameter(tt)}, want, f, True) is None
+    assert common_run({3: t}, want, fit_of("torch", "cpu", "float32"), True) is None
+    assert common_run({3: t}, want, fit_of(None, None, "float32"), True)[2] == "numpy"

@@ -22,7 +22,7 @@ from ..validate import check_layouts, check_tile_shapes, infer_shape, resolve_sh
 from .agreement import value
 from ..handle import Handle
 from .program import (Program, common_run, construct, eager, empty_like, facts_of, fences_of, fit_of, half, layouts_fp,
-                      lookup, new, outside, participants, tags_of)
+                      lookup, new, numpy_views, outside, participants, tags_of)
 from .reshard_call import local_input
 
 __all__ = ["program", "reshard_many", "normalize_batch"]
@@ -129,7 +129,7 @@ class BatchKernel:
             return None
         got = {}
         for name, want, fit, bare_ok in self._host:
-            tiles = None if fit is None else common_run(xs.get(name), want, fit, bare_ok)
+            tiles = common_run(xs.get(name), want, fit, bare_ok) if fit else None
             if tiles is None:
                 return None
             got[name] = (tiles[0], None)
@@ -163,13 +163,18 @@ class BatchKernel:
     def run(self, st, deadline, stamp=None):
         got, out = st
         ctx = self.ctx
-        items, kinds = [], []
-        for t, p in zip(self.tensors, self.plans):
+        items, kinds, views = [], [], []
+        for i, (t, p) in enumerate(zip(self.tensors, self.plans)):
             shards = got[t.name][0]
             kind = facts_of(shards)[1] or t.kind or "numpy"
             like = next(iter(shards.values())) if shards else empty_like(kind if kind != "jax" else "numpy",
                                                                           t.dtype, t.devtype or "cpu")
-            items.append(batch_exec.BatchItem(p, shards, like, None if out is None else out.get(t.name)))
+            o = None if out is None else out.get(t.name)
+            v = numpy_views(shards, like, o) if kind == "torch" and self.be.wire == "numpy" else None
+            if v is not None:               # CPU torch tiles travel as NumPy views (no copy)
+                views.append((i, o))
+                shards, like, o = v
+            items.append(batch_exec.BatchItem(p, shards, like, o))
             kinds.append(kind)
         t_run = time.time() if stamp is not None else None
         fences = fences_of({i: v for i, it in enumerate(items) for v in list(it.shards.values())[:1]})
@@ -179,6 +184,10 @@ class BatchKernel:
             res = batch_exec.run_batch(items, rank=ctx.rank, devices_per_process=ctx.devices_per_process,
                                        backend=self.be, tags=half(self.tags, self.parity), deadline=deadline,
                                        bucket_bytes=self.bucket_bytes, fences=fences)
+        if views:
+            import torch
+            for i, o in views:
+                res[i] = {d: o[d] if o is not None and d in o else torch.from_numpy(a) for d, a in res[i].items()}
         if stamp is not None:
             for t, p, it, r in zip(self.tensors, self.plans, items, res):
                 _log.record_reshard(stamp, rank=ctx.rank, dpp=ctx.devices_per_process, backend=self.be.name,

@@ -1,6 +1,7 @@
 """A Program's plan run on the backends: groups created at construction; a run of host tiles
-on one host-buffer backend replays the rank's program worked out then (backends/program.py),
-any other builds the Execution over its tiles (backends/base.py), with the Program's tags."""
+(NumPy arrays, or CPU torch tensors as NumPy views over their memory) on one host-buffer
+backend replays the rank's program worked out then (backends/program.py), any other builds
+the Execution over its tiles (backends/base.py), with the Program's tags."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +9,7 @@ import numpy as np
 from ..backends import base
 from ..backends.compressed import CompressedExecution
 from ..backends import program as rank_program
-from .program import half
+from .program import half, numpy_views
 
 __all__ = ["PlanRun", "one_backend"]
 
@@ -36,17 +37,23 @@ class PlanRun:
     def run(self, shards, like, fences, deadline, out=None, parity=0):
         ctx = self.ctx
         f = self.fast
-        if f is not None and type(like) is np.ndarray and rank_program.fits(f, shards):
-            # what the Execution would do for these tiles, worked out at construction
-            b = self.be.members()[0]
-            res = base.result_tiles(self.plan, self.specs, like, out)
-            for _ in rank_program.run(f, shards, res, b, half(self.tags, parity),
-                                      lambda works: b.wait_all(works, deadline), base.issued):
-                pass
-            return res, None            # host tiles: nothing for a consumer to wait on
-        ex = (base.Execution if self.comp is None else CompressedExecution)(self.plan, shards, like, rank=ctx.rank, devices_per_process=ctx.devices_per_process,
-                            backend=self.be, device_kind=self.device_kind, producer_fences=fences,
-                            compression=self.comp, tags=half(self.tags, parity), out=out)
+        if f is not None:
+            host = (shards, like, out) if type(like) is np.ndarray else numpy_views(shards, like, out)
+            if host is not None and rank_program.fits(f, host[0]):
+                # what the Execution would do for these tiles, worked out at construction
+                b = self.be.members()[0]
+                res = base.result_tiles(self.plan, self.specs, host[1], host[2])
+                for _ in rank_program.run(f, host[0], res, b, half(self.tags, parity),
+                                          lambda works: b.wait_all(works, deadline), base.issued):
+                    pass
+                if host[0] is not shards:   # torch tiles: torch results over the same memory
+                    import torch
+                    res = {d: out[d] if out is not None and d in out else torch.from_numpy(v) for d, v in res.items()}
+                return res, None            # host tiles: nothing for a consumer to wait on
+        ex = (base.Execution if self.comp is None else CompressedExecution)(
+            self.plan, shards, like, rank=ctx.rank, devices_per_process=ctx.devices_per_process, backend=self.be,
+            device_kind=self.device_kind, producer_fences=fences, compression=self.comp, tags=half(self.tags, parity),
+            out=out)
         ex.start()
         return ex.finish(deadline)
 

@@ -23,6 +23,7 @@ exchange), then runs the Program of the agreed facts.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import Callable
 
@@ -365,39 +366,57 @@ def fences_of(tiles) -> tuple:
     return tuple(fences.values())
 
 
-def fit_of(kind, devtype, dtype: str):
-    """What a kernel's common run takes, for a Program of this array kind (None: not agreed),
-    device type and dtype: (array class, dtype) of host tiles, or None (every run checked in
-    full): NumPy arrays in native byte order, or CPU torch tensors."""
+def fit_of(kind, devtype, dtype: str) -> dict:
+    """What a kernel's common run takes, for a Program of this array kind (None: each run's
+    tiles say), device type and dtype: {array class: dtype} of host tiles, NumPy arrays in
+    native byte order and CPU torch tensors ({}: every run checked in full)."""
     if devtype not in (None, "cpu"):
-        return None
+        return {}
+    fit = {}
     if kind in (None, "numpy"):
         dt = host_dtype(dtype)
-        return None if dt is None else (np.ndarray, dt)
-    if kind == "torch":
+        if dt is not None:
+            fit[np.ndarray] = dt
+    if kind == "torch" or (kind is None and "torch" in sys.modules):
         import torch
         dt = getattr(torch, dtype, None)
-        return None if not isinstance(dt, torch.dtype) else (torch.Tensor, dt)
-    return None
+        if isinstance(dt, torch.dtype):
+            fit[torch.Tensor] = dt
+    return fit
 
 
-def common_run(x, want: dict, fit, bare_ok: bool):
-    """(tiles {device: tile}, bare) where `x` is a common run: one tile of class and dtype
-    `fit` and of the shape `want` gives per owned device (a bare one where it owns one and
-    `bare_ok`; None or {} where it owns none), else None (the run is checked in full)."""
-    cls, dt = fit
+def common_run(x, want: dict, fit: dict, bare_ok: bool):
+    """(tiles {device: tile}, bare, kind) where `x` is a common run: one tile per owned
+    device, all of one class in `fit` with its dtype and the shape `want` gives (a bare one
+    where it owns one and `bare_ok`; None or {} where it owns none: kind None), else None
+    (the run is checked in full)."""
+    if x is None or (type(x) is dict and not x):
+        return None if want else ({}, False, None)
+    bare = type(x) is not dict
+    if bare:
+        if len(want) != 1 or not bare_ok:
+            return None
+        x = {next(iter(want)): x}
+    cls = type(next(iter(x.values())))
+    dt = fit.get(cls)
+    if dt is None or len(x) != len(want) or not all(
+            type(v) is cls and v.shape == want.get(d) and v.dtype == dt for d, v in x.items()):
+        return None
+    if cls is np.ndarray:
+        return (x if bare else dict(x)), bare, "numpy"
+    return ((x if bare else dict(x)), bare, "torch") if all(v.device.type == "cpu" for v in x.values()) else None
 
-    def ok(v, shape) -> bool:
-        return type(v) is cls and v.shape == shape and v.dtype == dt and (cls is np.ndarray or v.device.type == "cpu")
-    if type(x) is dict:
-        return (dict(x), False) if len(x) == len(want) and all(ok(v, want.get(d)) for d, v in x.items()) else None
-    if x is None:
-        return None if want else ({}, False)
-    if len(want) == 1 and bare_ok:
-        (d, shape), = want.items()
-        if ok(x, shape):
-            return {d: x}, True
-    return None
+
+def numpy_views(shards, like, out):
+    """(tiles, like, out=) of CPU torch tensors as NumPy views over their memory (no copy), or
+    None where one is not a tensor NumPy can view (on a device, bfloat16, a conjugate view)."""
+    if not arrays.is_torch(like):
+        return None
+    try:
+        return ({d: v.detach().numpy() for d, v in shards.items()}, like.detach().numpy(),
+                None if out is None else {d: v.detach().numpy() for d, v in out.items()})
+    except (TypeError, RuntimeError):
+        return None
 
 
 def host_dtype(name: str):

@@ -91,13 +91,13 @@ class ReshardKernel:
         tensors of the agreed shapes and dtype, one per owned src device), else None. What
         `check` would give, without the general validation; the eager call's fast path takes
         it as its test of "the same call"."""
-        got = None if self._fit is None else common_run(x, self.want, self._fit, len(self.owned_dst) <= 1)
+        got = common_run(x, self.want, self._fit, len(self.owned_dst) <= 1) if self._fit else None
         if got is None:
             return None
-        shards, bare = got
-        if not shards:
+        shards, bare, kind = got
+        if kind is None:
             return shards, bare, self._fences, self.agreed.kind, self.agreed.devtype, None
-        return shards, bare, self._fences, "numpy" if self._fit[0] is np.ndarray else "torch", "cpu", None
+        return shards, bare, self._fences, kind, "cpu", None
 
     def prepare(self, x, out):
         st = self.quick(x) if out is None else None
