@@ -104,7 +104,7 @@ def test_common_run_takes_exact_host_tiles_only():
     """A kernel's fast check (runtime/program.py common_run, the eager call's test of "the
     same call" too): anything it refuses is checked in full, so it must refuse every tile
     the full check would treat differently."""
-    from meshcomm.runtime.program import common_run, fit_of
+    from meshcomm.runtime.tiles import common_run, fit_of
     fit = fit_of("numpy", "cpu", "float32")
     want = {3: (4, 6)}
     t = np.zeros((4, 6), np.float32)

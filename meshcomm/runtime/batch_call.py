@@ -21,8 +21,8 @@ from ..layout import Layout, normalize_shape
 from ..validate import check_layouts, check_tile_shapes, infer_shape, resolve_shape_dtype
 from .agreement import value
 from ..handle import Handle
-from .program import (Program, common_run, construct, eager, empty_like, facts_of, fences_of, fit_of, half, layouts_fp,
-                      lookup, new, numpy_views, outside, participants, tags_of)
+from .program import Program, construct, eager, half, layouts_fp, lookup, new, outside, participants, tags_of
+from .tiles import common_run, empty_like, facts_of, fences_of, fit_of, numpy_views
 from .reshard_call import local_input
 
 __all__ = ["program", "reshard_many", "normalize_batch"]
@@ -123,7 +123,7 @@ class BatchKernel:
 
     def quick(self, xs):
         """{name: (tiles, None)} where every tensor's tiles are a common run
-        (`program.common_run`): `prepare` without the general validation (the eager call's
+        (`tiles.common_run`): `prepare` without the general validation (the eager call's
         test of "the same call"), else None."""
         if type(xs) is not dict or any(n not in self.want for n in xs):
             return None

@@ -32,8 +32,8 @@ from .context import init_hint, no_context
 from .local_program import LocalKernel, fill_out
 from ..handle import Handle
 from .plan_run import PlanRun
-from .program import (Program, consume, construct, eager, empty_like, fences_of, host_dtype, lookup, new,
-                      outside, participants, tags_of)
+from .program import Program, construct, eager, lookup, new, outside, participants, tags_of
+from .tiles import consume, empty_like, fences_of, host_dtype
 
 __all__ = ["Request", "run", "program", "tiles_of", "coded_dims", "build", "finish_tiles"]
 

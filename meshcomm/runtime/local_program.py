@@ -12,7 +12,8 @@ from .. import log as _log
 from ..planning import plan
 from ..validate import check_out_buffer, check_tile_shapes, normalize_input, resolve_shape_dtype
 from .context import init_hint
-from .program import host_dtype, new
+from .program import new
+from .tiles import host_dtype
 
 __all__ = ["one_process", "reshard_local", "local_reshard", "LocalKernel", "fill_out", "no_out"]
 

@@ -22,7 +22,7 @@ from .. import arrays
 from ..backends import buffers
 from ..backends.base import empty_wire, from_wire, issued, to_wire
 from ..collectives.layouts import groups
-from .program import empty_like
+from .tiles import empty_like
 
 __all__ = ["Native", "choose", "posters", "run", "poster"]
 

@@ -9,7 +9,8 @@ import numpy as np
 from ..backends import base
 from ..backends.compressed import CompressedExecution
 from ..backends import program as rank_program
-from .program import half, numpy_views
+from .program import half
+from .tiles import numpy_views
 
 __all__ = ["PlanRun", "one_backend"]
 

@@ -24,8 +24,8 @@ from ..validate import (check_keys, check_layouts, check_out_buffer, check_tile_
 
 from ..handle import Handle
 from .plan_run import PlanRun
-from .program import (Program, common_run, consume, construct, eager, empty_like, facts_of, fences_of, fit_of,
-                      layouts_fp, lookup, new, outside, participants, tags_of)
+from .program import Program, construct, eager, layouts_fp, lookup, new, outside, participants, tags_of
+from .tiles import common_run, consume, empty_like, facts_of, fences_of, fit_of
 
 __all__ = ["reshard", "program"]
 
@@ -87,7 +87,7 @@ class ReshardKernel:
         return tuple(sorted((d, tuple(v.shape)) for d, v in st[0].items())), facts_of(st[0])
 
     def quick(self, x):
-        """The prepared input of a common run (`program.common_run`: NumPy arrays or CPU torch
+        """The prepared input of a common run (`tiles.common_run`: NumPy arrays or CPU torch
         tensors of the agreed shapes and dtype, one per owned src device), else None. What
         `check` would give, without the general validation; the eager call's fast path takes
         it as its test of "the same call"."""
