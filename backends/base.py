@@ -848,6 +848,15 @@ class Run:
                     acc = combine_(acc, v, self.plan.reduce_op)
             self._unpack_to(t, t.dsts[0], acc)
             return
+        bufs, origin = self._src(t)
+        src = bufs.get(t.srcs[0])
+        if type(src) is np.ndarray:         # host tiles: each box copied once, tile to tile
+            sls = [local_slices(b, origin[t.srcs[0]]) for b in t.boxes]
+            for d in t.dsts:
+                out, box = self.out[d], self.dt.boxes[d]
+                for b, sl in zip(t.boxes, sls):
+                    out[local_slices(b, box)] = src[sl]
+            return
         v = self._packed(t, t.srcs[0])
         for d in t.dsts:
             self._unpack_to(t, d, v)

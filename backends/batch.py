@@ -121,6 +121,7 @@ class Runner:
                 order = lambda d: {q: [x for _, x in sorted(v, key=lambda e: e[0])] for q, v in d.items()}  # noqa: E731
                 self.rounds.append((local, _offsets(order(sends)), _offsets(order(recvs))))
         self.out_shapes = []
+        self.tilings = [(p.src.tiles(p.shape), p.dst.tiles(p.shape)) for p in plans]
         for p in plans:
             dt_, zero = p.dst.tiles(p.shape), set(p.zero_fill)
             self.out_shapes.append([(d, tuple(hi - lo for lo, hi in bx), d in zero or box_size(bx) == 0)
@@ -130,7 +131,7 @@ class Runner:
         from .local import alloc_like
         b, rank, dpp = self.b, self.rank, self.dpp
         outs, runs = [], []
-        for it, p, shapes in zip(items, self.plans, self.out_shapes):
+        for it, p, shapes, (st, dt) in zip(items, self.plans, self.out_shapes, self.tilings):
             out = {}
             for d, shape, zero in shapes:
                 if it.out is not None and d in it.out:
@@ -140,8 +141,7 @@ class Runner:
                 else:
                     out[d] = alloc_like(it.like, shape, zero, p.fill_op)
             outs.append(out)
-            runs.append(Run(p, it.shards, out, it.like, rank, lambda d: d // dpp, p.src.tiles(p.shape),
-                             p.dst.tiles(p.shape), None))
+            runs.append(Run(p, it.shards, out, it.like, rank, lambda d: d // dpp, st, dt, None))
         tag0, span = tags
         inflight: list = []
         nb_ = len(self.buckets)

@@ -43,14 +43,15 @@ def uses_kernels(tile) -> bool:
 
 def pack(tile, slices: Sequence[tuple[slice, ...]], out=None):
     """Concatenate tile[sl] for each sl (row-major) into a 1-d buffer of tile's dtype."""
-    if uses_kernels(tile):
+    host = type(tile) is np.ndarray     # the common case, without the device checks
+    if not host and uses_kernels(tile):
         from meshcomm.cuda import KernelUnsupported, pack_cuda
         try:
             return pack_cuda(tile, slices, out=out)
         except KernelUnsupported:
             pass
     n = message_elems(slices)
-    if _is_torch(tile):
+    if not host and _is_torch(tile):
         import torch
         if out is None:
             out = torch.empty(n, dtype=tile.dtype, device=tile.device)
@@ -62,7 +63,7 @@ def pack(tile, slices: Sequence[tuple[slice, ...]], out=None):
             off += k
         return out
     if out is None:
-        if _is_cupy(tile):
+        if not host and _is_cupy(tile):
             import cupy
             out = cupy.empty(n, dtype=tile.dtype)
         else:
@@ -81,7 +82,8 @@ def unpack(buf, tile, slices: Sequence[tuple[slice, ...]], accumulate: bool = Fa
     """Scatter a packed 1-d buffer back into tile[sl] for each sl; when `accumulate`, combine
     with what is there by `op` (meshcomm.reduceops: the CUDA kernels add; other ops use the
     array library's own elementwise op)."""
-    if uses_kernels(tile) and _on_cuda(buf) and (not accumulate or op == "sum"):
+    host = type(tile) is np.ndarray and type(buf) is np.ndarray
+    if not host and uses_kernels(tile) and _on_cuda(buf) and (not accumulate or op == "sum"):
         from meshcomm.cuda import KernelUnsupported, unpack_cuda
         try:
             unpack_cuda(buf, tile, slices, accumulate=accumulate)
@@ -92,7 +94,7 @@ def unpack(buf, tile, slices: Sequence[tuple[slice, ...]], accumulate: bool = Fa
     for sl in slices:
         dst = tile[sl]
         k = math.prod(s.stop - s.start for s in sl)
-        src = buf[off:off + k].reshape(tuple(dst.shape)) if not _is_torch(buf) else buf[off:off + k].view(dst.shape)
+        src = buf[off:off + k].reshape(dst.shape) if host or not _is_torch(buf) else buf[off:off + k].view(dst.shape)
         if accumulate and op != "sum":
             tile[sl] = combine(tile[sl], src, op)
         elif accumulate:

@@ -122,7 +122,7 @@ class BatchKernel:
         return tuple((n, tuple(sorted((d, tuple(v.shape)) for d, v in sh.items()))) for n, (sh, _) in st[0].items())
 
     def quick(self, xs):
-        """{name: (tiles, None)} where every tensor's tiles are a common run
+        """{name: (tiles, kind)} where every tensor's tiles are a common run
         (`tiles.common_run`): `prepare` without the general validation (the eager call's
         test of "the same call"), else None."""
         if type(xs) is not dict or any(n not in self.want for n in xs):
@@ -132,7 +132,7 @@ class BatchKernel:
             tiles = common_run(xs.get(name), want, fit, bare_ok) if fit else None
             if tiles is None:
                 return None
-            got[name] = (tiles[0], None)
+            got[name] = (tiles[0], tiles[2])
         return got
 
     def prepare(self, xs, out):
@@ -165,8 +165,8 @@ class BatchKernel:
         ctx = self.ctx
         items, kinds, views = [], [], []
         for i, (t, p) in enumerate(zip(self.tensors, self.plans)):
-            shards = got[t.name][0]
-            kind = facts_of(shards)[1] or t.kind or "numpy"
+            shards, kind = got[t.name]     # the kind where the common run found it
+            kind = kind or facts_of(shards)[1] or t.kind or "numpy"
             like = next(iter(shards.values())) if shards else empty_like(kind if kind != "jax" else "numpy",
                                                                           t.dtype, t.devtype or "cpu")
             o = None if out is None else out.get(t.name)
