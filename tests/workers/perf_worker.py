@@ -11,6 +11,8 @@ agreeing again where every process can decide alone, over MPI.
 * A new shape constructs a new Program; a shape mismatch on one process in a call that
   constructs makes every process raise naming it, and the next call works; torch tensors on the senders, with
   dtype=torch.float32, come back as torch tensors on the receivers.
+* CPU torch tiles (one needing grad) with out= torch buffers, a reshard Program and a batch:
+  the buffers are filled and returned (they run as NumPy views over the tensors' memory).
 Prints "OK <rank>" on success.
 """
 from __future__ import annotations
@@ -107,6 +109,22 @@ def main() -> int:
         y = mc.reshard(xt, src, dst, shape=g.shape, dtype=torch.float32)
         assert isinstance(y[r], torch.Tensor) and np.array_equal(y[r].numpy(), g), (r, type(y[r]))
     assert (ctx.programs - p0, ctx.attempts - a0) == (1, 1), (r, ctx.programs - p0, ctx.attempts - a0)
+    # CPU torch tiles run as NumPy views over their memory: out= torch buffers are filled in
+    # place and returned, for a reshard and a batch alike, and a tensor that needs grad is read
+    # as it is
+    every_t = {r: torch.from_numpy(g[4 * r:4 * (r + 1)].copy()).requires_grad_()}
+    P = mc.Program.reshard(every, dst, shape=g.shape, dtype=torch.float32)
+    B = mc.Program.reshard_many(every, dst, shapes={"a": g.shape, "b": g.shape}, dtypes=torch.float32)
+    for k in range(2):
+        bufs = {r: torch.full(g.shape, -1.0)}
+        y = P(every_t, out=bufs)
+        assert y[r] is bufs[r] and np.array_equal(bufs[r].numpy(), g), (r, k)
+        many = {n: {r: torch.full(g.shape, -1.0)} for n in ("a", "b")}
+        ys = B({"a": every_t, "b": every_t}, out=many)
+        for n in ("a", "b"):
+            assert ys[n][r] is many[n][r] and np.array_equal(many[n][r].numpy(), g), (r, k, n)
+        ys = B({"a": every_t, "b": every_t})
+        assert all(type(ys[n][r]) is torch.Tensor and np.array_equal(ys[n][r].numpy(), g) for n in ys), r
     mc.finalize()
     print(f"OK {r}", flush=True)
     return 0
