@@ -39,13 +39,13 @@ How a process runs a plan (`execute`):
 * Deadlines: every wait polls with a deadline (`MESHCOMM_TIMEOUT` after the call started)
   and raises `PeerTimeoutError` naming the peer ranks it waited for.
 * `Execution` splits a run into `prepare` (groups), `start` (issue the first stage, wait
-  for nothing) and `finish`, so the runtime can overlap the first stage with its metadata
-  check, and `abort` it if the processes disagree.
+  for nothing) and `finish` (wait, then the later stages). A run given up (its deadline, a
+  peer's error) leaves its works to `abandon`, which keeps their buffers until MPI is done.
 * Zero copies where possible: a single box contiguous in its tile is sent from (or
   received into) the tile's memory; otherwise boxes are packed/unpacked.
-* Compression (`compressed.CompressedExecution(..., compression=planners.compressed.Compression)`): the plan's
-  transfers run as coded chunks through backends/compressed.py's pipeline (point-to-point
-  messages only, so no groups), instead of the staged program below; nothing else changes.
+* Compression (`compressed.CompressedExecution(..., compression=Compression(...))`): the
+  plan's transfers run as coded chunks through backends/compressed.py's pipeline
+  (point-to-point messages only, so no groups), instead of the staged program below.
 * CUDA: packing, unpacking and communication run on the backend's stream
   (backends/streams.py); an MPI-bound device buffer is synchronised and staged through the
   host. On CPU the same calls are no-ops.
@@ -659,7 +659,6 @@ def result_tiles(plan, specs, like, out=None) -> dict:
         else:
             res[d] = _alloc(like, shape, zero=zero, op=plan.fill_op)
     return res
-
 
 
 def execute(plan, shards: Mapping[int, object], like, *, rank: int, devices_per_process: int,
