@@ -122,8 +122,8 @@ class Runner:
                 self.rounds.append((local, _offsets(order(sends)), _offsets(order(recvs))))
         self.out_shapes = []
         self.tilings = [(p.src.tiles(p.shape), p.dst.tiles(p.shape)) for p in plans]
-        for p in plans:
-            dt_, zero = p.dst.tiles(p.shape), set(p.zero_fill)
+        for p, (_, dt_) in zip(plans, self.tilings):
+            zero = set(p.zero_fill)
             self.out_shapes.append([(d, tuple(hi - lo for lo, hi in bx), d in zero or box_size(bx) == 0)
                                     for d, bx in dt_.boxes.items() if rank_of(d) == rank])
 

@@ -1,9 +1,9 @@
 """The compressed executor: a plan's transfers carried as coded chunks through a pipeline (encode, wire, decode overlap).
 
 `CompressedExecution(..., compression=Compression(...))`, an Execution (backends/base.py),
-runs this instead of its staged program; `execute_local` is the same for one process owning every device. What each
-transfer kind does with the codec, and the error it adds, is in planners/compressed.py;
-this module moves the bytes:
+runs this instead of its staged program; `execute_local` is the same for one process owning
+every device. What each transfer kind does with the codec, and the error it adds, is in
+planners/compressed.py; this module moves the bytes:
 
 * Every transfer is cut into messages of coded units (`planners.compressed.messages`), the
   same on every process. Messages travel along the transfer's hops; a hop between devices

@@ -25,7 +25,6 @@
 """
 from __future__ import annotations
 
-
 import pickle
 import time
 from typing import Sequence

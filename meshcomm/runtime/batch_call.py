@@ -22,7 +22,7 @@ from ..validate import check_layouts, check_tile_shapes, infer_shape, resolve_sh
 from .agreement import value
 from ..handle import Handle
 from .program import Program, construct, eager, half, layouts_fp, lookup, new, outside, participants, tags_of
-from .tiles import common_run, empty_like, facts_of, fences_of, fit_of, numpy_views
+from .tiles import common_run, empty_like, facts_of, fences_of, fit_of, numpy_views, torch_results
 from .reshard_call import local_input
 
 __all__ = ["program", "reshard_many", "normalize_batch"]
@@ -184,10 +184,8 @@ class BatchKernel:
             res = batch_exec.run_batch(items, rank=ctx.rank, devices_per_process=ctx.devices_per_process,
                                        backend=self.be, tags=half(self.tags, self.parity), deadline=deadline,
                                        bucket_bytes=self.bucket_bytes, fences=fences)
-        if views:
-            import torch
-            for i, o in views:
-                res[i] = {d: o[d] if o is not None and d in o else torch.from_numpy(a) for d, a in res[i].items()}
+        for i, o in views:                  # torch tiles: torch results over the same memory
+            res[i] = torch_results(res[i], o)
         if stamp is not None:
             for t, p, it, r in zip(self.tensors, self.plans, items, res):
                 _log.record_reshard(stamp, rank=ctx.rank, dpp=ctx.devices_per_process, backend=self.be.name,

@@ -10,7 +10,7 @@ from ..backends import base
 from ..backends.compressed import CompressedExecution
 from ..backends import program as rank_program
 from .program import half
-from .tiles import numpy_views
+from .tiles import numpy_views, torch_results
 
 __all__ = ["PlanRun", "one_backend"]
 
@@ -48,8 +48,7 @@ class PlanRun:
                                           lambda works: b.wait_all(works, deadline), base.issued):
                     pass
                 if host[0] is not shards:   # torch tiles: torch results over the same memory
-                    import torch
-                    res = {d: out[d] if out is not None and d in out else torch.from_numpy(v) for d, v in res.items()}
+                    res = torch_results(res, out)
                 return res, None            # host tiles: nothing for a consumer to wait on
         ex = (base.Execution if self.comp is None else CompressedExecution)(
             self.plan, shards, like, rank=ctx.rank, devices_per_process=ctx.devices_per_process, backend=self.be,

@@ -10,7 +10,7 @@ import numpy as np
 from .. import arrays
 from ..backends import streams
 
-__all__ = ["empty_like", "fences_of", "fit_of", "common_run", "numpy_views", "host_dtype", "facts_of", "consume"]
+__all__ = ["empty_like", "fences_of", "fit_of", "common_run", "numpy_views", "torch_results", "host_dtype", "facts_of", "consume"]
 
 
 def empty_like(kind, name, devtype):
@@ -87,6 +87,13 @@ def numpy_views(shards, like, out):
                 None if out is None else {d: v.detach().numpy() for d, v in out.items()})
     except (TypeError, RuntimeError):
         return None
+
+
+def torch_results(res, out) -> dict:
+    """A run's results over NumPy views (`numpy_views`) as torch tensors: the caller's `out=`
+    buffers where it gave them, else tensors over the result memory (no copy)."""
+    import torch
+    return {d: out[d] if out is not None and d in out else torch.from_numpy(v) for d, v in res.items()}
 
 
 def host_dtype(name: str):
