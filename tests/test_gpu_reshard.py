@@ -8,14 +8,18 @@
 * two processes sharing the GPU over torch.distributed with gloo (a process group the user
   made; meshcomm stages CUDA tensors through host memory, since gloo's point-to-point calls
   take host memory only): eager reshards, a Program and reshard_many on CUDA tensors;
-* `reshard_jax` with JAX on the GPU (a subprocess: JAX and torch each keep their own pool).
+* `reshard_jax` with JAX on the GPU (a subprocess: JAX and torch each keep their own pool);
+* collective Programs (all_reduce, all_gather, reduce_scatter, broadcast, all_to_all), eager
+  collectives, out= buffers, async runs and a reshard Program on CUDA tensors of two MPI
+  processes sharing the GPU (tests/workers/gpu_programs_worker.py).
 
-The harness of the first test also runs on CPU (torch CPU tensors), so it is checked on every
+The harnesses of the random reshards, the gloo and the MPI Program tests also run on CPU (torch CPU tensors), so it is checked on every
 machine.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -224,6 +228,34 @@ def test_gloo_processes_harness_on_cpu(tmp_path):
     """The same two processes on CPU tensors: a process without src tiles that passes a torch
     dtype (eager) or device= (Program) gets torch results; every result exact."""
     test_gloo_processes_share_one_gpu(tmp_path, device="cpu")
+
+
+# -- collective and reshard Programs of two MPI processes on the one GPU ------------------------
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+def test_mpi_programs_on_cuda_tensors(device="cuda"):
+    mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
+    if not Path(mpiexec).exists():
+        pytest.skip("mpiexec not found")
+    pytest.importorskip("mpi4py")
+    # Open MPI (a GPU machine's system MPI) refuses root unless told; MPICH ignores these
+    env = dict(os.environ, MESHCOMM_TIMEOUT="60", OMP_NUM_THREADS="1", GPU_TEST_DEVICE=device,
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_btl_vader_single_copy_mechanism="none")
+    worker = ROOT / "tests" / "workers" / "gpu_programs_worker.py"
+    r = subprocess.run([mpiexec, "-n", "2", sys.executable, str(worker)], capture_output=True, text=True,
+                       timeout=240, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert r.stdout.count("PROGRAMS OK") == 2 and "BAD" not in r.stdout, r.stdout[-4000:]
+
+
+@pytest.mark.mpi
+def test_mpi_programs_harness_on_cpu():
+    """The same worker on CPU torch tensors: checks the harness on every machine."""
+    pytest.importorskip("mpi4py")
+    test_mpi_programs_on_cuda_tensors(device="cpu")
 
 
 # -- reshard_jax with JAX on the GPU ---------------------------------------------------------------
