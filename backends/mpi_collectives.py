@@ -53,7 +53,8 @@ class MPICollectives:
         `ranks` on `comm` (default: the group's communicator), with its counts (elements,
         group order), op and root. With `bufs=(send, recv)`: an MPI-4 persistent request
         over those buffers, made once (`Allreduce_init`, ...); the function takes no
-        arguments, starts it and gives its Work (the same object every time)."""
+        arguments, starts it and gives its Work (the same object every time; a new Work per
+        start where the MPI library predates MPI-4 and has no `_init` calls)."""
         ranks = check_group(self.rank, ranks, what)
         comm = self._group(ranks) if comm is None else comm
         spec = None
@@ -91,9 +92,15 @@ class MPICollectives:
         else:
             raise ValueError(f"no native MPI collective {what!r}")
         desc, peers, me, w = f"{what} in group {list(ranks)}", others(ranks, self.rank), self.rank, self.work_cls
+        call = getattr(comm, "I" + name[0].lower() + name[1:])
         if bufs is not None:
             a, kw = args(*bufs)
-            req = getattr(comm, name + "_init")(*a, **kw)
+            try:
+                req = getattr(comm, name + "_init")(*a, **kw)
+            except NotImplementedError:
+                # an MPI before MPI-4 (Open MPI 4, say) has no persistent collectives: the
+                # non-blocking call over the same buffers, posted at each start
+                return lambda: w(call(*a, **kw), bufs, desc, peers, me)
             self._persistent.append(req)
             work = w(req, bufs, desc, peers, me)
 
@@ -101,7 +108,6 @@ class MPICollectives:
                 req.Start()
                 return work
             return start
-        call = getattr(comm, "I" + name[0].lower() + name[1:])
 
         def post(s=None, r=None):
             a, kw = args(s, r)

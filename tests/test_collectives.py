@@ -177,6 +177,7 @@ def test_mpiexec_4_every_backend_async_mix_and_faults(tmp_path):
         assert r["early_next_ok"] == 8 * 2 and r["early_raised"] + r.get("early_raised_next", 0) == 8 * 2, r
         assert r["repeat_fault_raised"] == 2 and r["repeat_fault_next_ok"] == 2, r
         assert r["program_fault_raised"] == 5 and r["program_failed_earlier"] == 2 and r["program_next_ok"] == 1, r
+        assert r["pre_mpi4_ok"] == 1, r         # an MPI without persistent collectives
     assert sum(r["async"] for r in res) > 0
     assert all(r["native"] > 0 for r in res)          # native_call.MODE "auto": native calls ran
     assert sum(r.get("early_raised_next", 0) for r in res) > 0     # some part completed before the others failed
