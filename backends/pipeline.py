@@ -2,23 +2,22 @@
 
 Sends and receives are non-blocking; each receive has a callback, run when it completes
 (MPI: polled with `test`; torch: gloo's point-to-point works never report completion to
-polling, so each stream (peer, tag) of receives is waited for in order on a thread of its
-own, and sends are waited for at the end). Between two CPU tasks (encode, decode, add) the
-loop polls the network, so chunks move while others are coded. `stats` counts the bytes
-this process put on and took off the wire.
+polling, so each receive is waited for on the backend's waiter threads, and sends are
+waited for at the end). Between two CPU tasks (encode, decode, add) the
+loop polls the network, so chunks move while others are coded; idle, it polls the control
+channel too (`base.watch`), so a peer's error ends the stage here within milliseconds, as
+in every other wait. `stats` counts the bytes this process put on and took off the wire.
 """
 from __future__ import annotations
 
-import datetime
 import heapq
-import queue
-import threading
 import time
 from collections import Counter
 
 import numpy as np
 
 from . import pacing
+from . import base
 from .base import timeout_error, to_wire
 
 __all__ = ["Engine", "stats"]
@@ -35,13 +34,12 @@ class Engine:
 
     def __init__(self, backend, rank: int, deadline):
         self.b, self.rank, self.deadline = backend, rank, deadline
-        self.pending: list = []         # (work, callback or None), in issue order
+        self.pending: list = []         # (work, callback or None, (peer, tag) of a receive), in issue order
         self.tasks: list = []           # heap of (priority, seq, fn)
         self.seq = 0
         self.done: list = []            # completed works the backend waits on at the end
         self.torch = backend is not None and backend.wire == "torch"
         self.pace = pacing.pacer(rank) if self.torch else None
-        self.waiters: dict = {}
 
     def task(self, prio: tuple, fn) -> None:
         heapq.heappush(self.tasks, (prio, self.seq, fn))
@@ -55,26 +53,19 @@ class Engine:
             self.b.flush()
             self.done.append(w)
         else:
-            self.pending.append((w, None))
+            self.pending.append((w, None, None))
 
     def recv(self, nbytes: int, peer: int, tag: int, cb) -> None:
         buf = np.empty(nbytes, np.uint8)
         stats["recv_bytes"] += nbytes
         w = self.b.irecv(to_wire(buf, self.b.wire), peer, tag)
-        if self.torch:
-            self.b.flush()
-            key = (peer, tag)
-            if key not in self.waiters:
-                self.waiters[key] = _Waiter(self.deadline)
-            w = self.waiters[key].watch(w)
-        self.pending.append((w, lambda: cb(buf)))
+        if self.torch:                  # its blocking wait on the backend's waiter threads
+            ((_, done),) = self.b.wait_async([w], self.deadline)
+            w = _Waited(w, done)
+        self.pending.append((w, lambda: cb(buf), (peer, tag)))
 
     def run(self) -> None:
-        try:
-            self._loop()
-        finally:
-            for w in self.waiters.values():
-                w.close()
+        self._loop()
         if self.done:
             self.b.wait_all(self.done, self.deadline)   # sends; errors of completed works
 
@@ -88,16 +79,20 @@ class Engine:
                 if not self.torch:
                     self.b.flush()
                 cur, self.pending = self.pending, []
-                keep = []
-                for w, cb in cur:
-                    if w.test():
+                keep, behind = [], set()
+                for w, cb, stream in cur:
+                    # a stream's callbacks run in the order of its receives (a later one may
+                    # be seen done first: torch's waiter threads report in any order)
+                    if stream not in behind and w.test():
                         moved = True
                         if not self.torch:
                             self.done.append(w)
                         if cb is not None:
                             cb()
                     else:
-                        keep.append((w, cb))
+                        keep.append((w, cb, stream))
+                        if stream is not None:
+                            behind.add(stream)
                 self.pending = keep + self.pending      # callbacks' new works after the old
             if self.tasks:
                 heapq.heappop(self.tasks)[2]()
@@ -106,56 +101,25 @@ class Engine:
             if moved:
                 spins = 0
                 continue
+            works = [w for w, _, _ in self.pending]
             if self.deadline is not None and time.monotonic() > self.deadline:
-                raise timeout_error(self.rank, [w for w, _ in self.pending], self.b.timeout)
+                raise timeout_error(self.rank, works, self.b.timeout)
+            base.watch(works, self.deadline)        # a peer's error, or a peer in another call
             spins += 1
             if spins < SPIN:
                 continue
             time.sleep(min(NAP_MAX, NAP * spins))      # idle: leave the core to processes coding
 
 
-class _Waiter:
-    """Waits, on a thread of its own, for the torch receives of one stream (peer, tag) in
-    order: gloo's point-to-point works never report completion to polling, and a stream's
-    messages complete in the order they were posted."""
+class _Waited:
+    """A torch receive whose blocking wait runs on the backend's waiter threads
+    (`TorchBackend.wait_async`, the one mechanism of every gloo wait)."""
 
-    def __init__(self, deadline):
-        self.deadline = deadline
-        self.q: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def watch(self, w) -> _Watched:
-        x = _Watched(w)
-        self.q.put(x)
-        return x
-
-    def _loop(self) -> None:
-        while True:
-            x = self.q.get()
-            if x is None:
-                return
-            try:
-                if self.deadline is None:
-                    x.w.work.wait()
-                else:
-                    x.w.work.wait(timeout=datetime.timedelta(seconds=max(1e-3, self.deadline - time.monotonic())))
-            except Exception as e:      # noqa: BLE001 (gloo: timeouts and closed connections)
-                x.error = e
-            x.flag = True
-
-    def close(self) -> None:
-        self.q.put(None)
-
-
-class _Watched:
-    """A torch receive whose completion a _Waiter reports."""
-
-    def __init__(self, w):
-        self.w, self.op, self.peers = w, w.op, w.peers
-        self.flag, self.error = False, None
+    def __init__(self, w, done):
+        self.w, self.op, self.peers, self.done = w, w.op, w.peers, done
 
     def test(self) -> bool:
-        if self.error is not None:
-            raise timeout_error(None, [self.w], None) from self.error
-        return self.flag
+        if not self.done.done():
+            return False
+        self.done.result()              # its PeerTimeoutError, naming the peer
+        return True

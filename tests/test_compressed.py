@@ -246,6 +246,9 @@ def test_mpiexec_4_mpi_and_torch(tmp_path):
         assert (r["all_gather"], r["reduce_scatter"], r["all_reduce"], r["reshard"]) == (10, 4, 2, 2)
         assert r["disagree_raised"] == 2                  # every process raised, on both backends
         assert r["program_runs"] == 2 * 2 * 2 and r["repeat_ok"] == 2     # Programs; repeats construct none
+        # a local error in a compressed run: every process raised within 10 s (TIMEOUT 30):
+        # over MPI an all_gather's and a reshard's, then new Programs ran; on torch one, last
+        assert r["run_error_raised"] == 3, r
     # each tile crosses 3 hops (a chain through the other processes), at the exact fixed-rate size
     assert sum(r["ag_sent"] for r in res) == 3 * 4 * res[0]["ag_tile_wire"]
     for b in ("mpi", "torch"):
@@ -255,8 +258,8 @@ def test_mpiexec_4_mpi_and_torch(tmp_path):
 @pytest.mark.mpi
 def test_mpiexec_2_processes_2_devices_each(tmp_path):
     res = _launch(tmp_path, 2, "--init", "mpi", "--dpp", "2", "--backends", "mpi")
-    assert [(r["all_gather"], r["reduce_scatter"], r["disagree_raised"], r["program_runs"], r["repeat_ok"])
-            for r in res] == [(5, 2, 1, 4, 1)] * 2
+    assert [(r["all_gather"], r["reduce_scatter"], r["disagree_raised"], r["program_runs"], r["repeat_ok"],
+             r["run_error_raised"]) for r in res] == [(5, 2, 1, 4, 1, 2)] * 2
 
 
 @pytest.mark.mpi

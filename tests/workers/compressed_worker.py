@@ -33,6 +33,7 @@ from meshcomm.backends import codec_cost
 from meshcomm.backends.compressed import stats
 
 import meshcomm as mc
+from meshcomm.errors import PeerError
 from meshcomm.compression import ZFP
 
 F32_EPS = 2.0 ** -23
@@ -169,6 +170,44 @@ def check_disagreement(ctx, backend, counts):
     counts["repeat_ok"] += 1
 
 
+def check_run_error(ctx, backend, counts):
+    """A local error in a run of a compressed Program (rank 0 passes a tile of the wrong
+    shape): rank 0 raises its ValueError, every other process a PeerError naming it, long
+    before MESHCOMM_TIMEOUT (their pipelines poll the control channel while idle); the
+    Program is failed everywhere, a new one runs. An all_gather (a ring) and a reshard; on
+    torch the all_gather only, last (gloo closes a connection whose given-up receive times
+    out later: after an error there, finalize and init again, docs/runtime.md)."""
+    n = ctx.world_size * ctx.devices_per_process
+    mesh = mc.Mesh(list(range(n)), ("x",))
+    xs = tiles((64, 8), n, "float32", 700)
+    own, x = mine(ctx, mesh, xs)
+    src, dst = mc.Layout(mesh, ("x", None)), mc.Layout(mesh, (None, None))
+    g = np.concatenate(xs)
+    make = [lambda: mc.Program.all_gather(mesh, "x", shape=(64, 8), dtype="float32", backend=backend,
+                                          compression="zfp(rate=16)"),
+            lambda: mc.Program.reshard(src, dst, shape=g.shape, dtype="float32", backend=backend,
+                                       compression="zfp(rate=16)")]
+    for k, new in enumerate(make if backend == "mpi" else make[:1]):
+        arg = (lambda t: t) if k == 0 else (lambda t: t if isinstance(t, dict) else {own[0]: t})
+        prog = new()
+        prog(arg(x))
+        bad = x
+        if ctx.rank == 0:
+            bad = x[:5] if len(own) == 1 else {**x, own[0]: x[own[0]][:5]}
+        t0 = time.monotonic()
+        try:
+            prog(arg(bad))
+        except (ValueError, RuntimeError) as e:
+            assert (ctx.rank == 0) != isinstance(e, PeerError), (ctx.rank, e)
+            assert ctx.rank == 0 or (e.rank == 0 and "(5, 8)" in str(e)), e
+            counts["run_error_raised"] += 1
+        assert time.monotonic() - t0 < 10, (ctx.rank, k, time.monotonic() - t0)
+        if backend != "mpi":
+            continue
+        again = each(new()(arg(x)), own) if k == 0 else new()(arg(x))
+        assert all(v.shape == ((64 * n, 8) if k == 0 else g.shape) for v in again.values()), k
+
+
 def check_pacing(ctx, backend, counts):
     n = ctx.world_size * ctx.devices_per_process
     mesh = mc.Mesh(list(range(n)), ("x",))
@@ -285,7 +324,7 @@ def main():
     os.environ["MESHCOMM_COMPRESSION_CHUNK"] = "1024"       # several chunks per tile
     ctx = mc.init(backend=args.init, devices_per_process=args.dpp)
     counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "reshard": 0, "disagree_raised": 0,
-              "nf_all_gather": 0, "nf_all_reduce": 0, "program_runs": 0,
+              "nf_all_gather": 0, "nf_all_reduce": 0, "program_runs": 0, "run_error_raised": 0,
               "repeat_ok": 0}
     for b in args.backends.split(","):
         if args.nonfinite:
@@ -297,6 +336,9 @@ def main():
         check_disagreement(ctx, b, counts)
         if args.pace:
             check_pacing(ctx, b, counts)
+    for b in sorted(args.backends.split(","), key=lambda b: b != "mpi"):   # torch's last
+        if not args.nonfinite:
+            check_run_error(ctx, b, counts)
     counts.update(rank=ctx.rank, stats=dict(stats))
     mc.finalize()
     if args.out:
