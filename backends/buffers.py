@@ -58,10 +58,10 @@ def copy(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def take(nbytes: int, zero: bool) -> np.ndarray:
-    """A 1-d uint8 array of `nbytes`, ALIGN-aligned, zeroed if `zero`: a reused block when one
-    of that size is idle, else a new one. Its memory returns to the pool when every array
-    over it is gone."""
+def take(nbytes: int, zero: bool, phase: int = 0) -> np.ndarray:
+    """A 1-d uint8 array of `nbytes` starting `phase` bytes past an ALIGN boundary, zeroed if
+    `zero`: a reused block when one of that size is idle, else a new one. Its memory returns
+    to the pool when every array over it is gone."""
     global _held
     raw = None
     with _lock:
@@ -74,7 +74,7 @@ def take(nbytes: int, zero: bool) -> np.ndarray:
         raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
     else:
         stats["reused"] += 1
-    off = -raw.ctypes.data % ALIGN
+    off = (phase - raw.ctypes.data) % ALIGN
     view = (ctypes.c_char * nbytes).from_address(raw.ctypes.data + off)
     weakref.finalize(view, _give, raw, nbytes).atexit = False
     out = np.frombuffer(view, dtype=np.uint8)

@@ -29,24 +29,32 @@ def alloc_like(like, shape, zero: bool, op: str = "sum"):
         with cupy.cuda.Device(like.device.id):
             t = (cupy.zeros if zero else cupy.empty)(shape, dtype=like.dtype)
     else:
-        t = aligned_numpy(shape, like.dtype, zero)
+        t = aligned_numpy(shape, like.dtype, zero, phase_of(like))
     return fill_identity_(t, op) if zero and op != "sum" else t
 
 
 ALIGN = buffers.ALIGN   # bytes: what XLA's CPU client needs to adopt a NumPy buffer without a copy
 
 
-def aligned_numpy(shape, dtype, zero: bool = False):
-    """np.empty/np.zeros whose data starts on an ALIGN-byte boundary, so that a result
-    committed to a JAX CPU device (`jax.device_put`) is adopted rather than copied: the
-    local path then copies each piece exactly once, source tile -> destination tile. From
-    1 MiB the memory comes from backends/buffers.py (reused once every array over it is gone)."""
+def phase_of(tile) -> int:
+    """Where a host tile starts past an ALIGN boundary (0 for anything else)."""
+    return tile.ctypes.data % ALIGN if type(tile) is np.ndarray else 0
+
+
+def aligned_numpy(shape, dtype, zero: bool = False, phase: int = 0):
+    """np.empty/np.zeros whose data starts `phase` bytes past an ALIGN-byte (cache line)
+    boundary: the source tiles' (`phase_of`), so that copies between source and result
+    tiles, MPI's between processes included, are aligned alike on both sides (2 MiB over
+    MPICH's shared memory: 1.3-1.6x as long into a buffer at another phase, BENCHMARKS 3).
+    JAX's CPU buffers start on a boundary, so a result committed to a JAX CPU device
+    (`jax.device_put`) is adopted rather than copied. From 1 MiB the memory comes from
+    backends/buffers.py (reused once every array over it is gone)."""
     dt = np.dtype(dtype)
     n = math.prod(shape) * dt.itemsize
     if buffers.pooled(n):    # memory written before: no page faults
-        return buffers.take(n, zero).view(dt).reshape(shape)
+        return buffers.take(n, zero, phase).view(dt).reshape(shape)
     raw = (np.zeros if zero else np.empty)(n + ALIGN, dtype=np.uint8)
-    off = -raw.ctypes.data % ALIGN
+    off = (phase - raw.ctypes.data) % ALIGN
     return raw[off:off + n].view(dt).reshape(shape)
 
 

@@ -112,7 +112,25 @@ def test_local_share_gives_replicas_one_array_and_same_values():
     assert shared[8] is not shared[10]
     for d in plain:
         np.testing.assert_array_equal(plain[d], shared[d])
-        assert plain[d].ctypes.data % ALIGN == 0
+        # aligned as the source tiles are (a cache line's phase): copies alike on both sides
+        assert plain[d].ctypes.data % ALIGN == x[0].ctypes.data % ALIGN
+
+
+def test_result_tiles_take_the_phase_of_the_source_tiles():
+    m = mc.Mesh(np.arange(4), ("x",))
+    src, dst = mc.Layout(m, ("x",)), mc.Layout(m, (None,))
+    for phase in (0, 16, 48):
+        for n in (1024, 1 << 19):           # malloc'd and pooled result tiles
+            raw = np.zeros(4 * n * 4 + 2 * ALIGN, np.uint8)
+            off = (phase - raw.ctypes.data) % ALIGN
+            g = raw[off:off + 4 * n * 4].view(np.float32)
+            g[:] = np.arange(4 * n)
+            x = {d: g[d * n:(d + 1) * n] for d in range(4)}
+            assert all(v.ctypes.data % ALIGN == phase for v in x.values())
+            out = mc.reshard(x, src, dst)
+            for d, v in out.items():
+                np.testing.assert_array_equal(v, np.arange(4 * n, dtype=np.float32))
+                assert v.ctypes.data % ALIGN == phase, (phase, n, d)
 
 
 def test_local_reduction_in_place_keeps_plan_order_for_every_op():
