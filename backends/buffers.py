@@ -18,6 +18,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from meshcomm import settings
+
 __all__ = ["take", "empty", "copy", "pooled", "stats", "idle_bytes", "clear"]
 
 ALIGN = 64              # bytes: what XLA's CPU client needs to adopt a NumPy buffer without a copy
@@ -32,68 +34,81 @@ stats = {"taken": 0, "reused": 0, "returned": 0, "dropped": 0}
 
 
 def _budget() -> int:
-    from meshcomm import settings
     return int(settings.get("BUFFER_POOL_MB") * (1 << 20))
 
 
-def pooled(nbytes: int) -> bool:
-    """Whether a buffer of `nbytes` comes from the pool (at least MIN_BYTES, pool on)."""
-    return nbytes >= MIN_BYTES and _budget() > 0
+def pooled(nbytes: int) -> int:
+    """The pool's budget in bytes where a buffer of `nbytes` comes from it (at least
+    MIN_BYTES, pool on), else 0."""
+    return _budget() if nbytes >= MIN_BYTES else 0
 
 
 def empty(n: int, dtype=np.uint8) -> np.ndarray:
     """np.empty(n, dtype), from the pool from MIN_BYTES (a message or result buffer)."""
     dt = np.dtype(dtype)
-    if pooled(n * dt.itemsize):
-        return take(n * dt.itemsize, False).view(dt)
+    budget = pooled(n * dt.itemsize)
+    if budget:
+        return take(n * dt.itemsize, False, budget=budget).view(dt)
     return np.empty(n, dtype=dt)
 
 
 def copy(a: np.ndarray) -> np.ndarray:
     """a.copy() (C order), into pool memory from MIN_BYTES."""
-    if not pooled(a.nbytes):
+    budget = pooled(a.nbytes)
+    if not budget:
         return a.copy()
-    out = take(a.nbytes, False).view(a.dtype).reshape(a.shape)
+    out = take(a.nbytes, False, budget=budget).view(a.dtype).reshape(a.shape)
     np.copyto(out, a)
     return out
 
 
-def take(nbytes: int, zero: bool, phase: int = 0) -> np.ndarray:
+def take(nbytes: int, zero: bool, phase: int = 0, budget: int | None = None) -> np.ndarray:
     """A 1-d uint8 array of `nbytes` starting `phase` bytes past an ALIGN boundary, zeroed if
     `zero`: a reused block when one of that size is idle, else a new one. Its memory returns
-    to the pool when every array over it is gone."""
+    to the pool when every array over it is gone (kept while the idle blocks fit `budget`,
+    default MESHCOMM_BUFFER_POOL_MB)."""
     global _held
-    raw = None
+    block = None
     with _lock:
         ids = _by_size.get(nbytes)
         if ids:
-            raw = _idle.pop(ids.pop())[1]
+            block = _idle.pop(ids.pop())[1]
             _held -= nbytes
         stats["taken"] += 1
-    if raw is None:
+    if block is None:
         raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+        block = (raw, raw.ctypes.data)          # (the memory, its address)
     else:
         stats["reused"] += 1
-    off = (phase - raw.ctypes.data) % ALIGN
-    view = (ctypes.c_char * nbytes).from_address(raw.ctypes.data + off)
-    weakref.finalize(view, _give, raw, nbytes).atexit = False
+    kind = _types.get(nbytes)
+    if kind is None:
+        if len(_types) > 256:
+            _types.clear()
+        kind = _types[nbytes] = ctypes.c_char * nbytes
+    view = kind.from_address(block[1] + (phase - block[1]) % ALIGN)
+    ref = weakref.ref(view, _gone)              # its callback gives the block back
+    _live[id(ref)] = (ref, block, nbytes, _budget() if budget is None else budget)
     out = np.frombuffer(view, dtype=np.uint8)
     if zero:
         out[...] = 0
     return out
 
 
-def _give(raw: np.ndarray, nbytes: int) -> None:
+_types: dict = {}       # nbytes -> the ctypes array type over a block of that size
+_live: dict = {}        # id(weakref) -> (the weakref, its block, nbytes, the budget) while viewed
+
+
+def _gone(ref) -> None:
     """The last array over a block is gone: keep the block for the next tile of its size."""
     global _held, _seq
-    budget = _budget()
+    _, block, nbytes, budget = _live.pop(id(ref))
     with _lock:
         stats["returned"] += 1
         if nbytes > budget:
             stats["dropped"] += 1
             return
         _seq += 1
-        _idle[_seq] = (nbytes, raw)
+        _idle[_seq] = (nbytes, block)
         _by_size.setdefault(nbytes, []).append(_seq)
         _held += nbytes
         while _held > budget:

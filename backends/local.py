@@ -51,8 +51,9 @@ def aligned_numpy(shape, dtype, zero: bool = False, phase: int = 0):
     backends/buffers.py (reused once every array over it is gone)."""
     dt = np.dtype(dtype)
     n = math.prod(shape) * dt.itemsize
-    if buffers.pooled(n):    # memory written before: no page faults
-        return buffers.take(n, zero, phase).view(dt).reshape(shape)
+    budget = buffers.pooled(n)
+    if budget:              # memory written before: no page faults
+        return buffers.take(n, zero, phase, budget).view(dt).reshape(shape)
     raw = (np.zeros if zero else np.empty)(n + ALIGN, dtype=np.uint8)
     off = (phase - raw.ctypes.data) % ALIGN
     return raw[off:off + n].view(dt).reshape(shape)
