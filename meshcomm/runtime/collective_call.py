@@ -27,7 +27,8 @@ from ..planning import plan
 from ..validate import check_out_buffer
 from . import native_call
 from .agreement import value
-from .collective_input import GATHERS, Request, local_facts, masked, request, roots_of, tiles_of  # noqa: F401
+from .collective_input import (GATHERS, Request, check_declared, local_facts, masked, request,  # noqa: F401
+                               roots_of, tiles_of)
 from .context import init_hint, no_context
 from .local_program import LocalKernel, fill_out
 from ..handle import Handle
@@ -118,6 +119,11 @@ class CollectiveKernel:
             self.posts = native_call.posters(ctx, nat, req, a.dtype, a.tile, a.shapes, a.kind or "numpy", deadline)
             if len(self.posts[0]) == 1:
                 self._one = [p[0][1:] for p in self.posts]
+        # the lean run (Program.start): a bare NumPy tile on one persistent native call
+        self._direct = None
+        if self._one is not None and self._bare is not None and prob.scale == 1 and \
+                all(hasattr(post, "direct") for _, post in self._one):
+            self._direct = tuple(post.direct for _, post in self._one)
         else:
             self.plan = make_plan(prob.shape, a.dtype[0], prob.src, prob.dst)
             comp = None if req.compression is None else codec_cost.resolve(
@@ -132,6 +138,14 @@ class CollectiveKernel:
 
     def facts(self, st) -> tuple:
         return tuple(sorted((d, tuple(v.shape)) for d, v in st[0].items()))
+
+    def direct(self, x):
+        """The lean run's functions, one per run parity, (tile, deadline) -> result, where `x`
+        is this Program's common run on one persistent native call; else None."""
+        d, f = self._direct, self._bare
+        if d is not None and type(x) is np.ndarray and x.shape == f[1] and x.dtype == f[2]:
+            return d
+        return None
 
     def prepare(self, x, out):
         f = self._bare
@@ -395,20 +409,6 @@ def local_collective(req, tile, dtype) -> Program:
                LocalKernel(lambda x: collective_local(req, x, declared), "plan", req.op, fill_out), p)
 
 
-def _check_declared(req, tiles, declared) -> None:
-    """A one-process Program's tiles against its shape= and dtype= (as a launcher's run checks
-    them; a gather's tiles may differ along `dim`)."""
-    (tile, dtype), f = declared, local_facts(req, tiles)
-    if f["dtype"] is not None and f["dtype"][0] != dtype[0]:
-        raise TypeError(f"{req.op}: the tiles have dtype {f['dtype'][0]}, the Program's is {dtype[0]}")
-    k = req.dim % len(tile) if tile and req.op in GATHERS else None
-    for d, v in tiles.items():
-        if v is not None and tile is not None and (v.ndim != len(tile) or any(
-                a != b for i, (a, b) in enumerate(zip(v.shape, tile)) if i != k)):
-            raise ValueError(f"{req.op}: the tile of device {d} has shape {tuple(v.shape)}, the Program's is "
-                             f"{tuple(tile)}" + (f" (tiles may differ along dim {req.dim} only)" if k is not None else ""))
-
-
 def collective_local(req, x, declared=None):
     """Without a launcher: every device's tile is here; the plan runs in memory
     (`declared`: a Program's (shape, dtype), checked first)."""
@@ -417,7 +417,7 @@ def collective_local(req, x, declared=None):
     where = "this process (without meshcomm.init it owns every device" + init_hint() + ")"
     tiles, bare = tiles_of(req, x, owned, where)
     if declared is not None:
-        _check_declared(req, tiles, declared)
+        check_declared(req, tiles, declared)
     facts = local_facts(req, tiles)
     if facts["tile"] is None:
         raise ValueError(f"{req.op}: no tile given, so shape and dtype are unknown")
@@ -444,5 +444,3 @@ def collective_local(req, x, declared=None):
             return None if res is None else jax.device_put(res, arrays.jax_device(owned[0]))
         return arrays.to_jax_devices(res)
     return res
-
-

@@ -12,7 +12,7 @@ from ..caches import memo
 from ..collectives.layouts import REDUCE_OPS, group_axes, groups
 from ..validate import native_byte_order
 
-__all__ = ["Request", "request", "tiles_of", "local_facts"]
+__all__ = ["Request", "request", "tiles_of", "local_facts", "check_declared"]
 
 ROOTED = ("broadcast", "scatter")          # only the root's tile carries data
 GATHERS = ("all_gather", "gather")         # tiles may differ along `dim`
@@ -190,3 +190,17 @@ def masked(req, shape):
         return shape
     d = req.dim % len(shape)
     return shape[:d] + (-1,) + shape[d + 1:]
+
+
+def check_declared(req, tiles, declared) -> None:
+    """A one-process Program's tiles against its shape= and dtype= (as a launcher's run checks
+    them; a gather's tiles may differ along `dim`)."""
+    (tile, dtype), f = declared, local_facts(req, tiles)
+    if f["dtype"] is not None and f["dtype"][0] != dtype[0]:
+        raise TypeError(f"{req.op}: the tiles have dtype {f['dtype'][0]}, the Program's is {dtype[0]}")
+    k = req.dim % len(tile) if tile and req.op in GATHERS else None
+    for d, v in tiles.items():
+        if v is not None and tile is not None and (v.ndim != len(tile) or any(
+                a != b for i, (a, b) in enumerate(zip(v.shape, tile)) if i != k)):
+            raise ValueError(f"{req.op}: the tile of device {d} has shape {tuple(v.shape)}, the Program's is "
+                             f"{tuple(tile)}" + (f" (tiles may differ along dim {req.dim} only)" if k is not None else ""))

@@ -140,7 +140,7 @@ def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> tuple:
             comm = prim.communicator(ranks, deadline) if own_comms else None
             post = poster(ctx, prim, req, g, me[0], dt, tile, shapes, kind, comm)
             if comm is not None and kind == "numpy":
-                post = persistent(ctx, prim, req, g, me[0], dt, tile, shapes, comm, post)
+                post = persistent(ctx, prim, req, g, me[0], dt, tile, shapes, comm, post, nat.key)
             posts.append((g, me[0], post))
     return out
 
@@ -150,7 +150,7 @@ def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> tuple:
 PERSISTENT_MAX = 8 << 10
 
 
-def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post):
+def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key):
     """`post` as an MPI-4 persistent request over buffers of the Program's own
     (`Backend.bind(bufs=)`): a run copies the tile in, starts it, and copies the result out.
     Chosen from agreed facts only (every member must: a persistent collective matches no
@@ -224,6 +224,18 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post):
         if x is None or type(x) is np.ndarray:
             return [w], lambda: {me: out.copy()}
         return [w], lambda: {me: from_wire(res.view(np.uint8).copy(), x).reshape(shape)}
+
+    def direct(x, deadline):
+        """`run` of a NumPy tile start to finish (a Program's lean run): the result, or None
+        where this process gets none."""
+        issued[key, req.op] += 1
+        if fill:
+            np.copyto(src, x)
+        w = start()
+        if not w.test():
+            prim.wait_all([w], deadline)
+        return out.copy() if gets else None
+    run.direct = direct
     return run
 
 

@@ -36,6 +36,7 @@ from .agreement import Meta
 __all__ = ["Program", "construct", "eager", "lookup", "tags_of", "half"]
 
 TAG_SPAN = 1 << 18          # tags per Program: a step's tag is first + index % TAG_SPAN
+_MISS = object()            # the lean run declined: the general path runs
 
 
 def tags_of(pid: int, tag_ub: int) -> tuple[int, int]:
@@ -59,6 +60,7 @@ class Program:
         self.runs = 0
         self.failed: str | None = None
         self.check_every = settings.get("CHECK") == "every"     # read at construction
+        self._direct = getattr(kernel, "direct", None)          # the lean run (start)
 
     def __repr__(self) -> str:
         return f"Program(#{self.id} {self.label}, runs={self.runs})"
@@ -77,6 +79,12 @@ class Program:
         if ctx is None or type(k) is Outside:       # one process owns every device, or none of it
             res = k.finish(k.run(k.prepare(x, out) if st is None else st, None, stamp))
             return Handle(result=res) if async_op else res
+        if self._direct is not None and st is None and out is None and stamp is None and not async_op:
+            fn = self._direct(x)
+            if fn is not None:
+                r = self._lean(fn, x)
+                if r is not _MISS:
+                    return r
         self.runs += 1
         call = control.Call("run", self.id, self.label, self.runs, next_seq(ctx, self.ranks))
         ch = control._CHANNEL
@@ -103,6 +111,31 @@ class Program:
         with ctx._lock:
             r = self._go(ch, call, st, stamp)
         return k.finish(r)
+
+    def _lean(self, fn, x):
+        """A run through the kernel's direct function (`fn[parity](x, deadline)`: a bare NumPy
+        tile on one persistent native call), with a run's bookkeeping (its number and place in
+        the group's sequence, the control channel, the recorder, the lock, the Program failed
+        on an error); _MISS where the general path must run (a peer's error to raise, a
+        failed Program, asynchronous work queued, MESHCOMM_CHECK=every)."""
+        ctx, ch = self.ctx, control._CHANNEL
+        last = ctx._last
+        if self.failed is not None or self.check_every or (last is not None and not last.done()) or \
+                (ch is not None and (ch.errors or self.id in ch.failed)):
+            return _MISS
+        self.runs += 1
+        call = control.Call("run", self.id, self.label, self.runs, next_seq(ctx, self.ranks))
+        with ctx._lock:
+            prev = control.enter(ch, call)
+            try:
+                r = fn[call.seq & 1](x, time.monotonic() + ctx.timeout)
+            except Exception as e:
+                if not getattr(e, "local_only", False):
+                    self.failed = f"run {call.run}: {type(e).__name__}"
+                control.leave(ch, prev, e)
+                raise
+            control.leave(ch, prev)
+        return r
 
     def _go(self, ch, call, st, stamp):
         """The run itself, in the call's control context (on the calling or the queue's thread)."""
