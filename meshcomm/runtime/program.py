@@ -126,25 +126,20 @@ class Program:
         self.runs += 1
         call = control.Call("run", self.id, self.label, self.runs, next_seq(ctx, self.ranks))
         with ctx._lock:
-            prev = control.enter(ch, call)
-            try:
-                r = fn[call.seq & 1](x, time.monotonic() + ctx.timeout)
-            except Exception as e:
-                if not getattr(e, "local_only", False):
-                    self.failed = f"run {call.run}: {type(e).__name__}"
-                control.leave(ch, prev, e)
-                raise
-            control.leave(ch, prev)
-        return r
+            return self._go(ch, call, x, None, fn)
 
-    def _go(self, ch, call, st, stamp):
-        """The run itself, in the call's control context (on the calling or the queue's thread)."""
+    def _go(self, ch, call, st, stamp, direct=None):
+        """The run itself, in the call's control context (on the calling or the queue's thread);
+        `direct`: the lean run's functions, taking this process's tile."""
         prev = control.enter(ch, call)
         try:
-            if self.check_every:
-                self._agree_run(st)
-            self._kernel.parity = call.seq & 1      # runs one at a time, in call order (ctx._lock)
-            r = self._kernel.run(st, time.monotonic() + self.ctx.timeout, stamp)
+            if direct is not None:
+                r = direct[call.seq & 1](st, time.monotonic() + self.ctx.timeout)
+            else:
+                if self.check_every:
+                    self._agree_run(st)
+                self._kernel.parity = call.seq & 1      # runs one at a time, in call order (ctx._lock)
+                r = self._kernel.run(st, time.monotonic() + self.ctx.timeout, stamp)
         except Exception as e:
             if not getattr(e, "local_only", False):
                 self.failed = f"run {call.run}: {type(e).__name__}"
