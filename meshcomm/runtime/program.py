@@ -36,7 +36,6 @@ from .agreement import Meta
 __all__ = ["Program", "construct", "eager", "lookup", "tags_of", "half"]
 
 TAG_SPAN = 1 << 18          # tags per Program: a step's tag is first + index % TAG_SPAN
-_MISS = object()            # the lean run declined: the general path runs
 
 
 def tags_of(pid: int, tag_ub: int) -> tuple[int, int]:
@@ -60,7 +59,8 @@ class Program:
         self.runs = 0
         self.failed: str | None = None
         self.check_every = settings.get("CHECK") == "every"     # read at construction
-        self._direct = getattr(kernel, "direct", None)          # the lean run (start)
+        # the lean run (start); not where every run is agreed
+        self._direct = None if self.check_every else getattr(kernel, "direct", None)
 
     def __repr__(self) -> str:
         return f"Program(#{self.id} {self.label}, runs={self.runs})"
@@ -79,12 +79,10 @@ class Program:
         if ctx is None or type(k) is Outside:       # one process owns every device, or none of it
             res = k.finish(k.run(k.prepare(x, out) if st is None else st, None, stamp))
             return Handle(result=res) if async_op else res
-        if self._direct is not None and st is None and out is None and stamp is None and not async_op:
-            fn = self._direct(x)
-            if fn is not None:
-                r = self._lean(fn, x)
-                if r is not _MISS:
-                    return r
+        # the lean run: the kernel's direct functions for this input (a bare NumPy tile on
+        # one persistent native call) in place of its prepare, run and finish
+        direct = self._direct(x) if self._direct is not None and st is None and out is None \
+            and stamp is None and not async_op else None
         self.runs += 1
         call = control.Call("run", self.id, self.label, self.runs, next_seq(ctx, self.ranks))
         ch = control._CHANNEL
@@ -97,7 +95,7 @@ class Program:
             if self.failed is not None:
                 raise RuntimeError(f"{self} failed earlier ({self.failed}); its messages may still be in "
                                    "flight, so it runs no more: construct a new Program")
-            if st is None:
+            if st is None and direct is None:
                 st = k.prepare(x, out)
         except Exception as e:
             self._fail(ch, call, e)
@@ -109,24 +107,10 @@ class Program:
         if last is not None and not last.done():
             ctx.call(lambda: None)
         with ctx._lock:
+            if direct is not None:
+                return self._go(ch, call, x, None, direct)
             r = self._go(ch, call, st, stamp)
         return k.finish(r)
-
-    def _lean(self, fn, x):
-        """A run through the kernel's direct function (`fn[parity](x, deadline)`: a bare NumPy
-        tile on one persistent native call), with a run's bookkeeping (its number and place in
-        the group's sequence, the control channel, the recorder, the lock, the Program failed
-        on an error); _MISS where the general path must run (a peer's error to raise, a
-        failed Program, asynchronous work queued, MESHCOMM_CHECK=every)."""
-        ctx, ch = self.ctx, control._CHANNEL
-        last = ctx._last
-        if self.failed is not None or self.check_every or (last is not None and not last.done()) or \
-                (ch is not None and (ch.errors or self.id in ch.failed)):
-            return _MISS
-        self.runs += 1
-        call = control.Call("run", self.id, self.label, self.runs, next_seq(ctx, self.ranks))
-        with ctx._lock:
-            return self._go(ch, call, x, None, fn)
 
     def _go(self, ch, call, st, stamp, direct=None):
         """The run itself, in the call's control context (on the calling or the queue's thread);
