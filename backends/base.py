@@ -71,7 +71,7 @@ from .pack import pack, unpack
 
 from meshcomm.caches import memo
 __all__ = ["Work", "DoneWork", "Backend", "Step", "compile_steps", "wire_bytes", "groups_needed", "execute",
-           "wait_polling", "backoff", "abandon", "ABANDONED", "issued", "to_wire", "torch_of", "empty_wire", "from_wire", "TAG_MOD"]
+           "wait_polling", "poll_peers", "backoff", "abandon", "ABANDONED", "issued", "to_wire", "torch_of", "empty_wire", "from_wire", "TAG_MOD"]
 
 TAG_MOD = 32768   # the MPI standard guarantees tags up to 32767
 
@@ -271,6 +271,35 @@ def watch(pending: Sequence[Work], deadline) -> None:
     except BaseException:
         abandon(pending, cancel=True)
         raise
+
+
+class Waiting:
+    """A peer an exchange still waits for, as the control channel's watch takes it."""
+
+    __slots__ = ("peers",)
+
+    def __init__(self, r):
+        self.peers = (r,)
+
+
+def poll_peers(pending, take, deadline, late, nap=backoff) -> None:
+    """The wait of an exchange of small objects (`timed_allgather`, the store's allgather):
+    `take(pending)` gives the peers heard from now, until none is pending; past the deadline
+    `late(pending)` gives the PeerTimeoutError to raise; meanwhile the control channel is
+    watched with the peers still awaited, and `nap(spins)` leaves the core."""
+    spins = 0
+    while pending:
+        got = take(pending)
+        if got:
+            pending = [r for r in pending if r not in got]
+            spins = 0
+            continue
+        if deadline is not None and time.monotonic() > deadline:
+            raise late(pending)
+        if WATCH is not None:           # a peer's error, or a peer in another call
+            WATCH([Waiting(r) for r in pending], deadline)
+        spins += 1
+        nap(spins)
 
 
 # -- the primitive interface -------------------------------------------------------------

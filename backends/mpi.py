@@ -34,7 +34,7 @@ import numpy as np
 from meshcomm.errors import PeerTimeoutError
 
 from . import base as _base, pacing
-from .base import TAG_MOD, Backend, backoff, wait_polling
+from .base import TAG_MOD, Backend, poll_peers, wait_polling
 from .mpi_collectives import MPICollectives
 from .mpi_comm import MPIMultiWork, MPIWork, errors_return, group_tag, mpi, timed_dup
 
@@ -66,10 +66,8 @@ def timed_allgather(comm, obj, deadline, tag, timeout, what, why, accept=None, s
     out = {rank: obj}
     sends = [MPIWork(comm.Isend(data, dest=r, tag=tag), data, f"{what} send", (r,), rank)
              for r in ranks if r != rank]
-    pending = [r for r in ranks if r != rank]
     status = MPI.Status()
     stash = {} if stash is None else stash
-    spins = 0
 
     def next_message(r):
         q = stash.get((r, tag))
@@ -81,7 +79,7 @@ def timed_allgather(comm, obj, deadline, tag, timeout, what, why, accept=None, s
             return pickle.loads(buf.tobytes())
         return _NONE
 
-    while pending:
+    def take(pending):
         got = []
         for r in pending:
             v, cand, later = next_message(r), _NONE, []
@@ -108,33 +106,18 @@ def timed_allgather(comm, obj, deadline, tag, timeout, what, why, accept=None, s
             if cand is not _NONE:
                 out[r] = cand
                 got.append(r)
-        if got:
-            pending = [r for r in pending if r not in got]
-            spins = 0
-            continue
-        if deadline is not None and time.monotonic() > deadline:
-            t = f"{timeout:g}s" if timeout is not None else "the timeout"
-            raise PeerTimeoutError(
-                f"rank {rank}: peer rank(s) {pending} did not arrive at {what} within {t} "
-                f"(MESHCOMM_TIMEOUT): they {why}, or died", pending, what)
-        if _base.WATCH is not None:         # a peer's error, or a peer in another call
-            _base.WATCH([_Waiting(r) for r in pending], deadline)
-        spins += 1
-        backoff(spins)
+        return got
+
+    def late(pending):
+        t = f"{timeout:g}s" if timeout is not None else "the timeout"
+        return PeerTimeoutError(f"rank {rank}: peer rank(s) {pending} did not arrive at {what} within {t} "
+                                f"(MESHCOMM_TIMEOUT): they {why}, or died", pending, what)
+    poll_peers([r for r in ranks if r != rank], take, deadline, late)
     wait_polling(sends, deadline, rank, timeout)
     return [out[r] for r in ranks]
 
 
 _NONE = object()
-
-
-class _Waiting:
-    """A peer the allgather still waits for, as the control channel's watch takes it."""
-
-    __slots__ = ("peers",)
-
-    def __init__(self, r):
-        self.peers = (r,)
 
 
 class MPIBackend(MPICollectives, Backend):

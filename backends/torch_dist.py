@@ -125,15 +125,6 @@ class _AllOf(Work):
         return self.is_completed()
 
 
-class _Peer:
-    """A peer the store's allgather still waits for, as the control channel's watch takes it."""
-
-    __slots__ = ("peers",)
-
-    def __init__(self, r):
-        self.peers = (r,)
-
-
 class TorchBackend(TorchCollectives, Backend):
     name = "torch"
     wire = "torch"
@@ -386,13 +377,12 @@ class TorchBackend(TorchCollectives, Backend):
         self.store.set(key(self.rank), pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
         ranks = list(range(self.world_size)) if ranks is None else list(ranks)
         out = {self.rank: obj}
-        pending, spins = [r for r in ranks if r != self.rank], 0
-        while pending:
+
+        def take(pending):
             try:
                 ready = [r for r in pending if self.store.check([key(r)])]
             except Exception:           # the store itself is gone: its host (rank 0) died
-                ready = []
-                deadline = 0.0
+                raise late(pending) from None
             got = []
             if ready:
                 for r, v in zip(ready, self.store.multi_get([key(r) for r in ready])):
@@ -400,19 +390,16 @@ class TorchBackend(TorchCollectives, Backend):
                     if accept is None or accept(r, v) == "take":
                         out[r] = v
                         got.append(r)
-            pending = [r for r in pending if r not in got]
-            if not pending:
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                t = f"{self.timeout:g}s" if self.timeout is not None else "the timeout"
-                raise PeerTimeoutError(
-                    f"rank {self.rank}: peer rank(s) {pending} did not arrive at the agreement of a Program "
-                    f"within {t} (MESHCOMM_TIMEOUT): they did not construct the same Program, or died",
-                    pending, "metadata")
-            if _base.WATCH is not None:
-                _base.WATCH([_Peer(r) for r in pending], deadline)
-            spins += 1
-            time.sleep(min(0.002, 1e-5 * spins))
+            return got
+
+        def late(pending):
+            t = f"{self.timeout:g}s" if self.timeout is not None else "the timeout"
+            return PeerTimeoutError(
+                f"rank {self.rank}: peer rank(s) {pending} did not arrive at the agreement of a Program "
+                f"within {t} (MESHCOMM_TIMEOUT): they did not construct the same Program, or died",
+                pending, "metadata")
+        _base.poll_peers([r for r in ranks if r != self.rank], take, deadline, late,
+                         nap=lambda spins: time.sleep(min(0.002, 1e-5 * spins)))
         return [out[r] for r in ranks]
 
     def retract(self, obj, tag, ranks=None) -> None:
