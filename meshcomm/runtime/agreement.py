@@ -99,8 +99,12 @@ def agree(ctx, ranks, counter, nonce: int, meta: Meta, own_error: BaseException 
             # went on): the Metas it took are of their next attempt, so they go back for it
             ctx.backend.unread(got, (g,) + counter, tuple(ranks))
             ch.raise_pending()
-            raise PeerError(f"rank {ctx.rank}: the others gave this construction up (they were in "
-                            "another call)", next(r for r in ranks if r != ctx.rank))
+            e = PeerError(f"rank {ctx.rank}: the others gave this construction up (they were in "
+                          "another call)", next(r for r in ranks if r != ctx.rank))
+            # they know (their report of it retracted this attempt, to every process): told
+            # again, it would fail their next attempt at this same Program number
+            e.shared = True
+            raise e
     me = list(ranks).index(ctx.rank)
     metas = [meta if i == me else v[3] for i, v in enumerate(got)]
     try:

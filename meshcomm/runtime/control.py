@@ -146,20 +146,23 @@ class Channel:
         self.errors[:] = [m for m in self.errors if not self._known(m[1], m[2], m[6])]
         if getattr(err, "shared", False):
             return                          # every process raises it in this same agreement
-        # a peer's error relayed here is passed on too (flagged `info`): a process waiting in
-        # this call only for this one (a relay of a plan) learns it from nobody else
+        # a peer's error relayed here is passed on too (flagged `info`), as that peer's (its
+        # `origin`): a process waiting in this call only for this one (a relay of a plan)
+        # learns it from nobody else, and one that hears the relay first names the origin
         info = getattr(err, "relayed", False)
         if info and call is None:
             return
+        who, text = self.rank, f"{type(err).__name__}: {err}"
         kind = "timeout" if isinstance(err, PeerTimeoutError) else type(err).__name__
         peers = list(getattr(err, "peers", ()))
+        if getattr(err, "origin", None) is not None:
+            who, text, kind, peers = err.origin
         # Metas to drop: this process's own (its construction failed) and a peer's that it
         # found in a construction beside this run (the others must not take it either)
         retract = list(getattr(err, "retracts", ()))
         if call is not None and call.what == "construct":
             retract.append((self.rank, call.run))
-        self._send(range(self.world), ("ERROR", self.rank, call, f"{type(err).__name__}: {err}", kind, peers,
-                                       list(programs), retract, info))
+        self._send(range(self.world), ("ERROR", who, call, text, kind, peers, list(programs), retract, info))
 
     # -- receiving -------------------------------------------------------------------------
     def poll(self) -> None:
@@ -168,14 +171,18 @@ class Channel:
             if msg[0] == "ERROR":
                 call = msg[2]
                 known = self._known(msg[1], call, msg[6])
-                self.failed.update(msg[6])
                 self.retracted.update(tuple(r) for r in msg[7])
                 # a relayed report counts only in the run it was relayed from (the origin's own
                 # report reaches everyone else; a construction's key is the same for a later
-                # attempt at it, so a relayed report of one is only a retraction)
-                if not known and (not msg[8] or (call is not None and call.what == "run" and self.call is not None
-                                                 and call.key == self.call.key)):
+                # attempt at it, so a relayed report of one is only a retraction). One that
+                # does not count fails no Program here either: else the origin's own report,
+                # come in behind it, would look known and be dropped too
+                counts = not known and (not msg[8] or (call is not None and call.what == "run" and
+                                                       self.call is not None and call.key == self.call.key))
+                if counts:
                     self.errors.append(msg)
+                if counts or not msg[8]:
+                    self.failed.update(msg[6])
             elif msg[0] == "STATUS":
                 self.status[msg[1]] = (msg[2], tuple(msg[3]), time.monotonic())
 
@@ -205,7 +212,7 @@ class Channel:
             e = PeerTimeoutError(msg, tuple(peers) or (who,), str(call))
         else:
             e = PeerError(msg, who)
-        e.relayed = True
+        e.relayed, e.origin = True, (who, text, kind, list(peers))
         raise e
 
     def watch(self, pending, deadline) -> None:
