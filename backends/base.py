@@ -310,6 +310,7 @@ class Backend:
 
     name = "?"
     wire = "numpy"          # buffers the primitives take: "numpy" (host) or "torch"
+    reduce_dtypes: tuple | None = None  # dtypes its reductions compute exactly (None: every one)
     rank = 0
     world_size = 1
     timeout: float | None = None
@@ -536,6 +537,12 @@ def _unique(seq):
 REDUCE_MODE = "auto"
 
 
+def exact_reduce(dtype: str, backend: "Backend | None") -> bool:
+    """Whether `backend`'s own reductions of `dtype` are exact (its `reduce_dtypes`)."""
+    ok = getattr(backend, "reduce_dtypes", None)
+    return ok is None or dtype in ok
+
+
 def collective_reduce_ok(dtype: str, backend: "Backend | None" = None) -> bool:
     """Whether a reduce over 3+ ranks uses the backend's collective reduce (else the root
     gathers and adds in plan order). auto: integers, except where the backend reports its
@@ -552,7 +559,9 @@ def collective_reduce_ok(dtype: str, backend: "Backend | None" = None) -> bool:
     except TypeError:
         return False
     if mode == "collective":
-        return kind in "iu" or dtype in ("float32", "float64")
+        return (kind in "iu" or dtype in ("float32", "float64")) and exact_reduce(dtype, backend)
+    if not exact_reduce(dtype, backend):
+        return False
     return kind in "iu" and not getattr(backend, "gather_reduces", False)
 
 

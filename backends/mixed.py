@@ -58,6 +58,11 @@ class MixedBackend(Backend):
     def gather_reduces(self) -> bool:
         return self.mpi.gather_reduces
 
+    @property
+    def reduce_dtypes(self) -> tuple:
+        """Where a plan's reduction may run on either backend: what both compute exactly."""
+        return tuple(d for d in self.mpi.reduce_dtypes if d in self.torch.reduce_dtypes)
+
     # -- native collectives: each goes to the backend the table names for (op, bytes, group) --
     # The size is nccl-tests' (the same on every member, so they all choose alike): the
     # buffer (allreduce, bcast, reduce, alltoall's send buffer) or the whole concatenation

