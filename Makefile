@@ -41,7 +41,8 @@ test-openmpi: $(STAMP)
 		> $(OVENV)/lib/python3.11/site-packages/zz_meshcomm_venv.pth
 	$(OMPI_ENV) $(OVENV)/bin/python -m pytest -q -p no:cacheprovider --timeout=800 \
 		tests/test_collectives.py::test_mpiexec_4_every_backend_async_mix_and_faults \
-		tests/test_collectives.py::test_mpiexec_8_every_element_type_and_torch_tiles tests/test_control.py
+		tests/test_collectives.py::test_mpiexec_8_every_element_type_and_torch_tiles tests/test_control.py \
+		tests/test_examples.py
 
 bench-sim: $(STAMP)
 	$(VENV)/bin/meshcomm bench sim

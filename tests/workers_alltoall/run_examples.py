@@ -14,7 +14,8 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def main():
-    rank = int(os.environ.get("PMI_RANK", os.environ.get("RANK", "0")))
+    rank = next((int(os.environ[v]) for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK")
+                 if v in os.environ), 0)       # MPICH's, Open MPI's, PMIx's, torchrun's
     for k, spec in enumerate(sys.argv[1:]):
         name, *args = spec.split()
         sys.argv = [str(EXAMPLES / f"{name}.py")] + args
