@@ -42,7 +42,7 @@ test-openmpi: $(STAMP)
 	$(OMPI_ENV) $(OVENV)/bin/python -m pytest -q -p no:cacheprovider --timeout=800 \
 		tests/test_collectives.py::test_mpiexec_4_every_backend_async_mix_and_faults \
 		tests/test_collectives.py::test_mpiexec_8_every_element_type_and_torch_tiles tests/test_control.py \
-		tests/test_examples.py
+		tests/test_examples.py tests/test_distributed.py::test_a_frozen_peer_at_each_stage
 
 bench-sim: $(STAMP)
 	$(VENV)/bin/meshcomm bench sim
