@@ -550,18 +550,17 @@ def collective_reduce_ok(dtype: str, backend: "Backend | None" = None) -> bool:
     (sum, prod, min, max) is exact in any order on integers. Float min/max are not: a NaN
     or a 0.0/-0.0 tie gives an order-dependent result (MPI's MIN/MAX keep or drop a NaN
     by its position), so floats of every op use the collective only with
-    REDUCE_MODE = "collective"."""
+    REDUCE_MODE = "collective". Never a dtype the backend does not reduce exactly
+    (`exact_reduce`)."""
     mode = REDUCE_MODE
-    if mode == "ordered":
+    if mode == "ordered" or not exact_reduce(dtype, backend):
         return False
     try:
         kind = np.dtype(dtype).kind
     except TypeError:
         return False
     if mode == "collective":
-        return (kind in "iu" or dtype in ("float32", "float64")) and exact_reduce(dtype, backend)
-    if not exact_reduce(dtype, backend):
-        return False
+        return kind in "iu" or dtype in ("float32", "float64")
     return kind in "iu" and not getattr(backend, "gather_reduces", False)
 
 

@@ -44,6 +44,8 @@ class MixedBackend(Backend):
         # the choice decides which groups torch's new_group creates, collectively
         self.signature = "mixed:" + hashlib.sha1(rules.encode()).hexdigest()[:12]
         self.rank, self.world_size, self.timeout = mpi.rank, mpi.world_size, mpi.timeout
+        # a plan's reduction may run on either backend: what both compute exactly
+        self.reduce_dtypes = tuple(d for d in mpi.reduce_dtypes if d in torch.reduce_dtypes)
         if torch.rank != mpi.rank or torch.world_size != mpi.world_size:
             raise RuntimeError(f"MPI rank {mpi.rank}/{mpi.world_size} and torch.distributed rank "
                                f"{torch.rank}/{torch.world_size} differ; mixed needs the same ranks")
@@ -57,11 +59,6 @@ class MixedBackend(Backend):
     @property
     def gather_reduces(self) -> bool:
         return self.mpi.gather_reduces
-
-    @property
-    def reduce_dtypes(self) -> tuple:
-        """Where a plan's reduction may run on either backend: what both compute exactly."""
-        return tuple(d for d in self.mpi.reduce_dtypes if d in self.torch.reduce_dtypes)
 
     # -- native collectives: each goes to the backend the table names for (op, bytes, group) --
     # The size is nccl-tests' (the same on every member, so they all choose alike): the

@@ -152,11 +152,9 @@ class Channel:
         info = getattr(err, "relayed", False)
         if info and call is None:
             return
-        who, text = self.rank, f"{type(err).__name__}: {err}"
-        kind = "timeout" if isinstance(err, PeerTimeoutError) else type(err).__name__
-        peers = list(getattr(err, "peers", ()))
-        if getattr(err, "origin", None) is not None:
-            who, text, kind, peers = err.origin
+        who, text, kind, peers = getattr(err, "origin", None) or (
+            self.rank, f"{type(err).__name__}: {err}",
+            "timeout" if isinstance(err, PeerTimeoutError) else type(err).__name__, list(getattr(err, "peers", ())))
         # Metas to drop: this process's own (its construction failed) and a peer's that it
         # found in a construction beside this run (the others must not take it either)
         retract = list(getattr(err, "retracts", ()))
