@@ -65,7 +65,7 @@ from meshcomm.errors import PeerTimeoutError
 from meshcomm.planners.boxes import box_size, local_slices
 from meshcomm.reduceops import combine_
 
-from . import buffers, program, streams
+from . import buffers, streams
 from .local import alloc_like
 from .pack import pack, unpack
 
@@ -620,12 +620,6 @@ def issue_steps(plan, rank: int, devices_per_process: int, collective_reduce: bo
 
 
 @memo(maxsize=256)
-def _rank_program(plan, rank: int, devices_per_process: int, collective_reduce: bool):
-    return program.rank_program(plan, issue_steps(plan, rank, devices_per_process, collective_reduce),
-                                rank, devices_per_process)
-
-
-@memo(maxsize=256)
 def wire_bytes(plan, rank: int, devices_per_process: int, collective_reduce: bool) -> tuple[int, int]:
     """(sent, received): bytes `rank` puts on / takes off the wire in its steps of `plan`, by
     meshcomm.log's convention (summed over ranks, sent == received): p2p and bcast, the
@@ -729,13 +723,6 @@ class Execution:
         self.dpp = dpp
         one = len(backend.members()) == 1
         self.steps = (issue_steps if one else compile_steps)(plan, rank, dpp, self.coll)
-        # host tiles on one host-buffer backend, messages and copies only: the rank's
-        # program worked out once (backends/program.py)
-        self.fast = None
-        if one and compression is None and backend.wire == "numpy" and type(like) is np.ndarray:
-            prog = _rank_program(plan, rank, dpp, self.coll)
-            if prog is not None and program.fits(prog, shards):
-                self.fast = prog
         self.device = streams.device_of(like)
         self.run = Run(plan, shards, self.out, like, rank, rank_of, st, dt, self.device, tags)
         self.producer_fences = producer_fences
@@ -761,13 +748,7 @@ class Execution:
             b.prepare_groups(need.get(b.name, []), deadline)
 
     def start(self) -> None:
-        if self.fast is not None:
-            b = self.backend.members()[0]
-            self._gen = program.run(self.fast, self.run.shards, self.out, b, self.tags,
-                                    lambda works: b.wait_all(works, self._deadline), issued)
-            self._done = streams.record(None)
-        else:
-            self._gen = self._program()
+        self._gen = self._program()
         next(self._gen)                 # runs up to the first wait
 
     def finish(self, deadline):

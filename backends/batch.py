@@ -5,10 +5,15 @@ whole batch by the planner) and runs this rank's part of all of them together:
 
 * Stage k of every plan runs in stage k of the batch (a plan's later stage may read what
   its earlier one wrote; plans are independent of each other).
-* Point-to-point steps are coalesced: everything this rank sends to peer q in stage k, over
-  every tensor, is packed into one buffer (tensors in batch order, each tensor's transfers in
-  its plan order: the same order on both sides), sent as one message, unpacked at q in the
-  same order. Local steps copy directly.
+* Point-to-point steps are coalesced: everything under `OWN_MESSAGE` bytes this rank sends to
+  peer q in stage k, over every tensor, is packed into one buffer (tensors in batch order,
+  each tensor's transfers in its plan order: the same order on both sides), sent as one
+  message, unpacked at q in the same order. A piece of `OWN_MESSAGE` bytes or more is a
+  message of its own, behind it in the same order (same tag: MPI and gloo keep a pair's
+  order), sent from its tile where it is one contiguous run there and received straight into
+  its destination tile where it is one there: a single reshard's plan runs here as a batch
+  of one, as fast as a message per transfer. Local steps copy directly, while the messages
+  travel.
 * Buckets: the tensors are cut into consecutive buckets of at most `bucket_bytes` of
   messages each; a bucket's messages are posted, the next bucket is packed while they
   travel, and at most two buckets are in flight (the extra memory bound).
@@ -26,7 +31,9 @@ import dataclasses
 from typing import Sequence
 
 from . import base
-from meshcomm.planners.boxes import box_size, local_slices
+import numpy as np
+
+from meshcomm.planners.boxes import box_size, contiguous_in, local_slices
 
 from meshcomm.arrays import is_torch as _is_torch
 
@@ -103,19 +110,24 @@ class Runner:
                         if s.stage != k:
                             continue
                         t = p.transfers[s.index]
-                        if s.prim == "local":
-                            local.append((i, t))
+                        if s.prim == "local":     # box by box, tile to tile (host tiles)
+                            origin = (st_ if t.src_buf == "src" else dt_).boxes[t.srcs[0]]
+                            local.append((i, t, None if t.kind == "reduce" else [
+                                (local_slices(bx, origin), d, local_slices(bx, dt_.boxes[d]))
+                                for d in t.dsts for bx in t.boxes]))
                             continue
                         mine = [(d, [local_slices(bx, dt_.boxes[d]) for bx in t.boxes])
                                 for d in t.dsts if rank_of(d) == rank]
                         if s.root == rank:
                             origin = (st_ if t.src_buf == "src" else dt_).boxes[t.srcs[0]]
-                            piece = (i, t, [local_slices(bx, origin) for bx in t.boxes], mine)
+                            piece = (i, t, [local_slices(bx, origin) for bx in t.boxes], mine,
+                                     _whole(t, origin))
                             for peer in s.ranks:
                                 if peer != rank:
                                     sends.setdefault(peer, []).append(((i, s.index), piece))
                         else:
-                            recvs.setdefault(s.root, []).append(((i, s.index), (i, t, mine)))
+                            whole = _whole(t, dt_.boxes[mine[0][0]]) if len(mine) == 1 else None
+                            recvs.setdefault(s.root, []).append(((i, s.index), (i, t, mine, whole)))
                 # both sides lay a message out in (tensor, transfer) order: a rank issues its
                 # steps by role (a broadcast's before a send's), which its peer may not share
                 order = lambda d: {q: [x for _, x in sorted(v, key=lambda e: e[0])] for q, v in d.items()}  # noqa: E731
@@ -142,21 +154,55 @@ class Runner:
                     out[d] = alloc_like(it.like, shape, zero, p.fill_op)
             outs.append(out)
             runs.append(Run(p, it.shards, out, it.like, rank, lambda d: d // dpp, st, dt, None))
+        base.issued[("batch", b.name)] += 1
+        host = b.wire == "numpy"        # NumPy tiles: pieces sent from and received into them
         tag0, span = tags
         inflight: list = []
         nb_ = len(self.buckets)
         for r, (local, sends, recvs) in enumerate(self.rounds):
-            for i, t in local:
-                runs[i].local(t)
             works, fins = [], []
             tag = tag0 + r % span
-            for peer, (parts, offs, n) in recvs.items():
-                buf = empty_wire(n, b.wire, runs[parts[0][0]].like)
-                works.append(b.irecv(buf, peer, tag))
-                fins.append((buf, parts, offs))
-            for peer, (parts, offs, n) in sends.items():
-                works.append(b.isend(self._message(runs, parts, offs, n), peer, tag))
+            for peer, (parts, offs, n, own) in recvs.items():
+                if parts:
+                    buf = empty_wire(n, b.wire, runs[parts[0][0]].like)
+                    works.append(b.irecv(buf, peer, tag))
+                    fins.append((buf, parts, offs))
+                for part in own:        # a message of its own: straight into its tile where it can
+                    i, t, mine, whole = part
+                    buf = _run_of(runs[i].out[mine[0][0]], whole) if whole is not None and host else None
+                    if buf is None:
+                        buf = runs[i]._recv_into(t, [d for d, _ in mine], b.wire)
+                    if buf is None:
+                        buf = empty_wire(t.nbytes, b.wire, runs[i].like)
+                        fins.append((buf, [part], [0]))
+                    works.append(b.irecv(buf, peer, tag))
+            ready: dict = {}
+            for peer, (parts, offs, n, own) in sends.items():
+                if parts:
+                    works.append(b.isend(self._message(runs, parts, offs, n), peer, tag))
+                for part in own:        # a broadcast's piece: packed once for every peer
+                    v = ready.get(id(part))
+                    if v is None:
+                        i, t, slices, mine, whole = part
+                        run = runs[i]
+                        tile = (run.shards if t.src_buf == "src" else run.out)[t.srcs[0]]
+                        v = _run_of(tile, whole) if host and whole is not None else None
+                        if v is None:
+                            v = self._message(runs, [part], [0], t.nbytes)
+                        else:
+                            for d, sl in mine:      # this rank's own copies: box to box
+                                run.out[d][sl[0]] = tile[slices[0]]
+                        ready[id(part)] = v
+                    works.append(b.isend(v, peer, tag))
                 base.issued[(b.name, "p2p_batched")] += 1
+            for i, t, copies in local:  # while the messages travel
+                run = runs[i]
+                src = (run.shards if t.src_buf == "src" else run.out).get(t.srcs[0])
+                if copies is None or type(src) is not np.ndarray:
+                    run.local(t)
+                    continue
+                for ssl, d, dsl in copies:
+                    run.out[d][dsl] = src[ssl]
             inflight.append((works, runs, fins))
             if len(inflight) >= 2 or (r + 1) % nb_ == 0:    # two buckets at most; a stage ends
                 while inflight and (len(inflight) >= 2 or (r + 1) % nb_ == 0):
@@ -170,7 +216,7 @@ class Runner:
         contiguous piece is sent from its tile)."""
         wire = self.b.wire
         if len(parts) == 1 and offs[0] == 0:
-            i, t, slices, mine = parts[0]
+            i, t, slices, mine, _ = parts[0]
             v = runs[i]._packed(t, t.srcs[0])
             for d, sl in mine:
                 unpack(v, runs[i].out[d], sl)
@@ -178,7 +224,7 @@ class Runner:
                 return to_wire(v, wire)
         like = runs[parts[0][0]].like
         buf = empty_wire(n, wire, like)
-        for (i, t, slices, mine), off in zip(parts, offs):
+        for (i, t, slices, mine, _), off in zip(parts, offs):
             run = runs[i]
             bufs = run.shards if t.src_buf == "src" else run.out
             tile = bufs[t.srcs[0]]
@@ -209,15 +255,24 @@ def _host_array(t):
         return None
 
 
+# a piece of at least this many bytes travels as a message of its own (no packing into the
+# coalesced message and out of it: two copies of it saved), smaller ones coalesce
+OWN_MESSAGE = 64 << 10
+
+
 def _offsets(by_peer):
-    """{peer: (parts, their byte offsets in the message, the message's size)}, peers sorted."""
+    """{peer: (coalesced parts, their byte offsets in that message, its size, the parts sent
+    as messages of their own)}, peers sorted; the same split on both sides (plan facts)."""
     out = {}
     for peer in sorted(by_peer):
-        parts, offs, n = by_peer[peer], [], 0
-        for part in parts:
-            offs.append(n)
-            n += _padded(part[1].nbytes)
-        out[peer] = (parts, offs, n)
+        parts, offs, n = [], [], 0
+        own = [p for p in by_peer[peer] if p[1].nbytes >= OWN_MESSAGE]
+        for part in by_peer[peer]:
+            if part[1].nbytes < OWN_MESSAGE:
+                parts.append(part)
+                offs.append(n)
+                n += _padded(part[1].nbytes)
+        out[peer] = (parts, offs, n, own)
     return out
 
 
@@ -225,11 +280,26 @@ def _size(v) -> int:
     return int(v.numel()) * v.element_size() if _is_torch(v) else v.nbytes
 
 
+def _whole(t, origin):
+    """The index of transfer `t`'s piece in a C-ordered tile at `origin` where it is one
+    contiguous run of it (`+ (...,)`: a view of a 0-d tile too), else None."""
+    if len(t.boxes) == 1 and contiguous_in(t.boxes[0], origin):
+        return local_slices(t.boxes[0], origin) + (...,)
+    return None
+
+
+def _run_of(tile, whole):
+    """The bytes of a NumPy tile's contiguous piece, as a view (None: not a C-ordered array)."""
+    if type(tile) is np.ndarray and tile.flags.c_contiguous:
+        return tile[whole].reshape(-1).view(np.uint8)
+    return None
+
+
 def _finish(b, entry, deadline):
     works, runs, fins = entry
     b.wait_all(works, deadline)
     for buf, parts, offs in fins:
-        for (i, t, mine), off in zip(parts, offs):
+        for (i, t, mine, _), off in zip(parts, offs):
             run = runs[i]
             v = from_wire(buf[off:off + t.nbytes], run.like)
             for d, sl in mine:

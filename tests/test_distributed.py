@@ -109,7 +109,7 @@ def test_mpiexec_8_every_backend(tmp_path):
                   env={"MESHCOMM_TUNING": str(alternating_table(tmp_path / "alt.json"))})
     check_cases(res, 8, cases, ("mpi", "torch", "mixed"))
     for r in res:
-        assert r.get("issued_rank_program_mpi", 0) > 0, r      # host tiles over MPI: rank programs
+        assert r.get("issued_batch_mpi", 0) > 0, r      # host tiles over MPI: the batch executor
 
 
 def test_mpiexec_two_devices_per_process_and_reinit(tmp_path):

@@ -1,8 +1,8 @@
-"""The rank program (backends/program.py): what it decides ahead for each rank of a plan;
-a kernel's common run (runtime/program.py common_run).
+"""The batch executor of a Program's plan (backends/batch.py `Runner`, a batch of one): what it
+works out ahead for each rank; a kernel's common run (runtime/tiles.py common_run).
 
-Its results are checked bitwise across real processes in tests/test_distributed.py (odd
-ranks step by step beside even ranks running programs); here, what it works out."""
+Its results are checked bitwise across real processes in tests/test_distributed.py and the
+batch tests; here, what it works out."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +10,7 @@ import pytest
 
 import meshcomm as mc
 from meshcomm import Layout, Mesh
-from meshcomm.backends import base, program
+from meshcomm.backends.batch import Runner, coalescable
 from meshcomm.planners.boxes import contiguous_in, local_slices
 
 
@@ -29,75 +29,60 @@ def test_contiguous_in_says_what_numpy_says():
         assert contiguous_in(tuple(box), origin) == view.flags.c_contiguous, (shape, box)
 
 
-def _program(shape, src, dst, rank, dpp=1):
-    p = mc.plan(shape, "float32", src, dst)
-    return p, base._rank_program(p, rank, dpp, base.collective_reduce_ok("float32"))
+def _runner(shape, src, dst, rank, dpp=1, dtype="float32"):
+    return Runner([mc.plan(shape, dtype, src, dst)], rank=rank, devices_per_process=dpp, backend=_Host())
 
 
-def test_all_to_all_receives_into_the_tile_and_sends_views():
+class _Host:
+    """What the Runner asks of a backend at construction (no communication here)."""
+
+    name, wire = "host", "numpy"
+
+    def members(self):
+        return (self,)
+
+
+def test_all_to_all_is_one_message_per_peer_sent_from_views_received_into_the_tile():
     m = Mesh.grid((2, 4), ("x", "y"))
     src = Layout(m, (None, ("x", "y"), None))
     dst = Layout(m, (("x", "y"), None, None))
     for r in range(8):
-        _, prog = _program((8, 64, 16), src, dst, r)
-        assert len(prog.stages) == 1
-        st = prog.stages[0]
-        assert len(st.recvs) == 7 and all(d is not None and not into for _, _, _, d, into in st.recvs)
-        assert len(st.sends) == 7 and all(src.whole is not None for _, _, src, _ in st.sends)
-        assert len(st.copies) == 1 and not st.bcasts
-        assert {peer for peer, *_ in st.recvs} == {peer for peer, *_ in st.sends} == set(range(8)) - {r}
-        assert prog.src_shapes == ((r, (8, 8, 16)),)
+        (local, sends, recvs), = _runner((8, 64, 2048), src, dst, r).rounds   # one stage, one bucket
+        assert set(sends) == set(recvs) == set(range(8)) - {r} and len(local) == 1
+        for peer, (parts, offs, n, own) in list(sends.items()) + list(recvs.items()):
+            assert not parts and n == 0 and len(own) == 1      # 64 KiB pieces: messages of their own
+        # received straight into the dst tile: one contiguous run of it
+        assert all(own[0][3] is not None for _, _, _, own in recvs.values())
+        assert all(own[0][4] is not None for _, _, _, own in sends.values())    # sent from a view
 
 
-def test_pieces_that_are_not_one_run_are_staged_and_broadcasts_kept_in_plan_order():
+def test_small_pieces_coalesce_large_ones_travel_alone_the_same_split_on_both_sides():
     a = Mesh([0, 1], ("x",))
     b = Mesh([2, 3], ("x",))
-    rows, cols = ("x", None), (None, "x")
-
-    def parts(src, dst, rank, what):
-        prog = _program((8, 8), Layout(a, src), Layout(b, dst), rank)[1]
-        return [m for st in prog.stages for m in getattr(st, what)]
-    # rows -> columns: each piece is strided in its src tile (packed once), one run of the dst tile
-    assert all(src.whole is None for _, _, src, _ in parts(rows, cols, 0, "sends"))
-    recvs = parts(rows, cols, 2, "recvs")
-    assert len(recvs) == 2 and all(d is not None and not into for _, _, _, d, into in recvs)
-    # columns -> rows: a view of the src tile, staged and unpacked at the dst
-    assert all(src.whole is not None for _, _, src, _ in parts(cols, rows, 1, "sends"))
-    recvs = parts(cols, rows, 3, "recvs")
-    assert len(recvs) == 2 and all(d is None and len(into) == 1 for _, _, _, d, into in recvs)
-    assert parts(cols, rows, 0, "recvs") == []           # rank 0 holds a src tile only
-    # one device to all four: a broadcast, the root's message a view of its tile
-    one = Layout(Mesh([0], ("x",)), ())
-    rep = Layout(Mesh([0, 1, 2, 3], ("x",)), ())
-    plan, root = _program((64,), one, rep, 0)
-    steps = base.issue_steps(plan, 0, 1, False)
-    assert [s.prim for s in steps] == ["bcast", "local"]
-    (bc,) = root.stages[0].bcasts
-    assert bc[4].whole is not None and len(root.stages[0].copies) == 1   # a view; its own replica a copy
-    (member,) = _program((64,), one, rep, 2)[1].stages[0].bcasts
-    assert member[4] is None and member[6] is not None      # received straight into its tile
+    big = Runner.__init__.__globals__["OWN_MESSAGE"] // 4           # float32 elements
+    for rows in (8, big):                                      # pieces of 128 B, of 64 KiB
+        r0 = _runner((rows, 8), Layout(a, ("x", None)), Layout(b, (None, "x")), 0)
+        r2 = _runner((rows, 8), Layout(a, ("x", None)), Layout(b, (None, "x")), 2)
+        (_, sends, _), = r0.rounds
+        (_, _, recvs), = r2.rounds
+        s_parts, s_offs, s_n, s_own = sends[2]
+        r_parts, r_offs, r_n, r_own = recvs[0]
+        assert (s_offs, s_n) == (r_offs, r_n)
+        assert [p[1] for p in s_parts] == [p[1] for p in r_parts]
+        assert [p[1] for p in s_own] == [p[1] for p in r_own]
+        assert (len(s_parts), len(s_own)) == ((1, 0) if rows == 8 else (0, 1))
+        if s_own:       # rows -> columns: strided in the src tile (packed), one run of the dst tile
+            assert s_own[0][4] is None and r_own[0][3] is not None
 
 
-def test_reductions_take_the_general_path():
+def test_reductions_across_processes_take_the_steps():
     m = Mesh.grid((2, 2), ("x", "y"))
     src = Layout(m, (None,), partial=("x",))
     dst = Layout(m, ("y",))
     p = mc.plan((16,), "float32", src, dst)
     assert any(t.kind == "reduce" for t in p.transfers)
-    assert any(base._rank_program(p, r, 1, False) is None for r in range(4))
-
-
-def test_fits_takes_c_ordered_numpy_tiles_of_the_planned_shape_only():
-    m = Mesh([0, 1], ("x",))
-    _, prog = _program((8, 6), Layout(m, ("x",)), Layout(m, (None, "x")), 0)
-    good = np.zeros((4, 6), np.float32)
-    assert program.fits(prog, {0: good})
-    assert not program.fits(prog, {0: np.zeros((6, 4), np.float32).T})     # not C order
-    assert not program.fits(prog, {0: np.zeros((4, 5), np.float32)})
-    assert not program.fits(prog, {})
-    torch = pytest.importorskip("torch")
-    assert not program.fits(prog, {0: torch.zeros(4, 6)})
-
+    assert not coalescable([p], 1)
+    assert coalescable([p], 4)          # one process owns every device: a local sum
 
 
 def test_common_run_takes_exact_host_tiles_only():

@@ -1,14 +1,18 @@
 """A Program's plan run on the backends: groups created at construction; a run of host tiles
 (NumPy arrays, or CPU torch tensors as NumPy views over their memory) on one host-buffer
-backend replays the rank's program worked out then (backends/program.py), any other builds
-the Execution over its tiles (backends/base.py), with the Program's tags."""
+backend, of a plan that reduces nothing across processes and needs no group, goes to the
+batch executor worked out then (backends/batch.py `Runner`: a batch of one), any other
+builds the step executor over its tiles (backends/base.py `Execution`), with the Program's
+tags."""
 from __future__ import annotations
 
 import numpy as np
 
+from .. import arrays
 from ..backends import base
+from ..backends.base import from_wire, to_wire
+from ..backends.batch import BatchItem, Runner, coalescable
 from ..backends.compressed import CompressedExecution
-from ..backends import program as rank_program
 from .program import half
 from .tiles import numpy_views, torch_results
 
@@ -23,7 +27,7 @@ class PlanRun:
             be = one_backend(be, p, ctx.devices_per_process, device_kind)
         self.ctx, self.be, self.plan, self.comp, self.tags = ctx, be, p, comp, tags
         self.device_kind = device_kind
-        self.fast = None        # the rank program, where a run of host tiles can replay it
+        self.fast = None        # the batch executor of this one plan, for runs of host tiles
         if comp is None:
             dpp = ctx.devices_per_process
             coll = base.collective_reduce_ok(p.dtype, be)
@@ -31,31 +35,41 @@ class PlanRun:
                                       lambda s: be.choose(s.table_op, s.nbytes, len(s.ranks), device_kind), device_kind)
             for b in be.members():
                 b.prepare_groups(need.get(b.name, []), deadline)
-            if len(be.members()) == 1 and be.wire == "numpy":
-                self.fast = base._rank_program(p, ctx.rank, dpp, coll)
-                self.specs = base.out_specs(p, ctx.rank, dpp)
+            # broadcasts on a group (MPI across hosts) and reductions across processes: the steps
+            if len(be.members()) == 1 and be.wire == "numpy" and not any(need.values()) and coalescable([p], dpp):
+                self.fast = Runner([p], rank=ctx.rank, devices_per_process=dpp, backend=be)
 
     def run(self, shards, like, fences, deadline, out=None, parity=0):
         ctx = self.ctx
         f = self.fast
         if f is not None:
             host = (shards, like, out) if type(like) is np.ndarray else numpy_views(shards, like, out)
-            if host is not None and rank_program.fits(f, host[0]):
-                # what the Execution would do for these tiles, worked out at construction
-                b = self.be.members()[0]
-                res = base.result_tiles(self.plan, self.specs, host[1], host[2])
-                for _ in rank_program.run(f, host[0], res, b, half(self.tags, parity),
-                                          lambda works: b.wait_all(works, deadline), base.issued):
-                    pass
-                if host[0] is not shards:   # torch tiles: torch results over the same memory
-                    res = torch_results(res, out)
-                return res, None            # host tiles: nothing for a consumer to wait on
+            if host is None:                # on a device, bfloat16...: through host copies
+                return self._staged(shards, like, out, half(self.tags, parity), deadline), None
+            res = f.run([BatchItem(self.plan, *host)], half(self.tags, parity), deadline)[0]
+            if host[0] is not shards:       # torch tiles: torch results over the same memory
+                res = torch_results(res, out)
+            return res, None                # host tiles: nothing for a consumer to wait on
         ex = (base.Execution if self.comp is None else CompressedExecution)(
             self.plan, shards, like, rank=ctx.rank, devices_per_process=ctx.devices_per_process, backend=self.be,
             device_kind=self.device_kind, producer_fences=fences, compression=self.comp, tags=half(self.tags, parity),
             out=out)
         ex.start()
         return ex.finish(deadline)
+
+
+    def _staged(self, shards, like, out, tags, deadline) -> dict:
+        """A run of torch tiles NumPy cannot view, on the batch executor like every other run
+        of this Program (each process's messages must match its peers', whatever its tiles):
+        host copies in, results back to the tiles' device (and into `out=`)."""
+        dt = np.dtype(arrays.numpy_dtype(self.plan.dtype))
+        host = {d: to_wire(v, "numpy").view(dt).reshape(tuple(v.shape)) for d, v in shards.items()}
+        res = self.fast.run([BatchItem(self.plan, host, np.empty(0, dt))], tags, deadline)[0]
+        back = {d: from_wire(v.reshape(-1).view(np.uint8), like).reshape(v.shape) for d, v in res.items()}
+        for d, v in (out or {}).items():
+            v.copy_(back[d])
+            back[d] = v
+        return back
 
 
 def one_backend(be, p, dpp, device_kind):
