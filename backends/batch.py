@@ -17,10 +17,10 @@ whole batch by the planner) and runs this rank's part of all of them together:
 * Buckets: the tensors are cut into consecutive buckets of at most `bucket_bytes` of
   messages each; a bucket's messages are posted, the next bucket is packed while they
   travel, and at most two buckets are in flight (the extra memory bound).
-* Broadcasts are sent from their root to each member, coalesced like sends. A batch whose
-  plans reduce across processes runs each tensor's plan through the step executor instead,
-  one after another (each tensor its own share of the tags), which every process decides
-  alike from the plans (`coalescable`).
+* Broadcasts are sent from their root to each member, coalesced like sends. A sum across
+  processes (a pending-sum src) sends each addend to the root's process like a piece, and
+  the root adds them up in the plan's order of its srcs (bitwise what the step executor
+  and the local backend give).
 
 The planner chose what moves; this module only packs, posts and unpacks (backends never
 decide what to send).
@@ -37,10 +37,12 @@ from meshcomm.planners.boxes import box_size, contiguous_in, local_slices
 
 from meshcomm.arrays import is_torch as _is_torch
 
-from .base import Execution, Run, empty_wire, from_wire, issue_steps, to_wire, torch_of
+from meshcomm.reduceops import combine_
+
+from .base import Run, empty_wire, from_wire, issue_steps, to_wire, torch_of
 from .pack import pack, unpack
 
-__all__ = ["BatchItem", "coalescable", "run_batch"]
+__all__ = ["BatchItem", "Runner", "run_batch"]
 
 
 @dataclasses.dataclass
@@ -54,33 +56,11 @@ class BatchItem:
     out: dict | None = None
 
 
-def coalescable(plans: Sequence, dpp: int) -> bool:
-    """Whether every step of every plan is local, a send, or a broadcast (which the batch
-    sends from its root to each member, coalesced per peer): no reduction across processes
-    (decided from the plans alone, so every process decides alike)."""
-    for p in plans:
-        for t in p.transfers:
-            if t.kind == "reduce" and len({d // dpp for d in t.participants}) > 1:
-                return False
-    return True
-
-
 def run_batch(items: Sequence[BatchItem], *, rank: int, devices_per_process: int, backend, tags,
-              deadline, bucket_bytes: int | None = None, device_kind: str = "cpu", fences=()):
+              deadline, bucket_bytes: int | None = None, device_kind: str = "cpu"):
     """This rank's dst tiles of every item ([{device: tile}] in item order)."""
-    dpp = devices_per_process
-    if not coalescable([it.plan for it in items], dpp):
-        outs = []
-        t0, span = tags
-        per = max(1, span // max(1, len(items)))
-        for i, it in enumerate(items):          # one plan after another, tags of its own
-            ex = Execution(it.plan, it.shards, it.like, rank=rank, devices_per_process=dpp, backend=backend,
-                           device_kind=device_kind, producer_fences=fences, tags=(t0 + i * per, per), out=it.out)
-            ex.start()
-            outs.append(ex.finish(deadline)[0])
-        return outs
-    runner = Runner([it.plan for it in items], rank=rank, devices_per_process=dpp, backend=backend,
-                    bucket_bytes=bucket_bytes, device_kind=device_kind)
+    runner = Runner([it.plan for it in items], rank=rank, devices_per_process=devices_per_process,
+                    backend=backend, bucket_bytes=bucket_bytes, device_kind=device_kind)
     return runner.run(items, tags, deadline)
 
 
@@ -102,7 +82,7 @@ class Runner:
         self.rounds = []                # per (stage, bucket): (locals, sends, recvs, sizes)
         for k in range(self.nstages):
             for bucket in self.buckets:
-                local, sends, recvs = [], {}, {}
+                local, sends, recvs, sums = [], {}, {}, []
                 for i in bucket:
                     p = plans[i]
                     st_, dt_ = p.src.tiles(p.shape), p.dst.tiles(p.shape)
@@ -116,22 +96,37 @@ class Runner:
                                 (local_slices(bx, origin), d, local_slices(bx, dt_.boxes[d]))
                                 for d in t.dsts for bx in t.boxes]))
                             continue
+                        key = (i, s.index)
+                        if t.kind == "reduce":      # every addend to the root, summed there in order
+                            origin = (st_ if t.src_buf == "src" else dt_).boxes
+                            for sd in t.srcs:
+                                q = rank_of(sd)
+                                if q == rank and s.root != rank:
+                                    sends.setdefault(s.root, []).append((key, (
+                                        i, t, [local_slices(bx, origin[sd]) for bx in t.boxes], [],
+                                        _whole(t, origin[sd]), sd)))
+                                elif q != rank and s.root == rank:
+                                    recvs.setdefault(q, []).append((key, (i, t, [], None, sd)))
+                            if s.root == rank:
+                                sums.append((i, t))
+                            continue
                         mine = [(d, [local_slices(bx, dt_.boxes[d]) for bx in t.boxes])
                                 for d in t.dsts if rank_of(d) == rank]
                         if s.root == rank:
                             origin = (st_ if t.src_buf == "src" else dt_).boxes[t.srcs[0]]
                             piece = (i, t, [local_slices(bx, origin) for bx in t.boxes], mine,
-                                     _whole(t, origin))
+                                     _whole(t, origin), t.srcs[0])
                             for peer in s.ranks:
                                 if peer != rank:
-                                    sends.setdefault(peer, []).append(((i, s.index), piece))
+                                    sends.setdefault(peer, []).append((key, piece))
                         else:
                             whole = _whole(t, dt_.boxes[mine[0][0]]) if len(mine) == 1 else None
-                            recvs.setdefault(s.root, []).append(((i, s.index), (i, t, mine, whole)))
+                            recvs.setdefault(s.root, []).append((key, (i, t, mine, whole, None)))
                 # both sides lay a message out in (tensor, transfer) order: a rank issues its
                 # steps by role (a broadcast's before a send's), which its peer may not share
+                # (a sort that keeps the addends of one sum in the plan's order of its srcs)
                 order = lambda d: {q: [x for _, x in sorted(v, key=lambda e: e[0])] for q, v in d.items()}  # noqa: E731
-                self.rounds.append((local, _offsets(order(sends)), _offsets(order(recvs))))
+                self.rounds.append((local, _offsets(order(sends)), _offsets(order(recvs)), sums))
         self.out_shapes = []
         self.tilings = [(p.src.tiles(p.shape), p.dst.tiles(p.shape)) for p in plans]
         for p, (_, dt_) in zip(plans, self.tilings):
@@ -159,7 +154,7 @@ class Runner:
         tag0, span = tags
         inflight: list = []
         nb_ = len(self.buckets)
-        for r, (local, sends, recvs) in enumerate(self.rounds):
+        for r, (local, sends, recvs, sums) in enumerate(self.rounds):
             works, fins = [], []
             tag = tag0 + r % span
             for peer, (parts, offs, n, own) in recvs.items():
@@ -168,9 +163,9 @@ class Runner:
                     works.append(b.irecv(buf, peer, tag))
                     fins.append((buf, parts, offs))
                 for part in own:        # a message of its own: straight into its tile where it can
-                    i, t, mine, whole = part
+                    i, t, mine, whole, _ = part
                     buf = _run_of(runs[i].out[mine[0][0]], whole) if whole is not None and host else None
-                    if buf is None:
+                    if buf is None and mine:
                         buf = runs[i]._recv_into(t, [d for d, _ in mine], b.wire)
                     if buf is None:
                         buf = empty_wire(t.nbytes, b.wire, runs[i].like)
@@ -183,9 +178,9 @@ class Runner:
                 for part in own:        # a broadcast's piece: packed once for every peer
                     v = ready.get(id(part))
                     if v is None:
-                        i, t, slices, mine, whole = part
+                        i, t, slices, mine, whole, dev = part
                         run = runs[i]
-                        tile = (run.shards if t.src_buf == "src" else run.out)[t.srcs[0]]
+                        tile = (run.shards if t.src_buf == "src" else run.out)[dev]
                         v = _run_of(tile, whole) if host and whole is not None else None
                         if v is None:
                             v = self._message(runs, [part], [0], t.nbytes)
@@ -203,7 +198,7 @@ class Runner:
                     continue
                 for ssl, d, dsl in copies:
                     run.out[d][dsl] = src[ssl]
-            inflight.append((works, runs, fins))
+            inflight.append((works, runs, fins, sums))
             if len(inflight) >= 2 or (r + 1) % nb_ == 0:    # two buckets at most; a stage ends
                 while inflight and (len(inflight) >= 2 or (r + 1) % nb_ == 0):
                     _finish(b, inflight.pop(0), deadline)
@@ -216,18 +211,18 @@ class Runner:
         contiguous piece is sent from its tile)."""
         wire = self.b.wire
         if len(parts) == 1 and offs[0] == 0:
-            i, t, slices, mine, _ = parts[0]
-            v = runs[i]._packed(t, t.srcs[0])
+            i, t, slices, mine, _, dev = parts[0]
+            v = runs[i]._packed(t, dev)
             for d, sl in mine:
                 unpack(v, runs[i].out[d], sl)
             if _size(v) % ALIGN == 0 or _size(v) == n:
                 return to_wire(v, wire)
         like = runs[parts[0][0]].like
         buf = empty_wire(n, wire, like)
-        for (i, t, slices, mine, _), off in zip(parts, offs):
+        for (i, t, slices, mine, _, dev), off in zip(parts, offs):
             run = runs[i]
             bufs = run.shards if t.src_buf == "src" else run.out
-            tile = bufs[t.srcs[0]]
+            tile = bufs[dev]
             m = t.nbytes
             view = buf[off:off + m]
             host = _host_array(tile) if _is_torch(tile) and not _is_torch(view) else None
@@ -296,14 +291,25 @@ def _run_of(tile, whole):
 
 
 def _finish(b, entry, deadline):
-    works, runs, fins = entry
+    works, runs, fins, sums = entry
     b.wait_all(works, deadline)
+    addends: dict = {}
     for buf, parts, offs in fins:
-        for (i, t, mine, _), off in zip(parts, offs):
+        for (i, t, mine, _, src), off in zip(parts, offs):
             run = runs[i]
             v = from_wire(buf[off:off + t.nbytes], run.like)
+            if src is not None:         # an addend of a sum this rank makes
+                addends[(i, id(t), src)] = v
             for d, sl in mine:
                 unpack(v, run.out[d], sl)
+    for i, t in sums:                   # in the plan's order of the addends (bitwise the steps')
+        run, acc = runs[i], None
+        for sd in t.srcs:
+            v = addends.get((i, id(t), sd))
+            if v is None:
+                v = run._packed(t, sd, copy=True)
+            acc = v if acc is None else combine_(acc, v, run.plan.reduce_op)
+        run._unpack_to(t, t.dsts[0], acc)
 
 
 ALIGN = 16

@@ -10,7 +10,7 @@ import pytest
 
 import meshcomm as mc
 from meshcomm import Layout, Mesh
-from meshcomm.backends.batch import Runner, coalescable
+from meshcomm.backends.batch import Runner
 from meshcomm.planners.boxes import contiguous_in, local_slices
 
 
@@ -47,7 +47,7 @@ def test_all_to_all_is_one_message_per_peer_sent_from_views_received_into_the_ti
     src = Layout(m, (None, ("x", "y"), None))
     dst = Layout(m, (("x", "y"), None, None))
     for r in range(8):
-        (local, sends, recvs), = _runner((8, 64, 2048), src, dst, r).rounds   # one stage, one bucket
+        (local, sends, recvs, _), = _runner((8, 64, 2048), src, dst, r).rounds   # one stage, one bucket
         assert set(sends) == set(recvs) == set(range(8)) - {r} and len(local) == 1
         for peer, (parts, offs, n, own) in list(sends.items()) + list(recvs.items()):
             assert not parts and n == 0 and len(own) == 1      # 64 KiB pieces: messages of their own
@@ -63,8 +63,8 @@ def test_small_pieces_coalesce_large_ones_travel_alone_the_same_split_on_both_si
     for rows in (8, big):                                      # pieces of 128 B, of 64 KiB
         r0 = _runner((rows, 8), Layout(a, ("x", None)), Layout(b, (None, "x")), 0)
         r2 = _runner((rows, 8), Layout(a, ("x", None)), Layout(b, (None, "x")), 2)
-        (_, sends, _), = r0.rounds
-        (_, _, recvs), = r2.rounds
+        (_, sends, _, _), = r0.rounds
+        (_, _, recvs, _), = r2.rounds
         s_parts, s_offs, s_n, s_own = sends[2]
         r_parts, r_offs, r_n, r_own = recvs[0]
         assert (s_offs, s_n) == (r_offs, r_n)
@@ -75,14 +75,26 @@ def test_small_pieces_coalesce_large_ones_travel_alone_the_same_split_on_both_si
             assert s_own[0][4] is None and r_own[0][3] is not None
 
 
-def test_reductions_across_processes_take_the_steps():
+def test_a_sum_across_processes_sends_each_addend_to_the_root_in_src_order():
     m = Mesh.grid((2, 2), ("x", "y"))
     src = Layout(m, (None,), partial=("x",))
     dst = Layout(m, ("y",))
     p = mc.plan((16,), "float32", src, dst)
-    assert any(t.kind == "reduce" for t in p.transfers)
-    assert not coalescable([p], 1)
-    assert coalescable([p], 4)          # one process owns every device: a local sum
+    sums = [t for t in p.transfers if t.kind == "reduce" and len({d for d in t.srcs}) > 1]
+    assert sums
+    made = 0
+    for r, (_, sends, recvs, mine) in [(r, rd) for r in range(4)
+                                       for rd in Runner([p], rank=r, devices_per_process=1, backend=_Host()).rounds]:
+        made += len(mine)
+        for i, t in mine:                                   # the sums this rank makes
+            assert r == t.dsts[0]
+            got = [part[4] for q in recvs for part in recvs[q][0] + recvs[q][3] if part[1] is t]
+            assert got == [d for d in t.srcs if d != r]     # every other addend, in the plan's order
+        for q, (parts, _, _, own) in sends.items():
+            for part in parts + own:
+                if part[1].kind == "reduce":
+                    assert part[5] == r and part[3] == [] and q == part[1].dsts[0]
+    assert made == len(sums)
 
 
 def test_common_run_takes_exact_host_tiles_only():

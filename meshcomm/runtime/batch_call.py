@@ -22,7 +22,7 @@ from ..validate import check_layouts, check_tile_shapes, infer_shape, resolve_sh
 from .agreement import value
 from ..handle import Handle
 from .program import Program, construct, eager, half, layouts_fp, lookup, new, outside, participants, tags_of
-from .tiles import common_run, empty_like, facts_of, fences_of, fit_of, numpy_views, torch_results
+from .tiles import common_run, empty_like, facts_of, fit_of, numpy_views, torch_results
 from .reshard_call import local_input
 
 __all__ = ["program", "reshard_many", "normalize_batch"]
@@ -100,20 +100,8 @@ class BatchKernel:
             tiling = t.src.tiles(t.shape)
             want = self.want[t.name] = {d: tuple(b - a for a, b in tiling.boxes[d]) for d in own.owned(t.src)}
             self._host.append((t.name, want, fit_of(t.kind, t.devtype, t.dtype), len(own.owned(t.dst)) <= 1))
-        self.prepare_groups(ctx, be)
         self.runner = batch_exec.Runner(plans, rank=ctx.rank, devices_per_process=ctx.devices_per_process,
-                                        backend=be, bucket_bytes=bucket_bytes) \
-            if batch_exec.coalescable(plans, ctx.devices_per_process) else None
-
-    def prepare_groups(self, ctx, be):
-        if not batch_exec.coalescable(self.plans, ctx.devices_per_process):
-            from ..backends import base
-            for p in self.plans:
-                coll = base.collective_reduce_ok(p.dtype, be)
-                need = base.groups_needed(p, ctx.devices_per_process, coll,
-                                          lambda s: be.choose(s.table_op, s.nbytes, len(s.ranks), "cpu"))
-                for b in be.members():
-                    b.prepare_groups(need.get(b.name, []), time.monotonic() + ctx.timeout)
+                                        backend=be, bucket_bytes=bucket_bytes)
 
     def describe(self) -> str:
         return f"{len(self.tensors)} tensors, one message per pair of processes per stage"
@@ -177,13 +165,7 @@ class BatchKernel:
             items.append(batch_exec.BatchItem(p, shards, like, o))
             kinds.append(kind)
         t_run = time.time() if stamp is not None else None
-        fences = fences_of({i: v for i, it in enumerate(items) for v in list(it.shards.values())[:1]})
-        if self.runner is not None:         # worked out at construction
-            res = self.runner.run(items, half(self.tags, self.parity), deadline)
-        else:
-            res = batch_exec.run_batch(items, rank=ctx.rank, devices_per_process=ctx.devices_per_process,
-                                       backend=self.be, tags=half(self.tags, self.parity), deadline=deadline,
-                                       bucket_bytes=self.bucket_bytes, fences=fences)
+        res = self.runner.run(items, half(self.tags, self.parity), deadline)    # worked out at construction
         for i, o in views:                  # torch tiles: torch results over the same memory
             res[i] = torch_results(res[i], o)
         if stamp is not None:

@@ -1,6 +1,6 @@
 """A Program's plan run on the backends: groups created at construction; a run of host tiles
 (NumPy arrays, or CPU torch tensors as NumPy views over their memory) on one host-buffer
-backend, of a plan that reduces nothing across processes and needs no group, goes to the
+backend, of a plan that needs no group (every plan on one host), goes to the
 batch executor worked out then (backends/batch.py `Runner`: a batch of one), any other
 builds the step executor over its tiles (backends/base.py `Execution`), with the Program's
 tags."""
@@ -11,7 +11,7 @@ import numpy as np
 from .. import arrays
 from ..backends import base
 from ..backends.base import from_wire, to_wire
-from ..backends.batch import BatchItem, Runner, coalescable
+from ..backends.batch import BatchItem, Runner
 from ..backends.compressed import CompressedExecution
 from .program import half
 from .tiles import numpy_views, torch_results
@@ -35,8 +35,8 @@ class PlanRun:
                                       lambda s: be.choose(s.table_op, s.nbytes, len(s.ranks), device_kind), device_kind)
             for b in be.members():
                 b.prepare_groups(need.get(b.name, []), deadline)
-            # broadcasts on a group (MPI across hosts) and reductions across processes: the steps
-            if len(be.members()) == 1 and be.wire == "numpy" and not any(need.values()) and coalescable([p], dpp):
+            # collectives on a group (MPI across hosts): the steps
+            if len(be.members()) == 1 and be.wire == "numpy" and not any(need.values()):
                 self.fast = Runner([p], rank=ctx.rank, devices_per_process=dpp, backend=be)
 
     def run(self, shards, like, fences, deadline, out=None, parity=0):
