@@ -40,6 +40,7 @@ from meshcomm.arrays import is_torch as _is_torch
 from meshcomm.reduceops import combine_
 
 from .base import Run, empty_wire, from_wire, issue_steps, to_wire, torch_of
+from .local import alloc_like
 from .pack import pack, unpack
 
 __all__ = ["BatchItem", "Runner", "run_batch"]
@@ -135,7 +136,6 @@ class Runner:
                                     for d, bx in dt_.boxes.items() if rank_of(d) == rank])
 
     def run(self, items, tags, deadline):
-        from .local import alloc_like
         b, rank, dpp = self.b, self.rank, self.dpp
         outs, runs = [], []
         for it, p, shapes, (st, dt) in zip(items, self.plans, self.out_shapes, self.tilings):
@@ -251,7 +251,8 @@ def _host_array(t):
 
 
 # a piece of at least this many bytes travels as a message of its own (no packing into the
-# coalesced message and out of it: two copies of it saved), smaller ones coalesce
+# coalesced message and out of it: two copies of it saved), smaller ones coalesce (a peer's
+# only piece is a message of its own whatever its size)
 OWN_MESSAGE = 64 << 10
 
 
@@ -261,9 +262,10 @@ def _offsets(by_peer):
     out = {}
     for peer in sorted(by_peer):
         parts, offs, n = [], [], 0
-        own = [p for p in by_peer[peer] if p[1].nbytes >= OWN_MESSAGE]
+        lone = len(by_peer[peer]) == 1          # nothing to coalesce it with
+        own = [p for p in by_peer[peer] if lone or p[1].nbytes >= OWN_MESSAGE]
         for part in by_peer[peer]:
-            if part[1].nbytes < OWN_MESSAGE:
+            if not lone and part[1].nbytes < OWN_MESSAGE:
                 parts.append(part)
                 offs.append(n)
                 n += _padded(part[1].nbytes)

@@ -60,19 +60,20 @@ def test_small_pieces_coalesce_large_ones_travel_alone_the_same_split_on_both_si
     a = Mesh([0, 1], ("x",))
     b = Mesh([2, 3], ("x",))
     big = Runner.__init__.__globals__["OWN_MESSAGE"] // 4           # float32 elements
-    for rows in (8, big):                                      # pieces of 128 B, of 64 KiB
-        r0 = _runner((rows, 8), Layout(a, ("x", None)), Layout(b, (None, "x")), 0)
-        r2 = _runner((rows, 8), Layout(a, ("x", None)), Layout(b, (None, "x")), 2)
-        (_, sends, _, _), = r0.rounds
-        (_, _, recvs, _), = r2.rounds
+    src, dst = Layout(a, ("x", None)), Layout(b, (None, "x"))
+    for rows, tensors in ((8, 1), (8, 3), (big, 1), (big, 2)):  # pieces of 128 B, of 64 KiB
+        plans = [mc.plan((rows, 8), "float32", src, dst)] * tensors
+        (_, sends, _, _), = Runner(plans, rank=0, devices_per_process=1, backend=_Host()).rounds
+        (_, _, recvs, _), = Runner(plans, rank=2, devices_per_process=1, backend=_Host()).rounds
         s_parts, s_offs, s_n, s_own = sends[2]
         r_parts, r_offs, r_n, r_own = recvs[0]
         assert (s_offs, s_n) == (r_offs, r_n)
-        assert [p[1] for p in s_parts] == [p[1] for p in r_parts]
-        assert [p[1] for p in s_own] == [p[1] for p in r_own]
-        assert (len(s_parts), len(s_own)) == ((1, 0) if rows == 8 else (0, 1))
-        if s_own:       # rows -> columns: strided in the src tile (packed), one run of the dst tile
-            assert s_own[0][4] is None and r_own[0][3] is not None
+        assert [(p[0], p[1]) for p in s_parts] == [(p[0], p[1]) for p in r_parts]
+        assert [(p[0], p[1]) for p in s_own] == [(p[0], p[1]) for p in r_own]
+        # small pieces of several tensors: one message; a lone or large piece: its own
+        assert (len(s_parts), len(s_own)) == ((3, 0) if tensors == 3 else (0, tensors))
+        for sp, rp in zip(s_own, r_own):    # rows -> columns: strided in the src tile (packed),
+            assert sp[4] is None and rp[3] is not None      # one run of the dst tile
 
 
 def test_a_sum_across_processes_sends_each_addend_to_the_root_in_src_order():
