@@ -153,6 +153,28 @@ def test_a_construction_that_failed_takes_its_meta_back():
     assert (1, 17) in c0.retracted
 
 
+def test_a_relay_carries_the_metas_its_origin_took_back():
+    # rank 3's construction (nonce 17) fails beside the others' run; rank 0 hears of it first
+    # and relays it; rank 2 raises on the relay and constructs again before rank 3's own report
+    # arrives: the relay must already say that rank 3's Meta answers no later agreement (else
+    # rank 2 takes the stale Meta, its error included, for its next attempt at that Program)
+    c0, c1, c2, c3 = channels(4)
+    run = control.Call("run", 5, "all_reduce", 7, 12)
+    c0.call = c1.call = c2.call = run
+    c3.call = control.Call("construct", 5, "all_reduce", 17)
+    boxes = Pipe.boxes
+    c3.fail(ValueError("backend must be one of ..."))        # its own report, with its Meta
+    own = boxes[2][:]                                        # held back at rank 2
+    boxes[2].clear()
+    with pytest.raises(PeerError) as first:
+        c0.raise_pending()
+    c0.fail(first.value)                                     # the relay, to every process
+    with pytest.raises(PeerError, match="rank 3 failed"):
+        c2.raise_pending()
+    assert (3, 17) in c2.retracted
+    boxes[2].extend(own)
+
+
 def test_programs_have_their_own_tags():
     seen = set()
     for pid in range(1, 2000):

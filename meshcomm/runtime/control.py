@@ -201,7 +201,7 @@ class Channel:
         errs = self.errors if now is None else [m for m in self.errors if now(m)]
         if not errs:
             return
-        _, who, call, text, kind, peers, _, _, _ = errs[0]
+        _, who, call, text, kind, peers, _, retracts, _ = errs[0]
         self.errors.clear()
         where = f" in {call}" if call is not None else ""
         mine = f" (this process: {self.call})" if self.call is not None and self.call != call else ""
@@ -210,7 +210,9 @@ class Channel:
             e = PeerTimeoutError(msg, tuple(peers) or (who,), str(call))
         else:
             e = PeerError(msg, who)
-        e.relayed, e.origin = True, (who, text, kind, list(peers))
+        # a relay of it carries the Metas its origin took back: it may reach a process before
+        # the origin's own report does, and that process may construct again in between
+        e.relayed, e.origin, e.retracts = True, (who, text, kind, list(peers)), list(retracts)
         raise e
 
     def watch(self, pending, deadline) -> None:
