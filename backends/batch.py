@@ -294,7 +294,8 @@ def _run_of(tile, whole):
 
 def _finish(b, entry, deadline):
     works, runs, fins, sums = entry
-    b.wait_all(works, deadline)
+    if works:
+        b.wait_all(works, deadline)
     addends: dict = {}
     for buf, parts, offs in fins:
         for (i, t, mine, _, src), off in zip(parts, offs):

@@ -45,7 +45,7 @@ class PlanRun:
         if f is not None:
             host = (shards, like, out) if type(like) is np.ndarray else numpy_views(shards, like, out)
             if host is None:                # on a device, bfloat16...: through host copies
-                return self._staged(shards, like, out, half(self.tags, parity), deadline), None
+                return self._staged(shards, like, out, fences, half(self.tags, parity), deadline), None
             res = f.run([BatchItem(self.plan, *host)], half(self.tags, parity), deadline)[0]
             if host[0] is not shards:       # torch tiles: torch results over the same memory
                 res = torch_results(res, out)
@@ -58,10 +58,13 @@ class PlanRun:
         return ex.finish(deadline)
 
 
-    def _staged(self, shards, like, out, tags, deadline) -> dict:
+    def _staged(self, shards, like, out, fences, tags, deadline) -> dict:
         """A run of torch tiles NumPy cannot view, on the batch executor like every other run
         of this Program (each process's messages must match its peers', whatever its tiles):
-        host copies in, results back to the tiles' device (and into `out=`)."""
+        host copies in (after the producers' streams: `fences`), results back to the tiles'
+        device (and into `out=`)."""
+        for f in fences:
+            f.synchronize()
         dt = np.dtype(arrays.numpy_dtype(self.plan.dtype))
         host = {d: to_wire(v, "numpy").view(dt).reshape(tuple(v.shape)) for d, v in shards.items()}
         res = self.fast.run([BatchItem(self.plan, host, np.empty(0, dt))], tags, deadline)[0]
