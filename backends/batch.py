@@ -37,13 +37,15 @@ from meshcomm.planners.boxes import box_size, contiguous_in, local_slices
 
 from meshcomm.arrays import is_torch as _is_torch
 
+from meshcomm.caches import memo
 from meshcomm.reduceops import combine_
 
-from .base import Run, empty_wire, from_wire, issue_steps, to_wire, torch_of
+from .base import (TAG_MOD, Run, collective_reduce_ok, empty_wire, from_wire, groups_needed, issue_steps, to_wire,
+                   torch_of)
 from .local import alloc_like
 from .pack import pack, unpack
 
-__all__ = ["BatchItem", "Runner", "run_batch"]
+__all__ = ["BatchItem", "Runner", "run_batch", "execute"]
 
 
 @dataclasses.dataclass
@@ -63,6 +65,26 @@ def run_batch(items: Sequence[BatchItem], *, rank: int, devices_per_process: int
     runner = Runner([it.plan for it in items], rank=rank, devices_per_process=devices_per_process,
                     backend=backend, bucket_bytes=bucket_bytes, device_kind=device_kind)
     return runner.run(items, tags, deadline)
+
+
+def execute(plan, shards, like, *, rank: int, devices_per_process: int, backend, deadline) -> dict:
+    """Run this rank's part of one plan on the executor a Program of it would take: the
+    Runner for host tiles on one host-buffer backend where the plan needs no group, else the
+    step executor (`base.execute`). Tools that compare plans (`meshcomm bench run`, the demo)
+    run every plan through it, so the comparison is like for like."""
+    need = groups_needed(plan, devices_per_process, collective_reduce_ok(plan.dtype, backend),
+                         lambda s: backend.choose(s.table_op, s.nbytes, len(s.ranks), "cpu"))
+    if len(backend.members()) == 1 and backend.wire == "numpy" and type(like) is np.ndarray and \
+            not any(need.values()):
+        r = _runner(plan, rank, devices_per_process, backend.members()[0])
+        return r.run([BatchItem(plan, shards, like)], (0, TAG_MOD), deadline)[0]
+    return base.execute(plan, shards, like, rank=rank, devices_per_process=devices_per_process,
+                        backend=backend, deadline=deadline)[0]
+
+
+@memo(maxsize=64)
+def _runner(plan, rank, dpp, backend) -> "Runner":
+    return Runner([plan], rank=rank, devices_per_process=dpp, backend=backend)
 
 
 class Runner:

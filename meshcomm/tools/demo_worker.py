@@ -73,7 +73,7 @@ def _plan_allgather_then_slice(ctx, case: Case, x: dict, me: int):
     """Baseline: the allgather-then-slice plan (meshcomm.planners.baselines: every dst
     device receives the whole tensor along ring-allgather chains, then keeps its box), run
     by the same executor over MPI, so the comparison is like for like."""
-    from meshcomm.backends import base
+    from meshcomm.backends import batch
     from meshcomm.planners.baselines import allgather_slice
     bp = allgather_slice(case.shape, case.dtype, case.src, case.dst)
     be = ctx.get_backend("mpi")
@@ -81,8 +81,8 @@ def _plan_allgather_then_slice(ctx, case: Case, x: dict, me: int):
     box = case.dst.index_map(case.shape).get(me)
 
     def run():
-        out, done = base.execute(bp, x, like, rank=ctx.rank, devices_per_process=1, backend=be,
-                                 deadline=time.monotonic() + ctx.timeout)
+        out = batch.execute(bp, x, like, rank=ctx.rank, devices_per_process=1, backend=be,
+                            deadline=time.monotonic() + ctx.timeout)
         return {d: np.ascontiguousarray(v[box]) for d, v in out.items()}
     return run, bp.bytes_moved
 

@@ -74,7 +74,7 @@ def _run_mpi_part(args, cases) -> list[dict] | None:
     """SPMD body: every rank runs every case; rank 0 returns the rows, others None."""
     from mpi4py import MPI
     import meshcomm as mc
-    from meshcomm.backends import base
+    from meshcomm.backends import batch
     from meshcomm.planners import baselines
     comm = MPI.COMM_WORLD
     me = comm.rank
@@ -109,13 +109,12 @@ def _run_mpi_part(args, cases) -> list[dict] | None:
         be = ctx.get_backend("mpi")
 
         def direct():
-            out, _ = base.execute(p, x, like, rank=me, devices_per_process=1, backend=be,
-                                  deadline=time.monotonic() + ctx.timeout)
-            return out
+            return batch.execute(p, x, like, rank=me, devices_per_process=1, backend=be,
+                                 deadline=time.monotonic() + ctx.timeout)
 
         def ag():
-            out, _ = base.execute(bp, x, like, rank=me, devices_per_process=1, backend=be,
-                                  deadline=time.monotonic() + ctx.timeout)
+            out = batch.execute(bp, x, like, rank=me, devices_per_process=1, backend=be,
+                                deadline=time.monotonic() + ctx.timeout)
             return {d: np.ascontiguousarray(v[box]) for d, v in out.items()}
         methods = []
         for b in backends:
