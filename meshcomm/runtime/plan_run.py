@@ -35,8 +35,9 @@ class PlanRun:
                                       lambda s: be.choose(s.table_op, s.nbytes, len(s.ranks), device_kind), device_kind)
             for b in be.members():
                 b.prepare_groups(need.get(b.name, []), deadline)
-            # collectives on a group (MPI across hosts): the steps
-            if len(be.members()) == 1 and be.wire == "numpy" and not any(need.values()):
+            # collectives on a group (MPI across hosts), and device tiles agreed on (eager calls,
+            # device="cuda"): the steps, which stage each message through the host
+            if len(be.members()) == 1 and be.wire == "numpy" and device_kind == "cpu" and not any(need.values()):
                 self.fast = Runner([p], rank=ctx.rank, devices_per_process=dpp, backend=be)
 
     def run(self, shards, like, fences, deadline, out=None, parity=0):
@@ -44,7 +45,7 @@ class PlanRun:
         f = self.fast
         if f is not None:
             host = (shards, like, out) if type(like) is np.ndarray else numpy_views(shards, like, out)
-            if host is None:                # on a device, bfloat16...: through host copies
+            if host is None:                # bfloat16, or on a device where no process said: host copies
                 return self._staged(shards, like, out, fences, half(self.tags, parity), deadline), None
             res = f.run([BatchItem(self.plan, *host)], half(self.tags, parity), deadline)[0]
             if host[0] is not shards:       # torch tiles: torch results over the same memory
