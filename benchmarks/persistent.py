@@ -2,9 +2,10 @@
 
     .venv/bin/mpiexec -n 2 .venv/bin/python benchmarks/persistent.py [--sizes 1K,16K,64K,256K] [--calls 200] [--reps 5]
 
-Two Programs per op and size, constructed alike on every process: one with
-`native_call.PERSISTENT_MAX` as shipped (a persistent request up to 8 KiB: the tile copied
-in, `Start`, the result copied out), one with it 0 (a new non-blocking call per run). Each
+Two Programs per op and size, constructed alike on every process: one as a persistent request
+at every size (the tile copied in, `Start`, the result copied out), one as a new non-blocking
+call per run (`native_call.PERSISTENT_MAX` and `PERSISTENT_MAX_ALL_TO_ALL` say which a
+Program takes: 64 KiB, all_to_all 16 KiB). Each
 form runs `--calls` times per loop, the forms taking turns in each of `--reps` rounds after a
 polite barrier; the figure is the median over rounds of the slowest process's time per run,
 and the ratio non-blocking / persistent (> 1: the persistent request is faster).
@@ -37,7 +38,7 @@ def main(argv=None) -> int:
     world = MPI.COMM_WORLD
     n = ctx.world_size
     mesh = mc.Mesh(np.arange(n), ("x",))
-    shipped = native_call.PERSISTENT_MAX
+    shipped = native_call.PERSISTENT_MAX, native_call.PERSISTENT_MAX_ALL_TO_ALL
     rows = []
     for op in OPS:
         for s in args.sizes.split(","):
@@ -46,10 +47,10 @@ def main(argv=None) -> int:
             x = np.ones(elems, np.float32)
             kw = {"root": 0} if op == "broadcast" else {}
             progs = {}
-            for name, cap in (("persistent", shipped), ("non-blocking", 0)):
-                native_call.PERSISTENT_MAX = cap
+            for name, cap in (("persistent", 1 << 30), ("non-blocking", 0)):
+                native_call.PERSISTENT_MAX = native_call.PERSISTENT_MAX_ALL_TO_ALL = cap
                 progs[name] = getattr(mc.Program, op)(mesh, "x", shape=x.shape, dtype=x.dtype, **kw)
-            native_call.PERSISTENT_MAX = shipped
+            native_call.PERSISTENT_MAX, native_call.PERSISTENT_MAX_ALL_TO_ALL = shipped
             times = {k: [] for k in progs}
             for rnd in range(args.reps + 1):
                 for k, p in progs.items():

@@ -142,8 +142,11 @@ def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> tuple:
 
 
 # largest buffer (bytes) of a native MPI call run as a persistent request: below it, copying
-# the tile in and the result out costs less than posting a new request (BENCHMARKS 5)
-PERSISTENT_MAX = 8 << 10
+# the tile in and the result out costs less than posting a new request (BENCHMARKS 5: 16 and
+# 64 KiB faster persistent at 2 and 8 processes), except MPICH's persistent all_to_all, half
+# the speed of its non-blocking one at 64 KiB on 2 processes
+PERSISTENT_MAX = 64 << 10
+PERSISTENT_MAX_ALL_TO_ALL = 16 << 10
 
 
 def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key):
@@ -199,7 +202,8 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key):
     # the same answer on every member (a persistent call matches no non-blocking one): the
     # largest buffer of any member, a root's gathered or scattered whole included
     whole = sum(counts) if req.op in ("all_gather", "gather", "scatter") else n * dtype.itemsize
-    if max(whole, n * dtype.itemsize) > PERSISTENT_MAX or not hasattr(prim, "_persistent"):
+    cap = PERSISTENT_MAX_ALL_TO_ALL if req.op == "all_to_all" else PERSISTENT_MAX
+    if max(whole, n * dtype.itemsize) > cap or not hasattr(prim, "_persistent"):
         return post
     start = prim.bind(what, ranks, comm, bufs=(send, recv), **kw)
     fill = fill and send.nbytes > 0
