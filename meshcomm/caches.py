@@ -52,6 +52,6 @@ def registry(maxsize: int = 1024) -> BoundedDict:
 
 def clear_caches() -> None:
     """Empty every cache meshcomm keeps: plans, tilings, layouts checked against shapes,
-    rank programs, the agreement check's vectors, tuning lookups, owned devices."""
+    the batch executors of bare plans, the agreement check's vectors, tuning lookups, owned devices."""
     for c in _CACHES:
         c.cache_clear()
