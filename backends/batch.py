@@ -33,19 +33,18 @@ from typing import Sequence
 from . import base
 import numpy as np
 
-from meshcomm.planners.boxes import box_size, contiguous_in, local_slices
+from meshcomm.planners.boxes import contiguous_in, local_slices
 
 from meshcomm.arrays import is_torch as _is_torch
 
 from meshcomm.caches import memo
 from meshcomm.reduceops import combine_
 
-from .base import (TAG_MOD, Run, collective_reduce_ok, empty_wire, from_wire, groups_needed, issue_steps, to_wire,
-                   torch_of)
-from .local import alloc_like
+from .base import (TAG_MOD, Run, collective_reduce_ok, empty_wire, from_wire, groups_needed, issue_steps,
+                   out_specs, result_tiles, to_wire, torch_of)
 from .pack import pack, unpack
 
-__all__ = ["BatchItem", "Runner", "run_batch", "execute"]
+__all__ = ["BatchItem", "Runner", "run_batch", "execute", "plan_runner"]
 
 
 @dataclasses.dataclass
@@ -67,24 +66,33 @@ def run_batch(items: Sequence[BatchItem], *, rank: int, devices_per_process: int
     return runner.run(items, tags, deadline)
 
 
+def plan_runner(plan, rank: int, dpp: int, backend, need) -> "Runner | None":
+    """The Runner of one plan where it runs there: one backend taking host buffers, and no
+    group among `need` (base.groups_needed: collectives on groups, MPI across hosts); None
+    where the step executor runs it. From the plan and the backend alone, so every process
+    of a run decides alike (the two lay messages out differently)."""
+    if len(backend.members()) == 1 and backend.wire == "numpy" and not any(need.values()):
+        return Runner([plan], rank=rank, devices_per_process=dpp, backend=backend.members()[0])
+    return None
+
+
 def execute(plan, shards, like, *, rank: int, devices_per_process: int, backend, deadline) -> dict:
-    """Run this rank's part of one plan on the executor a Program of it would take: the
-    Runner for host tiles on one host-buffer backend where the plan needs no group, else the
-    step executor (`base.execute`). Tools that compare plans (`meshcomm bench run`, the demo)
-    run every plan through it, so the comparison is like for like."""
-    need = groups_needed(plan, devices_per_process, collective_reduce_ok(plan.dtype, backend),
-                         lambda s: backend.choose(s.table_op, s.nbytes, len(s.ranks), "cpu"))
-    if len(backend.members()) == 1 and backend.wire == "numpy" and type(like) is np.ndarray and \
-            not any(need.values()):
-        r = _runner(plan, rank, devices_per_process, backend.members()[0])
+    """Run this rank's part of one plan on the executor a Program of it would take
+    (`plan_runner`, else the step executor `base.execute`). Tools that compare plans
+    (`meshcomm bench run`, the demo) run every plan through it, so the comparison is like
+    for like."""
+    r = _runner(plan, rank, devices_per_process, backend) if type(like) is np.ndarray else None
+    if r is not None:
         return r.run([BatchItem(plan, shards, like)], (0, TAG_MOD), deadline)[0]
     return base.execute(plan, shards, like, rank=rank, devices_per_process=devices_per_process,
                         backend=backend, deadline=deadline)[0]
 
 
 @memo(maxsize=64)
-def _runner(plan, rank, dpp, backend) -> "Runner":
-    return Runner([plan], rank=rank, devices_per_process=dpp, backend=backend)
+def _runner(plan, rank, dpp, backend) -> "Runner | None":
+    need = groups_needed(plan, dpp, collective_reduce_ok(plan.dtype, backend),
+                         lambda s: backend.choose(s.table_op, s.nbytes, len(s.ranks), "cpu"))
+    return plan_runner(plan, rank, dpp, backend, need)
 
 
 class Runner:
@@ -150,25 +158,14 @@ class Runner:
                 # (a sort that keeps the addends of one sum in the plan's order of its srcs)
                 order = lambda d: {q: [x for _, x in sorted(v, key=lambda e: e[0])] for q, v in d.items()}  # noqa: E731
                 self.rounds.append((local, _offsets(order(sends)), _offsets(order(recvs)), sums))
-        self.out_shapes = []
+        self.out_shapes = [out_specs(p, rank, dpp) for p in plans]
         self.tilings = [(p.src.tiles(p.shape), p.dst.tiles(p.shape)) for p in plans]
-        for p, (_, dt_) in zip(plans, self.tilings):
-            zero = set(p.zero_fill)
-            self.out_shapes.append([(d, tuple(hi - lo for lo, hi in bx), d in zero or box_size(bx) == 0)
-                                    for d, bx in dt_.boxes.items() if rank_of(d) == rank])
 
     def run(self, items, tags, deadline):
         b, rank, dpp = self.b, self.rank, self.dpp
         outs, runs = [], []
         for it, p, shapes, (st, dt) in zip(items, self.plans, self.out_shapes, self.tilings):
-            out = {}
-            for d, shape, zero in shapes:
-                if it.out is not None and d in it.out:
-                    out[d] = it.out[d]
-                    if zero:
-                        out[d][...] = alloc_like(it.like, shape, True, p.fill_op)
-                else:
-                    out[d] = alloc_like(it.like, shape, zero, p.fill_op)
+            out = result_tiles(p, shapes, it.like, it.out)
             outs.append(out)
             runs.append(Run(p, it.shards, out, it.like, rank, lambda d: d // dpp, st, dt, None))
         base.issued[("batch", b.name)] += 1
@@ -197,19 +194,10 @@ class Runner:
             for peer, (parts, offs, n, own) in sends.items():
                 if parts:
                     works.append(b.isend(self._message(runs, parts, offs, n), peer, tag))
-                for part in own:        # a broadcast's piece: packed once for every peer
+                for part in own:        # a broadcast's piece: made once for every peer
                     v = ready.get(id(part))
                     if v is None:
-                        i, t, slices, mine, whole, dev = part
-                        run = runs[i]
-                        tile = (run.shards if t.src_buf == "src" else run.out)[dev]
-                        v = _run_of(tile, whole) if host and whole is not None else None
-                        if v is None:
-                            v = self._message(runs, [part], [0], t.nbytes)
-                        else:
-                            for d, sl in mine:      # this rank's own copies: box to box
-                                run.out[d][sl[0]] = tile[slices[0]]
-                        ready[id(part)] = v
+                        v = ready[id(part)] = self._message(runs, [part], [0], part[1].nbytes)
                     works.append(b.isend(v, peer, tag))
                 base.issued[(b.name, "p2p_batched")] += 1
             for i, t, copies in local:  # while the messages travel
@@ -230,11 +218,18 @@ class Runner:
 
     def _message(self, runs, parts, offs, n):
         """The pieces for one peer packed straight into one buffer of the wire kind (a lone
-        contiguous piece is sent from its tile)."""
+        contiguous piece is sent from its tile, this rank's own copies of it made box to box)."""
         wire = self.b.wire
         if len(parts) == 1 and offs[0] == 0:
-            i, t, slices, mine, _, dev = parts[0]
-            v = runs[i]._packed(t, dev)
+            i, t, slices, mine, whole, dev = parts[0]
+            run = runs[i]
+            tile = (run.shards if t.src_buf == "src" else run.out)[dev]
+            v = _run_of(tile, whole) if whole is not None and wire == "numpy" else None
+            if v is not None:
+                for d, sl in mine:
+                    run.out[d][sl[0]] = tile[slices[0]]
+                return v
+            v = run._packed(t, dev)
             for d, sl in mine:
                 unpack(v, runs[i].out[d], sl)
             if _size(v) % ALIGN == 0 or _size(v) == n:

@@ -11,7 +11,7 @@ import numpy as np
 from .. import arrays
 from ..backends import base
 from ..backends.base import from_wire, to_wire
-from ..backends.batch import BatchItem, Runner
+from ..backends.batch import BatchItem, plan_runner
 from ..backends.compressed import CompressedExecution
 from .program import half
 from .tiles import numpy_views, torch_results
@@ -35,10 +35,10 @@ class PlanRun:
                                       lambda s: be.choose(s.table_op, s.nbytes, len(s.ranks), device_kind), device_kind)
             for b in be.members():
                 b.prepare_groups(need.get(b.name, []), deadline)
-            # collectives on a group (MPI across hosts), and device tiles agreed on (eager calls,
-            # device="cuda"): the steps, which stage each message through the host
-            if len(be.members()) == 1 and be.wire == "numpy" and device_kind == "cpu" and not any(need.values()):
-                self.fast = Runner([p], rank=ctx.rank, devices_per_process=dpp, backend=be)
+            # device tiles agreed on (eager calls, device="cuda"): the steps, which stage each
+            # message through the host
+            if device_kind == "cpu":
+                self.fast = plan_runner(p, ctx.rank, dpp, be, need)
 
     def run(self, shards, like, fences, deadline, out=None, parity=0):
         ctx = self.ctx
@@ -57,7 +57,6 @@ class PlanRun:
             out=out)
         ex.start()
         return ex.finish(deadline)
-
 
     def _staged(self, shards, like, out, fences, tags, deadline) -> dict:
         """A run of torch tiles NumPy cannot view, on the batch executor like every other run
