@@ -230,10 +230,10 @@ def test_no_init_under_a_launcher_refuses_to_run_alone(tmp_path):
     init; backend="local" on the call or init(backend="local") runs it alone on purpose."""
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
-    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(ROOT / "tests" / "workers" / "no_init_worker.py")],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(ROOT / "tests" / "workers" / "no_init_worker.py"),
+                        str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    res = [json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    res = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
     assert len(res) == 2
     for x in res:
         for name in ("all_reduce", "reshard", "all_to_all_v", "Program.all_reduce"):

@@ -1,7 +1,10 @@
 """Under a launcher without meshcomm.init: every entry point refuses to run alone (each process
 would compute its own one-process result); init(backend="local") or backend="local" says so.
-Prints `RESULT {json}` per rank."""
+Writes `rank<r>.json` into the folder given as its argument (two ranks printing at once can
+share one line of mpiexec's output)."""
 import json
+import os
+import sys
 
 import numpy as np
 
@@ -27,4 +30,6 @@ for name, fn in calls.items():
 mc.init(backend="local")
 res["after_init_local"] = float(mc.all_reduce(x, mesh, "x")[0][0])
 mc.finalize()
-print("RESULT " + json.dumps(res), flush=True)
+rank = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or str(os.getpid())
+with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+    json.dump(res, f)
