@@ -182,37 +182,50 @@ def timeout_error(rank, works: Sequence[Work], timeout: float | None) -> PeerTim
 WATCH: Callable | None = None
 
 
+def quick(test, polite: bool | None = None) -> bool:
+    """Whether `test()` turns true within QUICK polls, yielding the core every EVERY polls
+    where `polite` (default: where processes outnumber cores, as `backoff` does): a wait's
+    tight loop, without the clock or the control channel."""
+    if polite is None:
+        polite = not SPIN
+    for i in range(1, QUICK + 1):
+        if test():
+            return True
+        if polite and not i % EVERY:
+            os.sched_yield()
+    return False
+
+
 def wait_polling(works: Sequence[Work], deadline: float | None, rank=None, timeout=None, watched=True,
                  test_all=None) -> None:
     """The one poll/deadline loop: every wait of every backend ends here (or polls `watch`).
     Unwatched (a communicator's creation), only the deadline ends it: a member already past
     its part of a collective creation is not "in another call". `test_all()`: whether every
     work is done, in one call (MPI's Testall: one pass of its progress engine for all of
-    them); the works are then tested one by one only every LOOK_S (the deadline, the control
-    channel and the peers still awaited) or where it raises (the works name what failed)."""
+    them), polled in rounds of QUICK (`quick`); the works are tested one by one only every
+    LOOK_S (the deadline, the control channel and the peers still awaited), the first time
+    LOOK_S into the wait (the control channel's poll is an MPI_Iprobe, where MPICH may yield
+    the core: a short wait would pay a turn of the other processes for it), or where
+    `test_all` raises (the works name what failed)."""
     if test_all is None and len(works) == 1:
         test_all = works[0].test
-    if test_all is not None:            # short messages: done within a few tests
-        try:
-            for i in range(1, QUICK + 1):
-                if test_all():
-                    return
-                if not SPIN and not i % EVERY:
-                    os.sched_yield()
-        except Exception:  # noqa: BLE001 - the works' own tests below name the failure
-            test_all = None
     pending = list(works)
     spins = 0
-    look = 0.0
+    look = time.monotonic() + LOOK_S if test_all is not None else 0.0
     while pending:
-        if test_all is not None and time.monotonic() < look:
+        if test_all is not None and (not spins or time.monotonic() < look):
             try:
-                if test_all():
-                    return
-            except Exception:  # noqa: BLE001 - as above
+                if spins < YIELD:
+                    if quick(test_all, spins >= SPIN):
+                        return
+                    spins += QUICK
+                else:
+                    if test_all():
+                        return
+                    spins += 1
+                    backoff(spins)
+            except Exception:  # noqa: BLE001 - the works' own tests below name the failure
                 test_all = None
-            spins += 1
-            backoff(spins)
             continue
         still = [w for w in pending if not w.test()]
         if len(still) < len(pending):

@@ -119,11 +119,12 @@ class CollectiveKernel:
             self.posts = native_call.posters(ctx, nat, req, a.dtype, a.tile, a.shapes, a.kind or "numpy", deadline)
             if len(self.posts[0]) == 1:
                 self._one = [p[0][1:] for p in self.posts]
-        # the lean run (Program.start): a bare NumPy tile on one persistent native call
-        self._direct = None
+        # the lean run (Program.__call__): a bare NumPy tile of this shape and dtype, on one
+        # persistent native call: (shape, dtype, its functions per run parity)
+        self.lean = None
         if self._one is not None and self._bare is not None and prob.scale == 1 and \
                 all(hasattr(post, "direct") for _, post in self._one):
-            self._direct = tuple(post.direct for _, post in self._one)
+            self.lean = (self._bare[1], self._bare[2], tuple(post.direct for _, post in self._one))
         else:
             self.plan = make_plan(prob.shape, a.dtype[0], prob.src, prob.dst)
             comp = None if req.compression is None else codec_cost.resolve(
@@ -138,14 +139,6 @@ class CollectiveKernel:
 
     def facts(self, st) -> tuple:
         return tuple(sorted((d, tuple(v.shape)) for d, v in st[0].items()))
-
-    def direct(self, x):
-        """The lean run's functions, one per run parity, (tile, deadline) -> result, where `x`
-        is this Program's common run on one persistent native call; else None."""
-        d, f = self._direct, self._bare
-        if d is not None and type(x) is np.ndarray and x.shape == f[1] and x.dtype == f[2]:
-            return d
-        return None
 
     def prepare(self, x, out):
         f = self._bare
@@ -283,8 +276,8 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
         # a bare NumPy tile: its Program is found by its own facts (the run checks the rest)
         prog = ctx.call(lookup, ctx, ("collective", req, be.name),
                         (arrays.dtype_of(x), "numpy", "cpu", ((owned[0], x.shape),)))
-        if prog is not None:
-            return prog.start(x, async_op, None, stamp)
+        if prog is not None:            # the lean run where it applies (Program.__call__)
+            return prog(x, async_op=async_op) if stamp is None else prog.start(x, async_op, None, stamp)
     if not owned:                           # no device of the mesh here: nothing to agree or move
         _owned_tiles(ctx, req, x, owned)
         res = None if not isinstance(x, Mapping) else {}

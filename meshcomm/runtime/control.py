@@ -78,6 +78,11 @@ class Recorder:
         self.ring.append(e)
         return e
 
+    def finished(self, call: Call, t0: float) -> None:
+        """A call that finished without waiting (a Program's quick lean run), started at t0."""
+        self.seq += 1
+        self.ring.append([self.seq, call, "done", (), t0, time.time()])
+
     @staticmethod
     def waiting(e: list, peers) -> None:
         e[2], e[3] = "waiting", sorted(peers)
@@ -305,11 +310,12 @@ class entering:
         return False
 
 
-def enter(ch: Channel | None, call: Call):
-    """This process is in `call` now: what it was in before (for `leave`)."""
+def enter(ch: Channel | None, call: Call, check: bool = True):
+    """This process is in `call` now: what it was in before (for `leave`). `check`: raise
+    what peers reported first (a lean run looked before it posted)."""
     if ch is None:
         return None
-    if ch.errors:
+    if check and ch.errors:
         ch.raise_pending()
     prev = (ch.call, ch.entry, ch._wait_start, ch._stall_sent)
     ch.call = call

@@ -225,17 +225,19 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key):
             return [w], lambda: {me: out.copy()}
         return [w], lambda: {me: from_wire(res.view(np.uint8).copy(), x).reshape(shape)}
 
-    def direct(x, deadline):
-        """`run` of a NumPy tile start to finish (a Program's lean run): the result, or None
-        where this process gets none."""
-        issued[key, req.op] += 1
+    counted = (key, req.op)
+
+    def post(x):
+        """`run` of a NumPy tile, posted (a Program's lean run): the started request's Work."""
+        issued[counted] += 1
         if fill:
             np.copyto(src, x)
-        w = start()
-        if not w.test():
-            prim.wait_all([w], deadline)
+        return start()
+
+    def result():
+        """The lean run's result once its Work is done, or None where this process gets none."""
         return out.copy() if gets else None
-    run.direct = direct
+    run.direct = (post, result, prim)
     return run
 
 
