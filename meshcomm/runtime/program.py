@@ -135,6 +135,8 @@ class Program:
                 w = post(x)
                 if base.quick(w.test):
                     control.RECORDER.finished(control.Call("run", self.id, self.label, self.runs, seq), t0)
+                    if ch.incident:
+                        ch.incident = set()     # a call succeeded, as control.leave says
                     return result()
                 e = None
             except Exception as err:        # noqa: BLE001 - raised below, in the call's context
