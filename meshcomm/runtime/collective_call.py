@@ -123,8 +123,8 @@ class CollectiveKernel:
         # persistent native call: (shape, dtype, its functions per run parity)
         self.lean = None
         if self._one is not None and self._bare is not None and prob.scale == 1 and \
-                all(hasattr(post, "direct") for _, post in self._one):
-            self.lean = (self._bare[1], self._bare[2], tuple(post.direct for _, post in self._one))
+                all(hasattr(post, "lean") for _, post in self._one):
+            self.lean = (self._bare[1], self._bare[2], tuple(post.lean for _, post in self._one))
         else:
             self.plan = make_plan(prob.shape, a.dtype[0], prob.src, prob.dst)
             comp = None if req.compression is None else codec_cost.resolve(
@@ -277,7 +277,7 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
         prog = ctx.call(lookup, ctx, ("collective", req, be.name),
                         (arrays.dtype_of(x), "numpy", "cpu", ((owned[0], x.shape),)))
         if prog is not None:            # the lean run where it applies (Program.__call__)
-            return prog(x, async_op=async_op) if stamp is None else prog.start(x, async_op, None, stamp)
+            return prog(x, async_op=async_op)
     if not owned:                           # no device of the mesh here: nothing to agree or move
         _owned_tiles(ctx, req, x, owned)
         res = None if not isinstance(x, Mapping) else {}

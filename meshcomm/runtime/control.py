@@ -78,11 +78,6 @@ class Recorder:
         self.ring.append(e)
         return e
 
-    def finished(self, call: Call, t0: float) -> None:
-        """A call that finished without waiting (a Program's quick lean run), started at t0."""
-        self.seq += 1
-        self.ring.append([self.seq, call, "done", (), t0, time.time()])
-
     @staticmethod
     def waiting(e: list, peers) -> None:
         e[2], e[3] = "waiting", sorted(peers)
@@ -342,6 +337,17 @@ def leave(ch: Channel | None, prev, ev=None) -> None:
                 ch.incident = set()         # a call succeeded: a later report is news
     finally:
         ch.call, ch.entry, ch._wait_start, ch._stall_sent = prev
+
+
+def finished(ch: Channel, call: Call, t0: float) -> None:
+    """`call`, started at t0, finished without entering its control context (a Program's
+    quick lean run): its flight-recorder entry; like any call that succeeds (`leave`), it
+    ends the incident of this process's last failure."""
+    r = RECORDER
+    r.seq += 1
+    r.ring.append([r.seq, call, "done", (), t0, time.time()])
+    if ch.incident:
+        ch.incident = set()
 
 
 def dump(rank: int) -> str | None:

@@ -237,7 +237,7 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key):
     def result():
         """The lean run's result once its Work is done, or None where this process gets none."""
         return out.copy() if gets else None
-    run.direct = (post, result, prim)
+    run.lean = (post, result, prim)
     return run
 
 

@@ -127,41 +127,43 @@ class Program:
         if last is not None and not last.done():
             ctx.call(lambda: None)
         with ctx._lock:
-            seq = ctx.seq[self.ranks] = ctx.seq.get(self.ranks, 0) + 1      # next_seq
+            seq = ctx.seq[self.ranks] = ctx.seq.get(self.ranks, 0) + 1      # next_seq, inline (hot path)
             post, result, prim = fns[seq & 1]
             self.runs += 1
             t0 = time.time()
             try:
                 w = post(x)
-                if base.quick(w.test):
-                    control.RECORDER.finished(control.Call("run", self.id, self.label, self.runs, seq), t0)
-                    if ch.incident:
-                        ch.incident = set()     # a call succeeded, as control.leave says
-                    return result()
-                e = None
-            except Exception as err:        # noqa: BLE001 - raised below, in the call's context
-                e = err
+                failed, done = None, base.quick(w.test)
+            except Exception as e:          # noqa: BLE001 - raised below, in the call's context
+                failed, done = e, False
             call = control.Call("run", self.id, self.label, self.runs, seq)
-            prev = control.enter(ch, call, check=False)
-            try:
-                if e is not None:
-                    raise e
+            if done:
+                control.finished(ch, call, t0)
+                return result()
+
+            def wait():
+                if failed is not None:
+                    raise failed
                 prim.wait_all([w], time.monotonic() + ctx.timeout)
-            except Exception as e2:
-                self.failed = f"run {call.run}: {type(e2).__name__}"
-                control.leave(ch, prev, e2)
-                raise
-            control.leave(ch, prev)
-            return result()
+                return result()
+            return self._in_call(ch, call, wait, check=False)
 
     def _go(self, ch, call, st, stamp):
         """The run itself, in the call's control context (on the calling or the queue's thread)."""
-        prev = control.enter(ch, call)
-        try:
+        def run():
             if self.check_every:
                 self._agree_run(st)
             self._kernel.parity = call.seq & 1      # runs one at a time, in call order (ctx._lock)
-            r = self._kernel.run(st, time.monotonic() + self.ctx.timeout, stamp)
+            return self._kernel.run(st, time.monotonic() + self.ctx.timeout, stamp)
+        return self._in_call(ch, call, run)
+
+    def _in_call(self, ch, call, fn, check=True):
+        """`fn()` in the call's control context (`control.enter`, whose `check` raises what
+        peers reported first): an error fails this Program, unless it concerns this process
+        alone, and every peer is told (`control.leave`)."""
+        prev = control.enter(ch, call, check)
+        try:
+            r = fn()
         except Exception as e:
             if not getattr(e, "local_only", False):
                 self.failed = f"run {call.run}: {type(e).__name__}"
