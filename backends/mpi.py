@@ -112,7 +112,17 @@ def timed_allgather(comm, obj, deadline, tag, timeout, what, why, accept=None, s
         t = f"{timeout:g}s" if timeout is not None else "the timeout"
         return PeerTimeoutError(f"rank {rank}: peer rank(s) {pending} did not arrive at {what} within {t} "
                                 f"(MESHCOMM_TIMEOUT): they {why}, or died", pending, what)
-    poll_peers([r for r in ranks if r != rank], take, deadline, late)
+    try:
+        poll_peers([r for r in ranks if r != rank], take, deadline, late)
+    except BaseException:
+        # given up (a peer's error, a stall, the deadline): what came in waits, first in line,
+        # for this tag's next attempt, where `accept` judges it again (a peer's next attempt's
+        # Meta, read here ahead of its round, would otherwise be lost and that attempt wait
+        # for it until its deadline; one its sender retracts is dropped there)
+        for r, v in out.items():
+            if r != rank:
+                stash[(r, tag)] = [v] + stash.get((r, tag), [])
+        raise
     wait_polling(sends, deadline, rank, timeout)
     return [out[r] for r in ranks]
 

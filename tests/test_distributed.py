@@ -241,6 +241,22 @@ def test_no_init_under_a_launcher_refuses_to_run_alone(tmp_path):
         assert x["after_init_local"] == 6.0
 
 
+@pytest.mark.mpi
+def test_an_allgather_given_up_keeps_what_came_in(tmp_path):
+    """A peer's Meta read during an agreement that then failed (a stall, the deadline) waits for
+    the next attempt on its tag (backends/mpi.py timed_allgather): without it, a process whose
+    failed construction had read a peer's next attempt waited for that peer until its deadline
+    (tests/workers/perf_worker.py failed so in about 1 launch of 20)."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    r = subprocess.run([MPIEXEC, "-n", "3", sys.executable, str(ROOT / "tests" / "workers" / "allgather_worker.py"),
+                        str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "rank0.json").read_text())
+    assert res["first"] == [2], res
+    assert res["second"] == ["zero again", ["one"], ["two"]], res
+
+
 FREEZE = [("mpi", st, form) for st in ("agreement", "create", "transfer") for form in ("eager", "program")] + \
     [("torch", "agreement", "program"), ("torch", "transfer", "program"), ("torch", "transfer", "eager")]
 
