@@ -89,7 +89,8 @@ class Recorder:
             e[3] = ()
 
     def records(self):
-        return [{"seq": seq, "what": c.what, "program": c.program, "label": c.label, "run": c.run, "state": st,
+        """The ring as dicts (a Program's quick lean run keeps its Call as a plain tuple)."""
+        return [{"seq": seq, "what": c[0], "program": c[1], "label": c[2], "run": c[3], "state": st,
                  "awaiting": list(aw), "t_start": t0, "t_end": t1} for seq, c, st, aw, t0, t1 in self.ring]
 
 
@@ -337,17 +338,6 @@ def leave(ch: Channel | None, prev, ev=None) -> None:
                 ch.incident = set()         # a call succeeded: a later report is news
     finally:
         ch.call, ch.entry, ch._wait_start, ch._stall_sent = prev
-
-
-def finished(ch: Channel, call: Call, t0: float) -> None:
-    """`call`, started at t0, finished without entering its control context (a Program's
-    quick lean run): its flight-recorder entry; like any call that succeeds (`leave`), it
-    ends the incident of this process's last failure."""
-    r = RECORDER
-    r.seq += 1
-    r.ring.append([r.seq, call, "done", (), t0, time.time()])
-    if ch.incident:
-        ch.incident = set()
 
 
 def dump(rank: int) -> str | None:

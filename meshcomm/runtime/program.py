@@ -23,6 +23,7 @@ exchange), then runs the Program of the agreed facts.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Callable
 
@@ -37,6 +38,13 @@ from . import agreement, control
 from .agreement import Meta
 
 __all__ = ["Program", "construct", "eager", "lookup", "tags_of", "half"]
+
+_GENERAL = object()        # the lean run declines: the general run takes it
+
+
+def _nothing():
+    return None
+
 
 TAG_SPAN = 1 << 18          # tags per Program: a step's tag is first + index % TAG_SPAN
 
@@ -63,7 +71,8 @@ class Program:
         self.failed: str | None = None
         self.check_every = settings.get("CHECK") == "every"     # read at construction
         # the lean run (__call__; the kernel's `lean`); not where every run is agreed
-        self._lean_fit = None if self.check_every else getattr(kernel, "lean", None)
+        lean = None if self.check_every or ctx is None else getattr(kernel, "lean", None)
+        self._lean = None if lean is None else self._lean_run(*lean)
 
     def __repr__(self) -> str:
         return f"Program(#{self.id} {self.label}, runs={self.runs})"
@@ -72,15 +81,13 @@ class Program:
     def __call__(self, x=None, *more, async_op: bool = False, out=None, recv_counts=None):
         """Run it on this process's input `x` (all_to_all_v: `prog(x, send_counts,
         recv_counts=None)`: counts are data)."""
+        lean = self._lean
+        if lean is not None and type(x) is np.ndarray and out is None and not (more or async_op or _log.ON):
+            r = lean(x)
+            if r is not _GENERAL:
+                return r
         if more or recv_counts is not None:
             x = (x, more[0] if more else None, more[1] if len(more) > 1 else recv_counts)
-        else:
-            f = self._lean_fit
-            if f is not None and type(x) is np.ndarray and x.shape == f[0] and x.dtype == f[1] and out is None \
-                    and not async_op and not _log.ON:
-                ch = control._CHANNEL
-                if self.failed is None and ch is not None and not ch.errors and self.id not in ch.failed:
-                    return self._lean(ch, x, f[2])
         return self.start(x, async_op, out, _log.stamp(async_op) if _log.ON else None)
 
     def start(self, x, async_op, out, stamp, st=None):
@@ -116,37 +123,64 @@ class Program:
             r = self._go(ch, call, st, stamp)
         return k.finish(r)
 
-    def _lean(self, ch, x, fns):
-        """The lean run (`__call__`: a bare NumPy tile on one persistent native call, no peer
-        failure pending): post, poll a few times, take the result. Only a run that does not
-        finish within those polls enters the control context that a stalled wait needs; a
-        quick one leaves its finished record (BENCHMARKS 5: every microsecond of Python
-        before a process posts costs several at 8 processes on 2 cores)."""
-        ctx = self.ctx
-        last = ctx._last                        # after the asynchronous calls issued before
-        if last is not None and not last.done():
-            ctx.call(lambda: None)
-        with ctx._lock:
-            seq = ctx.seq[self.ranks] = ctx.seq.get(self.ranks, 0) + 1      # next_seq, inline (hot path)
-            post, result, prim = fns[seq & 1]
-            self.runs += 1
-            t0 = time.time()
-            try:
-                w = post(x)
-                failed, done = None, base.quick(w.test)
-            except Exception as e:          # noqa: BLE001 - raised below, in the call's context
-                failed, done = e, False
-            call = control.Call("run", self.id, self.label, self.runs, seq)
-            if done:
-                control.finished(ch, call, t0)
-                return result()
+    def _lean_run(self, shape, dtype, fns):
+        """The lean run (`__call__`) of a kernel with a `lean` (a bare NumPy tile of `shape`
+        and `dtype` on one persistent native call; `fns`: its post, result, primitive and
+        request's own test, per run parity): post, poll until the wait's first look at the
+        control channel (`base.LOOK_S`), take the result; everything it reads is bound here
+        once. A run not done by then enters the control context that a stalled wait needs;
+        a quick one leaves its finished record. Anything else (another tile, a peer's
+        failure pending, this Program failed) returns _GENERAL: the general run. BENCHMARKS
+        5: every microsecond of Python costs several at 8 processes on 2 cores."""
+        ctx, pid, label, rec = self.ctx, self.id, self.label, control.RECORDER
+        seqs, lock, ring, now, look = ctx.seq, ctx._lock, rec.ring, time.time, base.LOOK_S
+        polite, every, yld = not base.SPIN, base.EVERY, os.sched_yield
 
-            def wait():
-                if failed is not None:
-                    raise failed
-                prim.wait_all([w], time.monotonic() + ctx.timeout)
-                return result()
-            return self._in_call(ch, call, wait, check=False)
+        def lean(x):
+            ch = control._CHANNEL
+            if x.shape != shape or x.dtype != dtype or ch is None or ch.errors or self.failed is not None \
+                    or pid in ch.failed:
+                return _GENERAL
+            last = ctx._last                    # after the asynchronous calls issued before
+            if last is not None and not last.done():
+                ctx.call(_nothing)
+            with lock:
+                ranks = self.ranks
+                seq = seqs[ranks] = seqs.get(ranks, 0) + 1      # next_seq, inline
+                post, result, prim, test = fns[seq & 1]
+                self.runs = runs = self.runs + 1
+                t0 = now()
+                failed = done = None
+                try:
+                    w = post(x)
+                except Exception as e:          # noqa: BLE001 - raised below, in the call's context
+                    failed = e
+                else:                           # base.quick's loop, inline (hot path)
+                    t, until, i, done = test or w.test, time.monotonic() + look, 0, True
+                    try:
+                        while not t():
+                            i += 1
+                            if polite and not i % every:
+                                yld()
+                            if not i % 32 and time.monotonic() > until:
+                                done = False
+                                break
+                    except Exception:           # noqa: BLE001 - the wait's own test names it
+                        done = False
+                if done:                        # control.leave's record, and its end of an incident
+                    rec.seq += 1
+                    ring.append([rec.seq, ("run", pid, label, runs, seq), "done", (), t0, now()])
+                    if ch.incident:
+                        ch.incident = set()
+                    return result()
+
+                def wait():
+                    if failed is not None:
+                        raise failed
+                    prim.wait_all([w], time.monotonic() + ctx.timeout)
+                    return result()
+                return self._in_call(ch, control.Call("run", pid, label, runs, seq), wait, check=False)
+        return lean
 
     def _go(self, ch, call, st, stamp):
         """The run itself, in the call's control context (on the calling or the queue's thread)."""
