@@ -107,7 +107,6 @@ class MPICollectives:
             def start():
                 req.Start()
                 return work
-            start.test = req.Test       # the request's own test (raises MPI's error unnamed)
             return start
 
         def post(s=None, r=None):

@@ -125,8 +125,8 @@ class Program:
 
     def _lean_run(self, shape, dtype, fns):
         """The lean run (`__call__`) of a kernel with a `lean` (a bare NumPy tile of `shape`
-        and `dtype` on one persistent native call; `fns`: its post, result, primitive and
-        request's own test, per run parity): post, poll until the wait's first look at the
+        and `dtype` on one native call; `fns`: its post, result, primitive and whether the
+        posted Work's MPI request may be tested bare, per run parity): post, poll until the wait's first look at the
         control channel (`base.LOOK_S`), take the result; everything it reads is bound here
         once. A run not done by then enters the control context that a stalled wait needs;
         a quick one leaves its finished record. Anything else (another tile, a peer's
@@ -147,7 +147,7 @@ class Program:
             with lock:
                 ranks = self.ranks
                 seq = seqs[ranks] = seqs.get(ranks, 0) + 1      # next_seq, inline
-                post, result, prim, test = fns[seq & 1]
+                post, result, prim, raw = fns[seq & 1]
                 self.runs = runs = self.runs + 1
                 t0 = now()
                 failed = done = None
@@ -156,7 +156,7 @@ class Program:
                 except Exception as e:          # noqa: BLE001 - raised below, in the call's context
                     failed = e
                 else:                           # base.quick's loop, inline (hot path)
-                    t, until, i, done = test or w.test, time.monotonic() + look, 0, True
+                    t, until, i, done = w.req.Test if raw else w.test, time.monotonic() + look, 0, True
                     try:
                         while not t():
                             i += 1

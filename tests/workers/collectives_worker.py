@@ -876,7 +876,11 @@ def program_api(ctx, backends, stats):
              # a root's whole past native_call.PERSISTENT_MAX, each member's piece within it:
              # every member must post the same kind of call (persistent or not)
              ("gather", mesh, "x", {"root": 0, "dim": 0}, lambda d: (cap // 4 // ws + 8,), "float32"),
-             ("scatter", mesh, "x", {"root": ws - 1, "dim": 0}, lambda d: (ws * (cap // 4 // ws + 8),), "float32")]
+             ("scatter", mesh, "x", {"root": ws - 1, "dim": 0}, lambda d: (ws * (cap // 4 // ws + 8),), "float32"),
+             # past the persistent caps: a new non-blocking call per run, the lean run's plain form
+             ("all_gather", mesh, "x", {"dim": 0}, lambda d: (cap // 4 // ws + 8, 2), "int32"),
+             ("all_to_all", mesh, "x", {"split_dim": 0, "concat_dim": 0},
+              lambda d: (ws * (native_call.PERSISTENT_MAX_ALL_TO_ALL // 8 // ws + 8),), "float64")]
     for b in backends:
         for op, m, axes, kw, shape_of, dtype in cases:
             def tiles(it):
