@@ -235,3 +235,52 @@ def test_a_blocking_wait_that_ignores_its_deadline_still_raises_past_it():
         stuck.set()
         pool.shutdown()
         base.ABANDONED.clear()
+
+
+@pytest.mark.parametrize("inactive", [False, True])
+def test_a_lean_run_whose_request_fails_raises_never_returns(monkeypatch, inactive):
+    """The lean run polls the MPI request's own Test bare. An error there raises as the
+    Work's test names it, or, where the failed request is inactive afterwards (its test
+    then reports it done), as MPI gave it: never a result. It fails the Program and
+    reaches the peer."""
+    import threading
+
+    import numpy as np
+
+    from meshcomm.backends import base
+    from meshcomm.runtime.program import Program
+
+    class Req:
+        def Test(self):
+            raise RuntimeError("MPI_ERR_OTHER")
+
+    class Work:
+        req, peers, op = Req(), (1,), "allreduce"
+
+        def test(self):
+            if inactive:
+                return True
+            raise PeerTimeoutError("rank 0: allreduce with peer rank(s) [1] failed", (1,), "allreduce")
+
+    class Prim:
+        @staticmethod
+        def wait_all(works, deadline):
+            base.wait_polling(works, deadline)
+
+    class Ctx:
+        seq, _lock, _last, timeout = {}, threading.Lock(), None, 4.0
+
+    class Kernel:
+        fns = (lambda x: Work(), lambda: np.zeros(3, np.float32), Prim, True)
+        lean = ((3,), np.dtype(np.float32), (fns, fns))
+
+    chs = channels()
+    monkeypatch.setattr(control, "_CHANNEL", chs[0])
+    prog = Program(Ctx(), 7, "all_reduce", Kernel())
+    prog.ranks = (0, 1)
+    with pytest.raises(RuntimeError if inactive else PeerTimeoutError,
+                       match="MPI_ERR_OTHER" if inactive else "peer rank"):
+        prog(np.ones(3, np.float32))
+    assert prog.failed is not None
+    chs[1].poll()
+    assert chs[1].errors and 7 in chs[1].failed

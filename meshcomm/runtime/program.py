@@ -165,8 +165,12 @@ class Program:
                             if not i % 32 and time.monotonic() > until:
                                 done = False
                                 break
-                    except Exception:           # noqa: BLE001 - the wait's own test names it
-                        done = False
+                    except Exception as e:      # noqa: BLE001 - raised in the wait, named by the Work's test
+                        try:
+                            w.test()            # a failed request may be inactive now: keep MPI's error then
+                        except Exception as named:  # noqa: BLE001
+                            e = named
+                        failed, done = e, False
                 if done:                        # control.leave's record, and its end of an incident
                     rec.seq += 1
                     ring.append([rec.seq, ("run", pid, label, runs, seq), "done", (), t0, now()])
