@@ -206,7 +206,7 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key):
     whole = sum(counts) * unit.itemsize if req.op in ("all_gather", "gather", "scatter") else n * dtype.itemsize
     cap = PERSISTENT_MAX_ALL_TO_ALL if req.op == "all_to_all" else PERSISTENT_MAX
     if max(whole, n * dtype.itemsize) > cap or not hasattr(prim, "_persistent"):
-        return _leaned(post, prim, me)
+        return _leaned(post, prim, me, (key, req.op))
     start = prim.bind(what, ranks, comm, bufs=(send, recv), **kw)
     fill = fill and send.nbytes > 0
     src = send.view(dtype).reshape(mine) if fill else None
@@ -243,7 +243,7 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key):
     return run
 
 
-def _leaned(post, prim, me):
+def _leaned(post, prim, me, counted):
     """`post` (a non-blocking call, a new one per run) with the lean form a Program's lean
     run takes: post gives the call's Work, result the tile once it is done. Where the
     poster says how a NumPy tile of its own type is sent (`post.plain`: the send and
@@ -256,6 +256,7 @@ def _leaned(post, prim, me):
         got = [None]
 
         def posted_plain(x):
+            issued[counted] += 1
             send, got[0] = bufs(x)
             return call(send, got[0])
 
@@ -267,6 +268,7 @@ def _leaned(post, prim, me):
     fin = [dict]
 
     def posted(x):
+        issued[counted] += 1
         works, fin[0] = post(x)
         return works[0]
 
@@ -396,7 +398,8 @@ def poster(ctx, prim, req, g, me, dt, tile, shapes, kind, comm=None):
                 return [w], dict
             return [w], lambda: {me: out(recv, like, shape, typ)}
         if typ:
-            post.plain = (lambda x: (x.reshape(-1), np.empty(sum(counts), x.dtype) if gets else None), f, shape)
+            total = sum(counts)
+            post.plain = (lambda x: (x.reshape(-1), np.empty(total, x.dtype) if gets else None), f, shape)
         return post
     if req.op in ("reduce_scatter", "scatter"):
         sizes = _chunks(tile[0], k)

@@ -125,13 +125,14 @@ class Program:
 
     def _lean_run(self, shape, dtype, fns):
         """The lean run (`__call__`) of a kernel with a `lean` (a bare NumPy tile of `shape`
-        and `dtype` on one native call; `fns`: its post, result, primitive and whether the
-        posted Work's MPI request may be tested bare, per run parity): post, poll until the wait's first look at the
-        control channel (`base.LOOK_S`), take the result; everything it reads is bound here
-        once. A run not done by then enters the control context that a stalled wait needs;
-        a quick one leaves its finished record. Anything else (another tile, a peer's
-        failure pending, this Program failed) returns _GENERAL: the general run. BENCHMARKS
-        5: every microsecond of Python costs several at 8 processes on 2 cores."""
+        and `dtype` on one native call; `fns`, per run parity: its post, result, primitive,
+        and whether the posted Work's MPI request may be tested bare): post, poll until the
+        wait's first look at the control channel (`base.LOOK_S`), take the result;
+        everything it reads is bound here once. A run not done by then enters the control
+        context that a stalled wait needs; a quick one leaves its finished record. Anything
+        else (another tile, a peer's failure pending, this Program failed) returns _GENERAL:
+        the general run. BENCHMARKS 5: every microsecond of Python costs several at 8
+        processes on 2 cores."""
         ctx, pid, label, rec = self.ctx, self.id, self.label, control.RECORDER
         seqs, lock, ring, now, look = ctx.seq, ctx._lock, rec.ring, time.time, base.LOOK_S
         polite, every, yld = not base.SPIN, base.EVERY, os.sched_yield
