@@ -120,7 +120,7 @@ class CollectiveKernel:
             if len(self.posts[0]) == 1:
                 self._one = [p[0][1:] for p in self.posts]
         # the lean run (Program.__call__): a bare NumPy tile of this shape and dtype, on one
-        # persistent native call: (shape, dtype, its functions per run parity)
+        # native call (persistent or not): (shape, dtype, its functions per run parity)
         self.lean = None
         if self._one is not None and self._bare is not None and prob.scale == 1 and \
                 all(hasattr(post, "lean") for _, post in self._one):

@@ -118,7 +118,7 @@ class Program:
             return Handle(lambda: k.finish(result()))
         last = ctx._last                        # after the asynchronous calls issued before
         if last is not None and not last.done():
-            ctx.call(lambda: None)
+            ctx.call(_nothing)
         with ctx._lock:
             r = self._go(ch, call, st, stamp)
         return k.finish(r)
