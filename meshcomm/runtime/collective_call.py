@@ -269,14 +269,26 @@ def _describe(req):
 
 def run(ctx, req: Request, x, *, backend=None, async_op=False):
     """An eager collective under a launcher: its cached Program (SPMD: every process calls)."""
+    bare_np = type(x) is np.ndarray and (backend is None or type(backend) is str)
+    if bare_np and not _log.ON:         # a call seen before: its lookup's arguments, by the call's own
+        hit = ctx.quick.get((req, backend, x.dtype, x.shape))
+        last = ctx._last
+        if hit is not None and (last is None or last.done()):
+            with ctx._lock:
+                prog = lookup(ctx, *hit)
+            if prog is not None:
+                return prog(x, async_op=async_op)
     stamp = _log.stamp(async_op) if _log.ON else None
     be, err = ctx.resolve_backend(backend)
     owned = ctx.ownership.owned(req.mesh)
-    if type(x) is np.ndarray and len(owned) == 1 and err is None:
+    if bare_np and len(owned) == 1 and err is None:
         # a bare NumPy tile: its Program is found by its own facts (the run checks the rest)
-        prog = ctx.call(lookup, ctx, ("collective", req, be.name),
-                        (arrays.dtype_of(x), "numpy", "cpu", ((owned[0], x.shape),)))
+        hit = ("collective", req, be.name), (arrays.dtype_of(x), "numpy", "cpu", ((owned[0], x.shape),))
+        prog = ctx.call(lookup, ctx, *hit)
         if prog is not None:            # the lean run where it applies (Program.__call__)
+            if len(ctx.quick) >= 1024:
+                ctx.quick.clear()
+            ctx.quick[req, backend, x.dtype, x.shape] = hit
             return prog(x, async_op=async_op)
     if not owned:                           # no device of the mesh here: nothing to agree or move
         _owned_tiles(ctx, req, x, owned)

@@ -84,11 +84,9 @@ def request(op: str, mesh, axes, dim=0, root=0, reduce_op="sum", split_dim=0, co
     args = (op, mesh, axes, dim, root, reduce_op, split_dim, concat_dim)
     if compression is None:
         try:
-            hash(args)
-        except TypeError:
-            pass
-        else:
             return _request_of(*args)
+        except TypeError:               # unhashable arguments (or a bad one: raised again below)
+            pass
     return _build_request(*args, compression)
 
 

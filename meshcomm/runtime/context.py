@@ -194,6 +194,7 @@ class Context:
         self._lock = threading.Lock()       # one communication at a time, in call order
         self._last: concurrent.futures.Future | None = None
         self.eager: dict = {}       # eager call signature -> its Programs (runtime/program.py)
+        self.quick: dict = {}       # a bare NumPy collective's (request, backend=, dtype, shape) -> its lookup's arguments
         self.participants: dict = {}    # meshes -> the ranks owning their devices (program.participants)
         self.programs = 0           # Programs this process constructed (a count)
         self.counters: dict = {}    # processes (sorted ranks) -> Programs they constructed together

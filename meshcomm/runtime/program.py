@@ -384,7 +384,8 @@ def lookup(ctx, sig, local_key, latest: bool = False) -> Program | None:
     if prog is None or prog.failed is not None or (ch is not None and prog.id in ch.failed):
         return None
     entry.last = key
-    ctx.eager[sig] = ctx.eager.pop(sig)         # most recently used last
+    if next(reversed(ctx.eager)) != sig:
+        ctx.eager[sig] = ctx.eager.pop(sig)     # most recently used last
     return prog
 
 
