@@ -358,6 +358,9 @@ def new(ctx, pid: int, label: str, kernel, plan=None, cls=None) -> Program:
     return (cls or CLASS[0])(ctx, pid, label, kernel, plan)
 
 
+EAGER_MAX = 256     # eager call signatures kept per group of processes
+
+
 @dataclasses.dataclass
 class Entry:
     """An eager call signature's Programs: by this process's own facts, or (`exchange`) by
@@ -366,6 +369,7 @@ class Entry:
     exchange: bool
     programs: dict
     last: object = None             # the key of the Program this process ran last
+    ranks: tuple = ()               # its processes: signatures are evicted per group (`eager`)
 
 
 def lookup(ctx, sig, local_key, latest: bool = False) -> Program | None:
@@ -424,8 +428,13 @@ def eager(ctx, sig, local_key, complete: bool, label: str, fields, err, extra, b
         found.append(prog)
         return prog
     construct(ctx, label, fields, err, extra, build_or_find, describe, ranks)
-    if len(ctx.eager) > 256:
-        ctx.eager.pop(next(iter(ctx.eager)))
+    # at most EAGER_MAX signatures per group of processes, the least recently used one out:
+    # each member makes the same calls of its groups, not of the others' (a pipeline's
+    # stages), so only a group's own history decides alike on every member what it drops
+    group = ctx.eager[sig].ranks = found[0].ranks
+    mine = [s for s, e in ctx.eager.items() if e.ranks == group]
+    if len(mine) > EAGER_MAX:
+        del ctx.eager[mine[0]]
     return found[0]
 
 

@@ -572,6 +572,30 @@ def none_after_tiles(ctx, stats):
         stats["none_after_tiles_ok"] += 1
 
 
+def evicted_per_group(ctx, stats):
+    """More eager signatures than are kept (program.EAGER_MAX, lowered here alike on every
+    process) on the processes of one group (ranks 1.., a pipeline's stage), while ranks 0
+    and 1 repeat a call of theirs: rank 1 must not drop it where rank 0 keeps it (they would
+    be in different calls), so it runs exact, before and after."""
+    from meshcomm.runtime import program
+    ws, me = ctx.world_size, ctx.rank
+    pair, keep = mc.Mesh([0, 1], ("x",)), program.EAGER_MAX
+    x = np.full(3, me + 1, np.int32)
+    program.EAGER_MAX = 6
+    ctx.eager.clear()                   # on every process: each constructs its next calls anew
+    try:
+        for it in range(2):
+            y = mc.all_reduce(x if me < 2 else None, pair, "x", backend="mpi")
+            assert y is None if me >= 2 else exact(y, np.full(3, 3, np.int32)), (me, it, y)
+            for i in range(9 if it == 0 else 0):
+                m = mc.Mesh(np.arange(1, ws), (f"s{i}",))
+                y = mc.all_reduce(x if me else None, m, f"s{i}", backend="mpi")
+                assert (y is None) if me == 0 else exact(y, np.full(3, sum(range(2, ws + 1)), np.int32)), (me, i, y)
+            stats["evicted_per_group_ok"] += 1
+    finally:
+        program.EAGER_MAX = keep
+
+
 def gather_size_one(ctx, stats):
     """An uneven all_gather whose sizes change on the last process only (the others' own
     tiles are as before): exact every time."""
@@ -1079,6 +1103,7 @@ def main():
         program_api(ctx, backends, stats)
         if "mpi" in backends:           # errors in runs: over MPI only (gloo, see the docstring)
             repeated_errors(ctx, stats)
+            evicted_per_group(ctx, stats)
             program_errors(ctx, stats)
             pre_mpi4(ctx, stats)
     stats["seconds"] = round(time.time() - t0, 1)
