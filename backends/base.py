@@ -327,6 +327,15 @@ class Backend:
     rank = 0
     world_size = 1
     timeout: float | None = None
+    tag_ub = 1 << 29            # the largest tag a message may carry (MPI: the communicator's TAG_UB)
+    gather_reduces = False      # a reduce over 3+ ranks gathers to the root (MPI inside one host)
+    hosts: list | None = None   # each rank's host, where the backend knows them (MPI)
+    persistent_calls = False    # native calls as MPI-4 persistent requests (`bind(bufs=)`)
+
+    @property
+    def signature(self) -> str:
+        """What a construction agrees on of the backend: its name (mixed: and its table)."""
+        return self.name
 
     def isend(self, buf, peer: int, tag: int) -> Work: raise NotImplementedError
     def irecv(self, buf, peer: int, tag: int) -> Work: raise NotImplementedError
@@ -552,7 +561,7 @@ REDUCE_MODE = "auto"
 
 def exact_reduce(dtype: str, backend: "Backend | None") -> bool:
     """Whether `backend`'s own reductions of `dtype` are exact (its `reduce_dtypes`)."""
-    ok = getattr(backend, "reduce_dtypes", None)
+    ok = None if backend is None else backend.reduce_dtypes
     return ok is None or dtype in ok
 
 
@@ -574,7 +583,7 @@ def collective_reduce_ok(dtype: str, backend: "Backend | None" = None) -> bool:
         return False
     if mode == "collective":
         return kind in "iu" or dtype in ("float32", "float64")
-    return kind in "iu" and not getattr(backend, "gather_reduces", False)
+    return kind in "iu" and not (backend is not None and backend.gather_reduces)
 
 
 def _step_for(i, t, rank_of, collective_reduce: bool) -> Step:

@@ -86,10 +86,9 @@ def check(arg, dtype_name: str | None, devtype: str | None, what: str) -> None:
 
 
 def _host_processes(backend, world: int) -> int:
-    hosts = getattr(backend, "hosts", None) or getattr(getattr(backend, "mpi", None), "hosts", None)
+    hosts = None if backend is None else backend.hosts
     if hosts:
-        rank = getattr(backend, "rank", 0)
-        return sum(1 for h in hosts if h == hosts[rank])
+        return sum(1 for h in hosts if h == hosts[backend.rank])
     return max(1, world)
 
 

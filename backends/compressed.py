@@ -87,7 +87,7 @@ class _Program:
         self.dst = {d: host_array(v, self.codec) for d, v in out.items()}
         self.fixed = self.codec.fixed_size
         self.op = plan.reduce_op
-        self.world = getattr(backend, "world_size", 1)
+        self.world = 1 if backend is None else backend.world_size
 
     def run(self) -> None:
         stats["calls"] += 1

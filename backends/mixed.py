@@ -42,7 +42,7 @@ class MixedBackend(Backend):
         rules = json.dumps(self.table.to_dict()["rules"], sort_keys=True)
         # processes compare this (runtime's metadata check): they must share one table, since
         # the choice decides which groups torch's new_group creates, collectively
-        self.signature = "mixed:" + hashlib.sha1(rules.encode()).hexdigest()[:12]
+        self._signature = "mixed:" + hashlib.sha1(rules.encode()).hexdigest()[:12]
         self.rank, self.world_size, self.timeout = mpi.rank, mpi.world_size, mpi.timeout
         # a plan's reduction may run on either backend: what both compute exactly
         self.reduce_dtypes = tuple(d for d in mpi.reduce_dtypes if d in torch.reduce_dtypes)
@@ -59,6 +59,14 @@ class MixedBackend(Backend):
     @property
     def gather_reduces(self) -> bool:
         return self.mpi.gather_reduces
+
+    @property
+    def hosts(self):
+        return self.mpi.hosts
+
+    @property
+    def signature(self) -> str:
+        return self._signature
 
     # -- native collectives: each goes to the backend the table names for (op, bytes, group) --
     # The size is nccl-tests' (the same on every member, so they all choose alike): the

@@ -146,6 +146,7 @@ class MPIBackend(MPICollectives, Backend):
     name = "mpi"
     wire = "numpy"
     work_cls = MPIWork
+    persistent_calls = True
 
     def __init__(self, comm=None, timeout: float | None = None):
         MPI = mpi()

@@ -225,7 +225,7 @@ class A2AKernel:
 
 def _fields(mesh, axis, be, rows, dtype, kind, topo, algorithm):
     return (("op", "all_to_all_v"), ("mesh", repr(mesh)), ("axes", axis),
-            ("backend", getattr(be, "signature", be.name)), ("dtype", dtype), ("rows", rows), ("kind", kind),
+            ("backend", be.signature), ("dtype", dtype), ("rows", rows), ("kind", kind),
             ("algorithm", f"{algorithm} {topo}"))
 
 
@@ -237,7 +237,7 @@ def _build(ctx, be, mesh, axis, groups, topo, algorithm):
         if rows is None:
             raise ValueError("all_to_all_v: no process holds rows, so their shape and dtype are unknown")
         k = A2AKernel(ctx, be, mesh, axis, groups, tuple(rows), dt[0], topo, algorithm,
-                      tags_of(pid, getattr(be, "tag_ub", 1 << 29)))
+                      tags_of(pid, be.tag_ub))
         return new(ctx, pid, f"all_to_all_v along {axis!r} of {mesh} rows {tuple(rows)} {dt[0]}", k)
     return build
 

@@ -92,7 +92,7 @@ class BatchKernel:
 
     def __init__(self, ctx, be, tensors: list[Tensor], plans, bucket_bytes, pid):
         self.ctx, self.be, self.tensors, self.plans = ctx, be, tensors, plans
-        self.bucket_bytes, self.tags = bucket_bytes, tags_of(pid, getattr(be, "tag_ub", 1 << 29))
+        self.bucket_bytes, self.tags = bucket_bytes, tags_of(pid, be.tag_ub)
         own = ctx.ownership
         self.want = {}
         self._host = []         # per tensor, what `quick` takes: (name, want, fit, bare ok)
@@ -232,7 +232,7 @@ def _build(ctx, be, names, srcs, dsts, bucket_mb, kinded=True):
 def _fields(names, srcs, dsts, be, shp, dts, kinds, bucket_mb) -> tuple:
     f = [("op", "reshard_many"), ("names", names),
          ("layouts", layouts_fp(tuple(srcs[n] for n in names), tuple(dsts[n] for n in names))),
-         ("backend", getattr(be, "signature", be.name)), ("bucket", bucket_mb)]
+         ("backend", be.signature), ("bucket", bucket_mb)]
     for n in names:
         f += [(f"shape:{n}", shp.get(n)), (f"dtype:{n}", dts.get(n)), (f"kind:{n}", kinds.get(n))]
     return tuple(f)

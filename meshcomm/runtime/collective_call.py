@@ -130,7 +130,7 @@ class CollectiveKernel:
             comp = None if req.compression is None else codec_cost.resolve(
                 req.compression, self.plan, backend=be, world=ctx.world_size,
                 devices_per_process=ctx.devices_per_process, strip=coded_dims(req, prob))
-            self.runner = PlanRun(ctx, be, self.plan, comp, tags_of(pid, getattr(be, "tag_ub", 1 << 29)),
+            self.runner = PlanRun(ctx, be, self.plan, comp, tags_of(pid, be.tag_ub),
                                   a.devtype, deadline)
             self.src_devs = set(prob.src.mesh.device_ids)
 
@@ -233,7 +233,7 @@ class CollectiveKernel:
 
 def _fields(req, be, dt, kind, devtype, tile) -> tuple:
     return (("op", req.op), ("mesh", repr(req.mesh)), ("axes", req.axes), ("params", req.params),
-            ("backend", getattr(be, "signature", be.name)), ("dtype", dt), ("kind", kind),
+            ("backend", be.signature), ("dtype", dt), ("kind", kind),
             ("devtype", devtype), ("tile", tile), ("codec", codec_cost.agreement_key(req.compression)))
 
 
@@ -270,14 +270,12 @@ def _describe(req):
 def run(ctx, req: Request, x, *, backend=None, async_op=False):
     """An eager collective under a launcher: its cached Program (SPMD: every process calls)."""
     bare_np = type(x) is np.ndarray and (backend is None or type(backend) is str)
-    if bare_np and not _log.ON:         # a call seen before: its lookup's arguments, by the call's own
-        hit = ctx.quick.get((req, backend, x.dtype, x.shape))
-        last = ctx._last
-        if hit is not None and (last is None or last.done()):
-            with ctx._lock:
-                prog = lookup(ctx, *hit)
-            if prog is not None:
-                return prog(x, async_op=async_op)
+    hit = ctx.quick.get((req, backend, x.dtype, x.shape)) if bare_np and not _log.ON else None
+    if hit is not None and (ctx._last is None or ctx._last.done()):    # a call seen before, by its own
+        with ctx._lock:
+            prog = lookup(ctx, *hit)
+        if prog is not None:
+            return prog(x, async_op=async_op)
     stamp = _log.stamp(async_op) if _log.ON else None
     be, err = ctx.resolve_backend(backend)
     owned = ctx.ownership.owned(req.mesh)
@@ -286,9 +284,7 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
         hit = ("collective", req, be.name), (arrays.dtype_of(x), "numpy", "cpu", ((owned[0], x.shape),))
         prog = ctx.call(lookup, ctx, *hit)
         if prog is not None:            # the lean run where it applies (Program.__call__)
-            if len(ctx.quick) >= 1024:
-                ctx.quick.clear()
-            ctx.quick[req, backend, x.dtype, x.shape] = hit
+            ctx.quick.put((req, backend, x.dtype, x.shape), hit)
             return prog(x, async_op=async_op)
     if not owned:                           # no device of the mesh here: nothing to agree or move
         _owned_tiles(ctx, req, x, owned)

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .. import log, settings
+from ..caches import BoundedDict
 from .ownership import Ownership
 
 __all__ = ["init", "finalize", "current", "Context", "BACKEND_NAMES"]
@@ -194,7 +195,7 @@ class Context:
         self._lock = threading.Lock()       # one communication at a time, in call order
         self._last: concurrent.futures.Future | None = None
         self.eager: dict = {}       # eager call signature -> its Programs (runtime/program.py)
-        self.quick: dict = {}       # a bare NumPy collective's (request, backend=, dtype, shape) -> its lookup's arguments
+        self.quick = BoundedDict(1024)  # a bare NumPy collective's (request, backend=, dtype, shape) -> its lookup's arguments
         self.participants: dict = {}    # meshes -> the ranks owning their devices (program.participants)
         self.programs = 0           # Programs this process constructed (a count)
         self.counters: dict = {}    # processes (sorted ranks) -> Programs they constructed together

@@ -205,7 +205,7 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key):
     # largest buffer of any member, a root's gathered or scattered whole included
     whole = sum(counts) * unit.itemsize if req.op in ("all_gather", "gather", "scatter") else n * dtype.itemsize
     cap = PERSISTENT_MAX_ALL_TO_ALL if req.op == "all_to_all" else PERSISTENT_MAX
-    if max(whole, n * dtype.itemsize) > cap or not hasattr(prim, "_persistent"):
+    if max(whole, n * dtype.itemsize) > cap or not prim.persistent_calls:
         return _leaned(post, prim, me, (key, req.op))
     start = prim.bind(what, ranks, comm, bufs=(send, recv), **kw)
     fill = fill and send.nbytes > 0

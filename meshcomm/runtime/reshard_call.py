@@ -187,7 +187,7 @@ def _facts(ctx, x, src, dst, shape, dtype, compression):
 
 
 def _fields(src, dst, be, shp, dt, kind, devtype, compression) -> tuple:
-    return (("op", "reshard"), ("layouts", layouts_fp(src, dst)), ("backend", getattr(be, "signature", be.name)),
+    return (("op", "reshard"), ("layouts", layouts_fp(src, dst)), ("backend", be.signature),
             ("shape", shp), ("dtype", dt), ("kind", kind), ("devtype", devtype),
             ("codec", codec_cost.agreement_key(compression)))
 
@@ -222,7 +222,7 @@ def _build(ctx, be, src, dst, compression, kinded=True):
         p = make_plan(a.shape, a.dtype, src, dst)
         comp = None if compression is None else codec_cost.resolve(
             compression, p, backend=be, world=ctx.world_size, devices_per_process=ctx.devices_per_process)
-        k = ReshardKernel(ctx, be, src, dst, p, a, comp, tags_of(pid, getattr(be, "tag_ub", 1 << 29)), deadline)
+        k = ReshardKernel(ctx, be, src, dst, p, a, comp, tags_of(pid, be.tag_ub), deadline)
         return new(ctx, pid, f"reshard {src} -> {dst} {a.shape} {a.dtype}", k, p)
     return build
 
