@@ -258,3 +258,19 @@ def _launch(tmp_path, n, *args, env=None, timeout=400):
                  {"MESHCOMM_TIMEOUT": "30", **(env or {})}, timeout, tmp_path / "out")
     assert [r["rank"] for r in res] == list(range(n)), res
     return res
+
+
+@pytest.mark.mpi
+def test_eager_calls_over_random_groups_drop_and_find_their_programs_alike(tmp_path):
+    # each process decides alone which cached Program an eager call runs; with few kept per
+    # group (dropped and constructed again all the time), a group's members must still decide
+    # alike whatever else each ran (a per-process limit made them differ: "not in the same call")
+    from test_distributed import MPIEXEC, launch
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    worker = Path(__file__).resolve().parent / "workers" / "eager_cache_worker.py"
+    res = launch([MPIEXEC, "-n", "4", sys.executable, "-m", "mpi4py", str(worker), "--seeds", "1,2,3",
+                  "--steps", "300", "--init", "mixed", "--backends", "mpi,torch,mixed"],
+                 {"MESHCOMM_TIMEOUT": "30"}, 300, tmp_path / "out")
+    assert [r["rank"] for r in res] == list(range(4)), res
+    assert all(r["calls"] == 900 and r["exact"] > 400 and r["kept"] <= 7 * 3 for r in res), res

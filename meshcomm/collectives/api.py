@@ -52,7 +52,9 @@ def reduce_scatter(x, mesh, axes, dim: int = 0, op: str = "sum", *, backend=None
 
 def broadcast(x, mesh, axes, root: int = 0, *, backend=None, async_op: bool = False):
     """Every device gets the tile of its group's device `root`. Other devices' tiles (or None)
-    are checked for shape and dtype; their values are not used."""
+    are checked for shape and dtype; their values are not used. Where they pass None, they
+    run the call's last Program: a root whose tile changed shape or dtype then makes every
+    process raise "not in the same call" (the next call agrees first)."""
     req = _request("broadcast", mesh, axes, root=root)
     return _call(req, x, backend, async_op)
 
