@@ -338,12 +338,6 @@ class Backend:
         return self.name
 
     def isend(self, buf, peer: int, tag: int) -> Work: raise NotImplementedError
-
-    def sender(self):
-        """`isend` for the messages of one run (MPI's skips the emulated link's check per
-        message where no link is emulated: it is read once per run)."""
-        return self.isend
-
     def irecv(self, buf, peer: int, tag: int) -> Work: raise NotImplementedError
     def bcast(self, buf, root: int, ranks: tuple[int, ...], tag: int | None = None) -> Work: raise NotImplementedError
     def reduce(self, buf, root: int, ranks: tuple[int, ...], op: str = "sum") -> Work: raise NotImplementedError

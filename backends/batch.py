@@ -172,7 +172,7 @@ class Runner:
         host = b.wire == "numpy"        # NumPy tiles: pieces sent from and received into them
         tag0, span = tags
         inflight: list = []
-        nb_, isend = len(self.buckets), b.sender()
+        nb_ = len(self.buckets)
         for r, (local, sends, recvs, sums) in enumerate(self.rounds):
             works, fins = [], []
             tag = tag0 + r % span
@@ -193,13 +193,13 @@ class Runner:
             ready: dict = {}
             for peer, (parts, offs, n, own) in sends.items():
                 if parts:
-                    works.append(isend(self._message(runs, parts, offs, n), peer, tag))
+                    works.append(b.isend(self._message(runs, parts, offs, n), peer, tag))
                 for part in own:        # a broadcast's piece: made once for every peer
                     v = ready.get(id(part))
                     if v is None:
                         v = ready[id(part)] = self._message(runs, [part], [0], part[1].nbytes)
-                    works.append(isend(v, peer, tag))
-            base.issued[(b.name, "p2p_batched")] += len(sends)
+                    works.append(b.isend(v, peer, tag))
+                base.issued[(b.name, "p2p_batched")] += 1
             for i, t, copies in local:  # while the messages travel
                 run = runs[i]
                 src = (run.shards if t.src_buf == "src" else run.out).get(t.srcs[0])

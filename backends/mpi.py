@@ -197,12 +197,6 @@ class MPIBackend(MPICollectives, Backend):
         req = self.comm.Isend(buf, dest=peer, tag=tag)
         return MPIWork(req, buf, "send", (peer,), self.rank)
 
-    def sender(self):
-        if pacing.pacer(self.rank) is not None:
-            return self.isend
-        comm, me = self.comm, self.rank
-        return lambda buf, peer, tag: MPIWork(comm.Isend(buf, dest=peer, tag=tag), buf, "send", (peer,), me)
-
     def irecv(self, buf, peer, tag):
         req = self.comm.Irecv(buf, source=peer, tag=tag)
         return MPIWork(req, buf, "recv", (peer,), self.rank)
