@@ -431,7 +431,9 @@ def eager(ctx, sig, local_key, complete: bool, label: str, fields, err, extra, b
     # at most EAGER_MAX signatures per group of processes, the least recently used one out:
     # each member makes the same calls of its groups, not of the others' (a pipeline's
     # stages), so only a group's own history decides alike on every member what it drops
-    group = ctx.eager[sig].ranks = found[0].ranks
+    group = found[0].ranks
+    ctx.eager[sig] = e = ctx.eager.pop(sig)     # most recently used last (an exchange too)
+    e.ranks = group
     mine = [s for s, e in ctx.eager.items() if e.ranks == group]
     if len(mine) > EAGER_MAX:
         del ctx.eager[mine[0]]
