@@ -271,11 +271,9 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
     """An eager collective under a launcher: its cached Program (SPMD: every process calls)."""
     bare_np = type(x) is np.ndarray and (backend is None or type(backend) is str)
     hit = ctx.quick.get((req, backend, x.dtype, x.shape)) if bare_np and not _log.ON else None
-    if hit is not None and (ctx._last is None or ctx._last.done()):    # a call seen before, by its own
-        with ctx._lock:
-            prog = lookup(ctx, *hit)
-        if prog is not None:
-            return prog(x, async_op=async_op)
+    prog = None if hit is None else ctx.call(lookup, ctx, *hit)     # a call seen before, by its own
+    if prog is not None:
+        return prog(x, async_op=async_op)
     stamp = _log.stamp(async_op) if _log.ON else None
     be, err = ctx.resolve_backend(backend)
     owned = ctx.ownership.owned(req.mesh)

@@ -388,9 +388,14 @@ def lookup(ctx, sig, local_key, latest: bool = False) -> Program | None:
     if prog is None or prog.failed is not None or (ch is not None and prog.id in ch.failed):
         return None
     entry.last = key
-    if next(reversed(ctx.eager)) != sig:
-        ctx.eager[sig] = ctx.eager.pop(sig)     # most recently used last
+    _used(ctx, sig)
     return prog
+
+
+def _used(ctx, sig) -> None:
+    """Signature `sig` was used now: last in the eager cache's order (dropped last)."""
+    if next(reversed(ctx.eager)) != sig:
+        ctx.eager[sig] = ctx.eager.pop(sig)
 
 
 def eager(ctx, sig, local_key, complete: bool, label: str, fields, err, extra, build, agreed_key,
@@ -428,13 +433,11 @@ def eager(ctx, sig, local_key, complete: bool, label: str, fields, err, extra, b
         found.append(prog)
         return prog
     construct(ctx, label, fields, err, extra, build_or_find, describe, ranks)
-    # at most EAGER_MAX signatures per group of processes, the least recently used one out:
-    # each member makes the same calls of its groups, not of the others' (a pipeline's
-    # stages), so only a group's own history decides alike on every member what it drops
-    group = found[0].ranks
-    ctx.eager[sig] = e = ctx.eager.pop(sig)     # most recently used last (an exchange too)
-    e.ranks = group
-    mine = [s for s, e in ctx.eager.items() if e.ranks == group]
+    # at most EAGER_MAX signatures per group of processes, the least recently used out: its
+    # members make the same calls of it, not of other groups, so they drop the same ones
+    group = ctx.eager[sig].ranks = found[0].ranks
+    _used(ctx, sig)                             # an exchange, agreed on every call, too
+    mine = [s for s, entry in ctx.eager.items() if entry.ranks == group]
     if len(mine) > EAGER_MAX:
         del ctx.eager[mine[0]]
     return found[0]
