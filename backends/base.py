@@ -8,44 +8,29 @@ collectives (`allreduce`, `allgatherv`, `reduce_scatterv`, `alltoall`, `gatherv`
 `ibarrier`) run one MPI or torch.distributed collective on a cached group (mixing them across
 backends: the rule in backends/mixed.py).
 
-How a process runs a plan (`execute`):
+How a process runs a plan: backends/batch.py's `Runner`, the one executor (a plan's
+transfers coalesced per peer and stage); this module gives it the steps (`compile_steps`:
+this rank's part of each transfer, `Step.prim` local, p2p, bcast, gather or reduce), the
+groups its collectives need, a run's tiles (`Run`) and the wire buffers.
 
 * Device d lives on rank `rank_of(d)`. A transfer whose devices all live on this rank runs
   as local array copies/sums (no communication).
-* Otherwise, per transfer, in the plan's global order: pack the boxes of the sending tile
-  into one contiguous message (backends/pack.py), issue the primitive, and when it is done
-  unpack into the dst tiles this rank owns. send/bcast reaching 2 ranks use isend/irecv;
-  reaching 3 or more, `bcast` on the group of those ranks. A reduce combines (`Plan.reduce_op`:
-  sum, prod, min or max; meshcomm.reduceops) the contributors
-  in the plan's order of `srcs` (bitwise the same as the local backend): each contributing
-  rank sends its packed tiles to the root rank, which adds them up in order. For integer
-  dtypes (exact in any order) a reduce over 3+ ranks uses the backend's `reduce` instead,
-  unless the backend finds gathering faster (MPI with every rank on one host, where
+* A reduce combines (`Plan.reduce_op`: sum, prod, min or max; meshcomm.reduceops) the
+  contributors in the plan's order of `srcs` (bitwise the same as the local backend): each
+  contributing rank sends its tiles to the root rank, which adds them up in order. For
+  integer dtypes (exact in any order) a reduce over 3+ ranks uses the backend's `reduce`
+  instead, unless the backend finds gathering faster (MPI with every rank on one host, where
   MPICH's Ireduce measured 3-7x slower); `REDUCE_MODE = "collective"` uses the collective
   for integers and float32/float64 (not bitwise reproducible), `ordered` never.
-* Stages: everything of stage k is issued non-blocking, in global order, then waited for,
-  then unpacked, before stage k+1 (which may read what stage k wrote).
-* Backends may differ per transfer (`Backend.choose`, used by `mixed`). Before issuing on a
-  backend other than the previous one, the executor waits for the previous backend's
-  outstanding work (a fence). So at any time only one backend has work in flight, and the
-  global order argument holds across backends: the globally first unfinished transfer has
-  every participant either issued on it or waiting on it, so it completes.
 * Groups: torch's `new_group` must be called by every rank in the same order, MPI's
   `Create_group` by the members in the same order. `groups_needed(plan, ...)` lists the
   groups of every collective in the plan (all of them, not only this rank's) in plan order;
-  every rank calls `prepare_groups` with that list for each backend before running the plan.
-  Since every rank runs the same sequence of plans, the caches agree and the missing groups
-  are created in the same order everywhere.
+  every rank calls `prepare_groups` with that list for each backend when it constructs the
+  Program, so the missing groups are created in the same order everywhere.
 * Deadlines: every wait polls with a deadline (`MESHCOMM_TIMEOUT` after the call started)
-  and raises `PeerTimeoutError` naming the peer ranks it waited for.
-* `Execution` splits a run into `prepare` (groups), `start` (issue the first stage, wait
-  for nothing) and `finish` (wait, then the later stages). A run given up (its deadline, a
-  peer's error) leaves its works to `abandon`, which keeps their buffers until MPI is done.
-* Zero copies where possible: a single box contiguous in its tile is sent from (or
-  received into) the tile's memory; otherwise boxes are packed/unpacked.
-* Compression (`compressed.CompressedExecution(..., compression=Compression(...))`): the
-  plan's transfers run as coded chunks through backends/compressed.py's pipeline
-  (point-to-point messages only, so no groups), instead of the staged program below.
+  and raises `PeerTimeoutError` naming the peer ranks it waited for. A run given up (its
+  deadline, a peer's error) leaves its works to `abandon`, which keeps their buffers until
+  MPI is done.
 * CUDA: packing, unpacking and communication run on the backend's stream
   (backends/streams.py); an MPI-bound device buffer is synchronised and staged through the
   host. On CPU the same calls are no-ops.
@@ -70,7 +55,7 @@ from .local import alloc_like
 from .pack import pack, unpack
 
 from meshcomm.caches import memo
-__all__ = ["Work", "DoneWork", "Backend", "Step", "compile_steps", "wire_bytes", "groups_needed", "execute",
+__all__ = ["Work", "DoneWork", "Backend", "Step", "compile_steps", "wire_bytes", "groups_needed",
            "wait_polling", "poll_peers", "backoff", "abandon", "ABANDONED", "issued", "to_wire", "torch_of", "empty_wire", "from_wire", "TAG_MOD"]
 
 TAG_MOD = 32768   # the MPI standard guarantees tags up to 32767
@@ -339,7 +324,7 @@ class Backend:
 
     def isend(self, buf, peer: int, tag: int) -> Work: raise NotImplementedError
     def irecv(self, buf, peer: int, tag: int) -> Work: raise NotImplementedError
-    def bcast(self, buf, root: int, ranks: tuple[int, ...], tag: int | None = None) -> Work: raise NotImplementedError
+    def bcast(self, buf, root: int, ranks: tuple[int, ...]) -> Work: raise NotImplementedError
     def reduce(self, buf, root: int, ranks: tuple[int, ...], op: str = "sum") -> Work: raise NotImplementedError
     def allgather_obj(self, obj, deadline: float | None, tag: int | None = None, accept=None,
                       ranks=None) -> list:
@@ -616,32 +601,6 @@ def compile_steps(plan, rank: int, devices_per_process: int, collective_reduce: 
 
 
 @memo(maxsize=256)
-def issue_steps(plan, rank: int, devices_per_process: int, collective_reduce: bool) -> tuple[Step, ...]:
-    """`compile_steps` in the order this rank issues them on a single backend: within each
-    run of one stage, the receives first (posted before the messages arrive), then the
-    collectives in plan order (the same order on every member), then the sends, then the
-    local copies (done while the messages travel). Steps of one stage are independent and
-    non-blocking, so any order is correct; with several backends (`mixed`) a switch drains
-    the stage, so the plan's order is kept there (Execution)."""
-    steps = compile_steps(plan, rank, devices_per_process, collective_reduce)
-
-    def role(s: Step) -> int:
-        if s.prim == "local":
-            return 3
-        if s.prim in ("bcast", "reduce"):
-            return 1
-        receiving = (s.root != rank) if s.prim == "p2p" else (s.root == rank)    # gather: the root receives
-        return 0 if receiving else 2
-    out, run = [], []
-    for st in steps:
-        if run and st.stage != run[-1].stage:
-            out += sorted(run, key=role)
-            run = []
-        run.append(st)
-    return tuple(out + sorted(run, key=role))
-
-
-@memo(maxsize=256)
 def wire_bytes(plan, rank: int, devices_per_process: int, collective_reduce: bool) -> tuple[int, int]:
     """(sent, received): bytes `rank` puts on / takes off the wire in its steps of `plan`, by
     meshcomm.log's convention (summed over ranks, sent == received): p2p and bcast, the
@@ -687,7 +646,7 @@ def groups_needed(plan, devices_per_process: int, collective_reduce: bool,
     return out
 
 
-# -- the executor ---------------------------------------------------------------------------
+# -- a run's tiles (the executor: backends/batch.py) ------------------------------------------
 
 def _alloc(like, shape, zero: bool, op: str = "sum"):
     return alloc_like(like, shape, zero, op)
@@ -714,130 +673,13 @@ def result_tiles(plan, specs, like, out=None) -> dict:
     return res
 
 
-def execute(plan, shards: Mapping[int, object], like, *, rank: int, devices_per_process: int,
-            backend: Backend, deadline: float | None, device_kind: str = "cpu",
-            producer_fences=()) -> tuple[dict[int, object], "streams.Fence"]:
-    """Run this rank's part of `plan`. `shards`: {src device: tile} this rank owns; `like`:
-    an array giving kind/dtype/device of new tiles. Returns ({dst device: tile} this rank
-    owns, a fence the consumer waits on before using them)."""
-    ex = Execution(plan, shards, like, rank=rank, devices_per_process=devices_per_process,
-                   backend=backend, device_kind=device_kind, producer_fences=producer_fences)
-    ex.prepare(deadline)
-    ex.start()
-    return ex.finish(deadline)
-
-
-class Execution:
-    """`execute` in steps: `prepare` (create groups, collective), `start` (issue the first
-    stage, non-blocking: nothing waits), `finish` (everything else), or `abort` after a
-    `start` whose plan turned out not to be agreed on (cancels what it can)."""
-
-    def __init__(self, plan, shards, like, *, rank, devices_per_process, backend: Backend,
-                 device_kind="cpu", producer_fences=(), compression=None, tags=(0, TAG_MOD), out=None):
-        dpp = devices_per_process
-        self.tags = tags                # (first tag, span): a Program's own tag space
-        self.compression = compression  # a planners.compressed.Compression: backends/compressed.py
-        self.rank_of = rank_of = lambda d: d // dpp  # noqa: E731
-        self.plan, self.backend, self.device_kind = plan, backend, device_kind
-        st, dt = plan.src.tiles(plan.shape), plan.dst.tiles(plan.shape)
-        self.out = result_tiles(plan, out_specs(plan, rank, dpp), like, out)
-        self.coll = collective_reduce_ok(plan.dtype, backend)
-        self.dpp = dpp
-        one = len(backend.members()) == 1
-        self.steps = (issue_steps if one else compile_steps)(plan, rank, dpp, self.coll)
-        self.device = streams.device_of(like)
-        self.run = Run(plan, shards, self.out, like, rank, rank_of, st, dt, self.device, tags)
-        self.producer_fences = producer_fences
-        self.pending: list = []
-        self._gen = None
-        self._deadline = None
-
-    def _choose(self, s: Step) -> Backend:
-        return self.backend.choose(s.table_op, s.nbytes, len(s.ranks), self.device_kind)
-
-    def groups(self) -> dict[str, list]:
-        if self.compression is not None:
-            return {}                   # compressed plans move point to point only
-        return groups_needed(self.plan, self.dpp, self.coll, self._choose, self.device_kind)
-
-    def peers(self) -> set:
-        """The other ranks this rank exchanges anything with, in any stage."""
-        return {r for s in self.steps if s.prim != "local" for r in s.ranks} - {self.run.rank}
-
-    def prepare(self, deadline):
-        need = self.groups()
-        for b in self.backend.members():
-            b.prepare_groups(need.get(b.name, []), deadline)
-
-    def start(self) -> None:
-        self._gen = self._program()
-        next(self._gen)                 # runs up to the first wait
-
-    def finish(self, deadline):
-        if self._gen is None:
-            self.start()
-        self._deadline = deadline
-        for _ in self._gen:
-            pass
-        return self.out, self._done
-
-
-    def _program(self):
-        plan, pending, run = self.plan, self.pending, self.run
-        cur = None
-        cur_stream = streams.comm_stream("local", self.device)
-        for f in self.producer_fences:  # compute -> comm: wait for the producers of the inputs
-            f.wait_on(cur_stream)
-        started = False
-        stage = None
-
-        def drain():
-            works = [w for _, ws, _ in pending for w in ws]
-            with streams.use(cur_stream):   # NCCL: the wait orders the current (comm) stream
-                cur.wait_all(works, self._deadline)
-                for _, _, fin in pending:
-                    if fin is not None:
-                        fin()
-            pending.clear()
-
-        for s in self.steps:
-            b = None if s.prim == "local" else self._choose(s)
-            if s.stage != stage or (b is not None and b is not cur):
-                if pending:
-                    if not started:
-                        started = True
-                        yield           # start() returns here: the first stage is in flight
-                    drain()             # stage barrier, or fence before switching backends
-                stage = s.stage
-            if s.prim == "local":
-                with streams.use(cur_stream):
-                    run.local(plan.transfers[s.index])
-                continue
-            if b is not cur:
-                if cur is not None:
-                    issued[("switch", f"{cur.name}>{b.name}")] += 1
-                new_stream = streams.comm_stream(b.name, self.device)
-                streams.record(cur_stream).wait_on(new_stream)
-                cur, cur_stream = b, new_stream
-            with streams.use(cur_stream):
-                works, fin = run.issue(s, plan.transfers[s.index], b, cur_stream)
-            pending.append((s, works, fin))
-            issued[(b.name, s.prim)] += 1
-        if not started:
-            yield
-        if pending:
-            drain()
-        # comm -> compute: the consumer waits on this before using the result
-        self._done = streams.record(cur_stream)
-
-
 class Run:
-    """The per-call state of `execute`: tiles, boxes and the issue/finish of one step."""
+    """One run's tiles of one plan (backends/batch.py `Runner`): packing, unpacking, the
+    local steps and the collective ones."""
 
-    def __init__(self, plan, shards, out, like, rank, rank_of, st, dt, device, tags=(0, TAG_MOD)):
+    def __init__(self, plan, shards, out, like, rank, rank_of, st, dt):
         self.plan, self.shards, self.out, self.like = plan, shards, out, like
         self.rank, self.rank_of, self.st, self.dt = rank, rank_of, st, dt
-        self.device, self.tags = device, tags
 
     def _src(self, t):
         return (self.shards, self.st.boxes) if t.src_buf == "src" else (self.out, self.dt.boxes)
@@ -901,79 +743,37 @@ class Run:
             self._unpack_to(t, d, v)
 
     def issue(self, s: Step, t, b: Backend, stream):
-        me, rank_of = self.rank, self.rank_of
-        tag = self.tags[0] + s.index % self.tags[1]
-        if t.kind in ("send", "bcast"):
-            mine = [d for d in t.dsts if rank_of(d) == me]
+        """A collective step, a broadcast on a group or the backend's reduce (order-free
+        dtypes): (its works, a function unpacking its result once they are done, or None)."""
+        me = self.rank
+        if s.prim == "bcast":
+            mine = [d for d in t.dsts if self.rank_of(d) == me]
             if me == s.root:
                 v = self._packed(t, t.srcs[0])
                 for d in mine:
                     self._unpack_to(t, d, v)
-                w = to_wire(v, b.wire, stream)
-                if s.prim == "p2p":
-                    peer = s.ranks[0] if s.ranks[1] == me else s.ranks[1]
-                    return [b.isend(w, peer, tag)], None
-                return [b.bcast(w, s.root, s.ranks, tag=tag)], None
+                return [b.bcast(to_wire(v, b.wire, stream), s.root, s.ranks)], None
             direct = self._recv_into(t, mine, b.wire)
             if direct is not None:
-                if s.prim == "p2p":
-                    return [b.irecv(direct, s.root, tag)], None
-                return [b.bcast(direct, s.root, s.ranks, tag=tag)], None
+                return [b.bcast(direct, s.root, s.ranks)], None
             buf = empty_wire(s.nbytes, b.wire, self.like)
 
             def fin():
                 v = from_wire(buf, self.like)
                 for d in mine:
                     self._unpack_to(t, d, v)
-            if s.prim == "p2p":
-                return [b.irecv(buf, s.root, tag)], fin
-            return [b.bcast(buf, s.root, s.ranks, tag=tag)], fin
-        # reduce
-        root_dev, op = t.dsts[0], self.plan.reduce_op
-        if s.prim == "reduce":              # the backend's reduction (order-free dtypes)
-            acc = None
-            for src in t.srcs:
-                if rank_of(src) == me:
-                    v = self._packed(t, src, copy=True)
-                    acc = v if acc is None else combine_(acc, v, op)
-            n = s.nbytes // self.plan.itemsize
-            if acc is None:                 # a root rank without contributors: the identity
-                acc = _alloc(self.like, (n,), zero=True, op=op)
-            w = to_wire(acc, b.wire, stream, typed=True)
-            if me != s.root:
-                return [b.reduce(w, s.root, s.ranks, op)], None
-
-            def fin():
-                self._unpack_to(t, root_dev, from_wire(w, self.like, typed=True))
-            return [b.reduce(w, s.root, s.ranks, op)], fin
-        # ordered gather-and-sum at the root rank
+            return [b.bcast(buf, s.root, s.ranks)], fin
+        op, acc = self.plan.reduce_op, None
+        for src in t.srcs:
+            if self.rank_of(src) == me:
+                v = self._packed(t, src, copy=True)
+                acc = v if acc is None else combine_(acc, v, op)
+        if acc is None:                     # a root rank without contributors: the identity
+            acc = _alloc(self.like, (s.nbytes // self.plan.itemsize,), zero=True, op=op)
+        w = to_wire(acc, b.wire, stream, typed=True)
         if me != s.root:
-            mine = [src for src in t.srcs if rank_of(src) == me]
-            parts = [self._packed(t, src) for src in mine]
-            v = parts[0] if len(parts) == 1 else _concat(parts)
-            return [b.isend(to_wire(v, b.wire, stream), s.root, tag)], None
-        own = {src: self._packed(t, src, copy=True) for src in t.srcs if rank_of(src) == me}
-        bufs, works = {}, []
-        for q in s.ranks:
-            if q == me:
-                continue
-            k = sum(1 for src in t.srcs if rank_of(src) == q)
-            bufs[q] = empty_wire(k * s.nbytes, b.wire, self.like)
-            works.append(b.irecv(bufs[q], q, tag))
-
-        def fin():
-            n = s.nbytes // self.plan.itemsize
-            pieces = dict(own)
-            for q, buf in bufs.items():
-                v = from_wire(buf, self.like)
-                srcs_q = [src for src in t.srcs if rank_of(src) == q]
-                for j, src in enumerate(srcs_q):
-                    pieces[src] = v[j * n:(j + 1) * n]
-            acc = None
-            for src in t.srcs:
-                acc = pieces[src] if acc is None else combine_(acc, pieces[src], op)
-            self._unpack_to(t, root_dev, acc)
-        return works, fin
+            return [b.reduce(w, s.root, s.ranks, op)], None
+        return [b.reduce(w, s.root, s.ranks, op)], lambda: self._unpack_to(t, t.dsts[0], from_wire(w, self.like, typed=True))
 
 
 def _contiguous_view(tile, sl):
@@ -984,10 +784,3 @@ def _contiguous_view(tile, sl):
     if isinstance(v, np.ndarray) and v.flags.c_contiguous:
         return v.reshape(-1)
     return None
-
-
-def _concat(parts):
-    if _is_torch(parts[0]):
-        import torch
-        return torch.cat(parts)
-    return np.concatenate(parts)

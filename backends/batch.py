@@ -19,8 +19,14 @@ whole batch by the planner) and runs this rank's part of all of them together:
   travel, and at most two buckets are in flight (the extra memory bound).
 * Broadcasts are sent from their root to each member, coalesced like sends. A sum across
   processes (a pending-sum src) sends each addend to the root's process like a piece, and
-  the root adds them up in the plan's order of its srcs (bitwise what the step executor
-  and the local backend give).
+  the root adds them up in the plan's order of its srcs (bitwise what the local backend
+  gives). Where the backend runs a broadcast on a group (`Backend.bcast_group`: MPI across
+  hosts, NCCL) or a sum as its own reduce (`base.collective_reduce_ok`: integers), that step
+  is a collective of the round instead, issued in plan order (the same on every member)
+  after the round's receives are posted, before its sends.
+* Backends: one, or `mixed`'s choice per message and collective (its tuning table, by
+  bytes), made when the Runner is built; a round's works of both are then waited for
+  together (`MixedBackend.wait_all` polls both: deadlock-free once everything is issued).
 
 The planner chose what moves; this module only packs, posts and unpacks (backends never
 decide what to send).
@@ -30,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from . import base
+from . import base, streams
 import numpy as np
 
 from meshcomm.planners.boxes import contiguous_in, local_slices
@@ -40,11 +46,11 @@ from meshcomm.arrays import is_torch as _is_torch
 from meshcomm.caches import memo
 from meshcomm.reduceops import combine_
 
-from .base import (TAG_MOD, Run, collective_reduce_ok, empty_wire, from_wire, groups_needed, issue_steps,
+from .base import (TAG_MOD, Run, collective_reduce_ok, empty_wire, from_wire, groups_needed, compile_steps,
                    out_specs, result_tiles, to_wire, torch_of)
 from .pack import pack, unpack
 
-__all__ = ["BatchItem", "Runner", "run_batch", "execute", "plan_runner"]
+__all__ = ["BatchItem", "Runner", "run_batch", "execute"]
 
 
 @dataclasses.dataclass
@@ -63,57 +69,60 @@ def run_batch(items: Sequence[BatchItem], *, rank: int, devices_per_process: int
     """This rank's dst tiles of every item ([{device: tile}] in item order)."""
     runner = Runner([it.plan for it in items], rank=rank, devices_per_process=devices_per_process,
                     backend=backend, bucket_bytes=bucket_bytes, device_kind=device_kind)
-    return runner.run(items, tags, deadline)
-
-
-def plan_runner(plan, rank: int, dpp: int, backend, need) -> "Runner | None":
-    """The Runner of one plan where it runs there: one backend taking host buffers, and no
-    group among `need` (base.groups_needed: collectives on groups, MPI across hosts); None
-    where the step executor runs it. From the plan and the backend alone, so every process
-    of a run decides alike (the two lay messages out differently)."""
-    if len(backend.members()) == 1 and backend.wire == "numpy" and not any(need.values()):
-        return Runner([plan], rank=rank, devices_per_process=dpp, backend=backend.members()[0])
-    return None
+    runner.prepare(deadline)
+    return runner.run(items, tags, deadline)[0]
 
 
 def execute(plan, shards, like, *, rank: int, devices_per_process: int, backend, deadline) -> dict:
-    """Run this rank's part of one plan on the executor a Program of it would take
-    (`plan_runner`, else the step executor `base.execute`). Tools that compare plans
-    (`meshcomm bench run`, the demo) run every plan through it, so the comparison is like
-    for like."""
-    r = _runner(plan, rank, devices_per_process, backend) if type(like) is np.ndarray else None
-    if r is not None:
-        return r.run([BatchItem(plan, shards, like)], (0, TAG_MOD), deadline)[0]
-    return base.execute(plan, shards, like, rank=rank, devices_per_process=devices_per_process,
-                        backend=backend, deadline=deadline)[0]
+    """Run this rank's part of one plan as a Program of it would (tools that compare plans,
+    `meshcomm bench run` and the demo, run every plan through it: like for like)."""
+    r = _runner(plan, rank, devices_per_process, backend)
+    r.prepare(deadline)
+    return r.run([BatchItem(plan, shards, like)], (0, TAG_MOD), deadline)[0][0]
 
 
 @memo(maxsize=64)
-def _runner(plan, rank, dpp, backend) -> "Runner | None":
-    need = groups_needed(plan, dpp, collective_reduce_ok(plan.dtype, backend),
-                         lambda s: backend.choose(s.table_op, s.nbytes, len(s.ranks), "cpu"))
-    return plan_runner(plan, rank, dpp, backend, need)
+def _runner(plan, rank, dpp, backend) -> "Runner":
+    return Runner([plan], rank=rank, devices_per_process=dpp, backend=backend)
 
 
 class Runner:
-    """The coalesced batch of one rank, worked out once (a Program keeps it): per stage and
-    bucket, the local steps, and per peer the pieces sent and received with their offsets in
-    the one message; a run allocates the dst tiles, packs each piece straight into its
-    message, posts, waits and unpacks from the message."""
+    """The executor: the coalesced batch of one rank, worked out once (a Program keeps it):
+    per stage and bucket, the local steps, the collectives on groups, and per peer the pieces
+    sent and received with their offsets in the one message and the backend carrying it (for
+    `mixed`, the tuning table's choice by the message's bytes, made here). A run allocates
+    the dst tiles, packs each piece straight into its message, posts, waits and unpacks from
+    the message, on the backend's CUDA stream where the tiles are on a device."""
 
     def __init__(self, plans, *, rank, devices_per_process, backend, bucket_bytes=None, device_kind="cpu"):
         dpp = self.dpp = devices_per_process
-        self.plans, self.rank = plans, rank
-        self.b = backend.members()[0] if len(backend.members()) == 1 else \
-            backend.choose("send", 1 << 20, 2, device_kind)
+        self.plans, self.rank, self.be = plans, rank, backend
+        one = len(backend.members()) == 1
+        # waits go to the backend itself (mixed: both members' works polled together)
+        self.b = b0 = backend.members()[0] if one else backend
+
+        used = set()
+
+        def pick(op, n, k):             # the backend of one message or collective
+            if one:
+                return b0
+            c = backend.choose(op, n, k, device_kind)
+            used.add(c.name)
+            return c
         rank_of = lambda d: d // dpp  # noqa: E731
-        steps = [issue_steps(p, rank, dpp, False) for p in plans]
+        self.coll = [collective_reduce_ok(p.dtype, backend) for p in plans]
+        steps = [compile_steps(p, rank, dpp, c) for p, c in zip(plans, self.coll)]
+        self.groups: dict = {}          # {backend name: groups of the collectives}, every process alike
+        for p, c in zip(plans, self.coll):
+            for name, gs in groups_needed(p, dpp, c, lambda s: backend.choose(s.table_op, s.nbytes, len(s.ranks),
+                                                                              device_kind), device_kind).items():
+                self.groups.setdefault(name, []).extend(g for g in gs if g not in self.groups.get(name, []))
         self.nstages = max((st.stage for ss in steps for st in ss), default=-1) + 1
         self.buckets = _buckets([(p, None, None) for p in plans], rank, bucket_bytes)
-        self.rounds = []                # per (stage, bucket): (locals, sends, recvs, sizes)
+        self.rounds = []                # per (stage, bucket): (locals, sends, recvs, sums, collectives)
         for k in range(self.nstages):
             for bucket in self.buckets:
-                local, sends, recvs, sums = [], {}, {}, []
+                local, sends, recvs, sums, colls = [], {}, {}, [], []
                 for i in bucket:
                     p = plans[i]
                     st_, dt_ = p.src.tiles(p.shape), p.dst.tiles(p.shape)
@@ -126,6 +135,10 @@ class Runner:
                             local.append((i, t, None if t.kind == "reduce" else [
                                 (local_slices(bx, origin), d, local_slices(bx, dt_.boxes[d]))
                                 for d in t.dsts for bx in t.boxes]))
+                            continue
+                        cb = pick(s.table_op, s.nbytes, len(s.ranks))
+                        if s.prim == "reduce" or (s.prim == "bcast" and cb.bcast_group(s.ranks, device_kind)):
+                            colls.append((i, s, t, cb))     # in plan order: the same on every member
                             continue
                         key = (i, s.index)
                         if t.kind == "reduce":      # every addend to the root, summed there in order
@@ -157,49 +170,74 @@ class Runner:
                 # steps by role (a broadcast's before a send's), which its peer may not share
                 # (a sort that keeps the addends of one sum in the plan's order of its srcs)
                 order = lambda d: {q: [x for _, x in sorted(v, key=lambda e: e[0])] for q, v in d.items()}  # noqa: E731
-                self.rounds.append((local, _offsets(order(sends)), _offsets(order(recvs)), sums))
+                self.rounds.append((local, _offsets(order(sends), pick), _offsets(order(recvs), pick), sums, colls))
         self.out_shapes = [out_specs(p, rank, dpp) for p in plans]
         self.tilings = [(p.src.tiles(p.shape), p.dst.tiles(p.shape)) for p in plans]
+        self.mixed = tuple(sorted(used))   # `mixed`: the backends its messages and collectives go to
 
-    def run(self, items, tags, deadline):
+    def prepare(self, deadline) -> None:
+        """Create the groups of this batch's collectives (collectively: every process of the
+        Program calls it at construction, in the same order)."""
+        for b in self.be.members():
+            b.prepare_groups(self.groups.get(b.name, []), deadline)
+
+    def run(self, items, tags, deadline, fences=()):
+        """([{dst device: tile}] in item order, a fence the consumer waits on before using
+        them). `fences`: the producers' of the src tiles, waited for on the comm stream."""
+        stream = streams.comm_stream(self.b.name, streams.device_of(items[0].like)) if items else None
+        for f in fences:                # compute -> comm: wait for the producers of the inputs
+            f.wait_on(stream)
+        with streams.use(stream):
+            outs = self._run(items, tags, deadline, stream)
+            return outs, streams.record(stream)     # comm -> compute
+
+    def _run(self, items, tags, deadline, stream):
         b, rank, dpp = self.b, self.rank, self.dpp
         outs, runs = [], []
         for it, p, shapes, (st, dt) in zip(items, self.plans, self.out_shapes, self.tilings):
             out = result_tiles(p, shapes, it.like, it.out)
             outs.append(out)
-            runs.append(Run(p, it.shards, out, it.like, rank, lambda d: d // dpp, st, dt, None))
+            runs.append(Run(p, it.shards, out, it.like, rank, lambda d: d // dpp, st, dt))
         base.issued[("batch", b.name)] += 1
-        host = b.wire == "numpy"        # NumPy tiles: pieces sent from and received into them
+        for name in self.mixed:         # `mixed`: the backends its messages go to
+            base.issued[("mixed", name)] += 1
         tag0, span = tags
         inflight: list = []
         nb_ = len(self.buckets)
-        for r, (local, sends, recvs, sums) in enumerate(self.rounds):
-            works, fins = [], []
+        for r, (local, sends, recvs, sums, colls) in enumerate(self.rounds):
+            works, fins, calls = [], [], []
             tag = tag0 + r % span
-            for peer, (parts, offs, n, own) in recvs.items():
+            for peer, (parts, offs, n, mb, own) in recvs.items():
                 if parts:
-                    buf = empty_wire(n, b.wire, runs[parts[0][0]].like)
-                    works.append(b.irecv(buf, peer, tag))
+                    buf = empty_wire(n, mb.wire, runs[parts[0][0]].like)
+                    works.append(mb.irecv(buf, peer, tag))
                     fins.append((buf, parts, offs))
-                for part in own:        # a message of its own: straight into its tile where it can
+                for part, ob in own:    # a message of its own: straight into its tile where it can
                     i, t, mine, whole, _ = part
-                    buf = _run_of(runs[i].out[mine[0][0]], whole) if whole is not None and host else None
+                    buf = _run_of(runs[i].out[mine[0][0]], whole) if whole is not None and ob.wire == "numpy" else None
                     if buf is None and mine:
-                        buf = runs[i]._recv_into(t, [d for d, _ in mine], b.wire)
+                        buf = runs[i]._recv_into(t, [d for d, _ in mine], ob.wire)
                     if buf is None:
-                        buf = empty_wire(t.nbytes, b.wire, runs[i].like)
+                        buf = empty_wire(t.nbytes, ob.wire, runs[i].like)
                         fins.append((buf, [part], [0]))
-                    works.append(b.irecv(buf, peer, tag))
+                    works.append(ob.irecv(buf, peer, tag))
+            for i, s, t, cb in colls:   # a broadcast on a group, a backend's reduce
+                w, fin = runs[i].issue(s, t, cb, stream)
+                works += w
+                if fin is not None:
+                    calls.append(fin)
+                base.issued[(cb.name, s.prim)] += 1
             ready: dict = {}
-            for peer, (parts, offs, n, own) in sends.items():
+            for peer, (parts, offs, n, mb, own) in sends.items():
                 if parts:
-                    works.append(b.isend(self._message(runs, parts, offs, n), peer, tag))
-                for part in own:        # a broadcast's piece: made once for every peer
-                    v = ready.get(id(part))
+                    works.append(mb.isend(self._message(runs, parts, offs, n, mb.wire, stream), peer, tag))
+                for part, ob in own:    # a broadcast's piece: made once for every peer
+                    v = ready.get((id(part), ob.wire))
                     if v is None:
-                        v = ready[id(part)] = self._message(runs, [part], [0], part[1].nbytes)
-                    works.append(b.isend(v, peer, tag))
-                base.issued[(b.name, "p2p_batched")] += 1
+                        v = ready[(id(part), ob.wire)] = self._message(runs, [part], [0], part[1].nbytes,
+                                                                        ob.wire, stream)
+                    works.append(ob.isend(v, peer, tag))
+                base.issued[(mb.name, "p2p_batched")] += 1
             for i, t, copies in local:  # while the messages travel
                 run = runs[i]
                 src = (run.shards if t.src_buf == "src" else run.out).get(t.srcs[0])
@@ -208,7 +246,7 @@ class Runner:
                     continue
                 for ssl, d, dsl in copies:
                     run.out[d][dsl] = src[ssl]
-            inflight.append((works, runs, fins, sums))
+            inflight.append((works, runs, fins, sums, calls))
             if len(inflight) >= 2 or (r + 1) % nb_ == 0:    # two buckets at most; a stage ends
                 while inflight and (len(inflight) >= 2 or (r + 1) % nb_ == 0):
                     _finish(b, inflight.pop(0), deadline)
@@ -216,10 +254,9 @@ class Runner:
             _finish(b, inflight.pop(0), deadline)
         return outs
 
-    def _message(self, runs, parts, offs, n):
+    def _message(self, runs, parts, offs, n, wire, stream):
         """The pieces for one peer packed straight into one buffer of the wire kind (a lone
         contiguous piece is sent from its tile, this rank's own copies of it made box to box)."""
-        wire = self.b.wire
         if len(parts) == 1 and offs[0] == 0:
             i, t, slices, mine, whole, dev = parts[0]
             run = runs[i]
@@ -233,7 +270,7 @@ class Runner:
             for d, sl in mine:
                 unpack(v, runs[i].out[d], sl)
             if _size(v) % ALIGN == 0 or _size(v) == n:
-                return to_wire(v, wire)
+                return to_wire(v, wire, stream)
         like = runs[parts[0][0]].like
         buf = empty_wire(n, wire, like)
         for (i, t, slices, mine, _, dev), off in zip(parts, offs):
@@ -251,7 +288,7 @@ class Runner:
                 v = view.view(tile.dtype)
             else:
                 v = pack(tile, slices)
-                view[...] = to_wire(v, wire)
+                view[...] = to_wire(v, wire, stream)
             for d, sl in mine:
                 unpack(v, run.out[d], sl)
         return buf
@@ -273,9 +310,10 @@ def _host_array(t):
 OWN_MESSAGE = 64 << 10
 
 
-def _offsets(by_peer):
-    """{peer: (coalesced parts, their byte offsets in that message, its size, the parts sent
-    as messages of their own)}, peers sorted; the same split on both sides (plan facts)."""
+def _offsets(by_peer, pick):
+    """{peer: (coalesced parts, their byte offsets in that message, its size, its backend, the
+    parts sent as messages of their own with theirs)}, peers sorted; the same split and
+    choice on both sides (plan facts; `pick(op, bytes, group size)`: the backend)."""
     out = {}
     for peer in sorted(by_peer):
         parts, offs, n = [], [], 0
@@ -286,7 +324,7 @@ def _offsets(by_peer):
                 parts.append(part)
                 offs.append(n)
                 n += _padded(part[1].nbytes)
-        out[peer] = (parts, offs, n, own)
+        out[peer] = (parts, offs, n, pick("send", n, 2), [(p, pick("send", p[1].nbytes, 2)) for p in own])
     return out
 
 
@@ -310,9 +348,11 @@ def _run_of(tile, whole):
 
 
 def _finish(b, entry, deadline):
-    works, runs, fins, sums = entry
+    works, runs, fins, sums, calls = entry
     if works:
         b.wait_all(works, deadline)
+    for fin in calls:                   # the collectives' results into their tiles
+        fin()
     addends: dict = {}
     for buf, parts, offs in fins:
         for (i, t, mine, _, src), off in zip(parts, offs):

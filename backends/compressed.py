@@ -1,9 +1,9 @@
 """The compressed executor: a plan's transfers carried as coded chunks through a pipeline (encode, wire, decode overlap).
 
-`CompressedExecution(..., compression=Compression(...))`, an Execution (backends/base.py),
-runs this instead of its staged program; `execute_local` is the same for one process owning
-every device. What each transfer kind does with the codec, and the error it adds, is in
-planners/compressed.py; this module moves the bytes:
+`execute(..., compression=Compression(...))` runs a compressed Program's plan (instead of
+the batch executor); `execute_local` is the same for one process owning every device. What
+each transfer kind does with the codec, and the error it adds, is in planners/compressed.py;
+this module moves the bytes:
 
 * Every transfer is cut into messages of coded units (`planners.compressed.messages`), the
   same on every process. Messages travel along the transfer's hops; a hop between devices
@@ -46,23 +46,26 @@ from meshcomm.compression.base import host_array
 from meshcomm.reduceops import combine_
 
 from . import streams
-from .base import TAG_MOD, Execution
+from .base import TAG_MOD, out_specs, result_tiles
 from .local import alloc_like
 from .pipeline import Engine, stats
 
-__all__ = ["execute_local", "run_compressed", "stats"]
+__all__ = ["execute", "execute_local", "stats"]
 
 # task priorities, smallest first: feeding a next hop, a chain's first encode, the rest
 RELAY, START, FINAL = (0, 0), (1, 0), (2, 0)
 
 
-def run_compressed(ex, comp: Compression, deadline_fn):
-    """The generator `Execution.start`/`finish` drive: yields once (nothing is issued before
-    `finish`), then runs every stage of this rank's part of the plan."""
-    yield
-    r = ex.run
-    b = ex.backend.choose("send", comp.chunk_bytes, 2, ex.device_kind)
-    _Program(ex.plan, comp, r.shards, ex.out, r.rank, ex.rank_of, b, deadline_fn(), r.st, r.dt).run()
+def execute(plan, shards, like, *, rank: int, devices_per_process: int, backend, device_kind: str,
+            compression: Compression, deadline, out=None):
+    """This rank's part of `plan` compressed: ({dst device: tile} this rank owns, a fence the
+    consumer waits on before using them)."""
+    dpp = devices_per_process
+    res = result_tiles(plan, out_specs(plan, rank, dpp), like, out)
+    b = backend.choose("send", compression.chunk_bytes, 2, device_kind)
+    _Program(plan, compression, shards, res, rank, lambda d: d // dpp, b, deadline,
+             plan.src.tiles(plan.shape), plan.dst.tiles(plan.shape)).run()
+    return res, streams.record(streams.comm_stream("local", streams.device_of(like)))
 
 
 def execute_local(plan, shards, like, comp: Compression) -> dict:
@@ -371,13 +374,3 @@ class _Program:
         if self._mine(r) and not remote:
             for m in range(len(msgs)):
                 eng.task(FINAL, lambda m=m: combine(m))
-
-
-class CompressedExecution(Execution):
-    """An Execution whose plan moves coded pieces (`compression=`, planners.compressed): its
-    steps run through `run_compressed`, stage by stage on the event loop."""
-
-    def start(self) -> None:
-        self._gen = run_compressed(self, self.compression, lambda: self._deadline)
-        self._done = streams.record(streams.comm_stream("local", self.device))
-        next(self._gen)                 # runs up to the first wait

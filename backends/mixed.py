@@ -1,22 +1,21 @@
-"""Mixed backend: MPI and torch.distributed side by side, one chosen per transfer.
+"""Mixed backend: MPI and torch.distributed side by side, one chosen per message.
 
 The choice comes from a tuning table keyed by operation, message bytes and group size
-(backends/tuning.py; `MESHCOMM_TUNING=path` or the built-in default). Mixing cannot
-deadlock: the executor runs transfers in the plan's global order and, before switching
-from one backend to another, waits for everything the previous one has in flight (a
-fence), so only one backend ever has work outstanding (see backends/base.py).
+(backends/tuning.py; `MESHCOMM_TUNING=path` or the built-in default), made when a Program
+is constructed: the executor (backends/batch.py) picks a backend per message and per
+collective, issues a round's works on both, then waits for them together (`wait_all`).
 Metadata exchanges go through MPI. `meshcomm.backends.base.issued` counts the operations
 each backend issued.
 
 Native collectives (allreduce, allgatherv, ...; backends/base.py) go to the backend the
-table names for (op, nccl-tests size, group size); both backends may then have work in
-flight at once, which is safe under one rule, found by running it: a process must never
+table names for (op, nccl-tests size, group size). Both backends may have work in flight
+at once, which is safe under one rule, found by running it: a process must never
 block on one backend's work (nor poll only that backend's) while it holds unfinished work
 of the other that a peer may wait for before issuing its own part. MPI's non-blocking
 collectives progress only inside MPI calls of every member (an Iallreduce of 1 KiB too): a
 rank blocked in torch's `wait` starves them, and if a peer waits for that MPI work before
-issuing the torch operation, both sit until the timeout. Deadlock-free ways: the fence
-above (one backend in flight at a time); or issue everything on every rank first, then wait
+issuing the torch operation, both sit until the timeout. Deadlock-free ways: a fence
+(one backend in flight at a time); or issue everything on every rank first, then wait
 in any order; or wait with `MixedBackend.wait_all`, which polls every work of both backends
 together. (gloo's `reduce_scatter` work never reports completion to polling, so torch's
 reduce_scatterv is an all-reduce; see backends/torch_collectives.py.)
@@ -81,9 +80,9 @@ class MixedBackend(Backend):
         b, (x,) = self._pick("allreduce", _nbytes(buf), ranks, buf)
         return b.allreduce(x, op, ranks)
 
-    def bcast(self, buf, root, ranks, tag=None):
+    def bcast(self, buf, root, ranks):
         b, (x,) = self._pick("bcast", _nbytes(buf), ranks, buf)
-        return b.bcast(x, root, ranks) if tag is None else b.bcast(x, root, ranks, tag=tag)
+        return b.bcast(x, root, ranks)
 
     def reduce(self, buf, root, ranks, op="sum"):
         b, (x,) = self._pick("reduce", _nbytes(buf), ranks, buf)

@@ -237,8 +237,8 @@ class MPIBackend(MPICollectives, Backend):
     def bcast_group(self, ranks, device_kind="cpu") -> bool:
         return not self.bcast_p2p(ranks)
 
-    def bcast(self, buf, root, ranks, tag=None):
-        tag = BCAST_TAG if tag is None else tag
+    def bcast(self, buf, root, ranks):
+        tag = BCAST_TAG
         what = f"bcast in group {list(ranks)}"
         if self.bcast_p2p(ranks):       # on the data communicator, with the step's own tag
             comm = self.comm

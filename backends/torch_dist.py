@@ -104,27 +104,6 @@ def _to_device(back, host, dev) -> None:
     dev.copy_(host)
 
 
-class _AllOf(Work):
-    """Several works completing together (a broadcast sent point to point)."""
-
-    def __init__(self, works, op, peers):
-        self.works, self.op, self.peers = works, op, peers
-        self.work = self                        # waited through torch's waiters, each one
-
-    def is_completed(self) -> bool:
-        return all(w.work is not None and w.work.is_completed() for w in self.works)
-
-    def wait(self, timeout=None):
-        for w in self.works:
-            if timeout is None:
-                w.work.wait()
-            else:
-                w.work.wait(timeout=timeout)
-
-    def test(self) -> bool:
-        return self.is_completed()
-
-
 class TorchBackend(TorchCollectives, Backend):
     name = "torch"
     wire = "torch"
@@ -261,13 +240,7 @@ class TorchBackend(TorchCollectives, Backend):
     def bcast_group(self, ranks, device_kind="cpu") -> bool:
         return device_kind == "cuda" and not self.stage_cuda
 
-    def bcast(self, buf, root, ranks, tag=None):
-        if tag is not None and (buf.device.type != "cuda" or self.stage_cuda):
-            if self.rank == root:               # a plan's broadcast: point to point from the root
-                buf = self._host(buf)           # staged once for every receiver
-                works = [self.isend(buf, r, tag) for r in ranks if r != root]
-                return _AllOf(works, f"bcast in group {list(ranks)}", tuple(r for r in ranks if r != root))
-            return self.irecv(buf, root, tag)
+    def bcast(self, buf, root, ranks):
         self.flush()
         pace = pacing.pacer(self.rank)
         if pace is not None and self.rank == root:      # the root waits for its slot (k-1 messages)

@@ -95,9 +95,9 @@ def test_mpiexec_4_every_backend_mismatch_and_timeout(tmp_path):
         for ph in phases:
             assert 0 <= r[f"timeout_{ph}"] < TIMEOUT + 4, (ph, r)
     assert not any(k.startswith("timeout_") for k in res[lag])
-    # mixed really alternated: fences between backends were taken, both did work
-    assert sum(v for r in res for k, v in r.items() if k.startswith("issued_switch_mpi>torch")) > 0
-    assert sum(v for r in res for k, v in r.items() if k.startswith("issued_switch_torch>mpi")) > 0
+    # mixed really alternated: runs of one plan sent messages over both backends
+    assert sum(r.get("issued_mixed_mpi", 0) for r in res) > 0
+    assert sum(r.get("issued_mixed_torch", 0) for r in res) > 0
     # the CUDA ordering code ran (as no-ops) on CPU
     assert all(r["streams_record"] > 0 and r["streams_wait_on"] > 0 for r in res[:lag])
 

@@ -20,7 +20,8 @@ from hypothesis import given, settings, strategies as st
 import meshcomm as mc
 from meshcomm.arrays import numpy_dtype
 from meshcomm.planners.boxes import box_size
-from meshcomm.backends.base import Backend, execute
+from meshcomm.backends.base import Backend
+from meshcomm.backends.batch import execute
 from meshcomm.backends.local import LocalBackend
 from meshcomm.backends.pack import unpack
 from meshcomm.cuda.executor import execute_packed
@@ -74,9 +75,7 @@ def every_executor(plan, shards, like):
     big = 1 << 30
     out = {"local": LocalBackend().execute(plan, shards, like),
            "packed": execute_packed(plan, shards, like)}
-    tiles, _ = execute(plan, shards, like, rank=0, devices_per_process=big, backend=Backend(),
-                       deadline=None)
-    out["shared"] = tiles
+    out["shared"] = execute(plan, shards, like, rank=0, devices_per_process=big, backend=Backend(), deadline=None)
     return out
 
 

@@ -10,6 +10,7 @@ import pytest
 
 import meshcomm as mc
 from meshcomm import Layout, Mesh
+from meshcomm.backends.base import Backend
 from meshcomm.backends.batch import Runner
 from meshcomm.planners.boxes import contiguous_in, local_slices
 
@@ -33,13 +34,13 @@ def _runner(shape, src, dst, rank, dpp=1, dtype="float32"):
     return Runner([mc.plan(shape, dtype, src, dst)], rank=rank, devices_per_process=dpp, backend=_Host())
 
 
-class _Host:
-    """What the Runner asks of a backend at construction (no communication here)."""
+class _Host(Backend):
+    """A backend the Runner is built for (no communication here): broadcasts point to point."""
 
-    name, wire = "host", "numpy"
+    name = "host"
 
-    def members(self):
-        return (self,)
+    def bcast_group(self, ranks, device_kind="cpu"):
+        return False
 
 
 def test_all_to_all_is_one_message_per_peer_sent_from_views_received_into_the_tile():
@@ -47,13 +48,14 @@ def test_all_to_all_is_one_message_per_peer_sent_from_views_received_into_the_ti
     src = Layout(m, (None, ("x", "y"), None))
     dst = Layout(m, (("x", "y"), None, None))
     for r in range(8):
-        (local, sends, recvs, _), = _runner((8, 64, 2048), src, dst, r).rounds   # one stage, one bucket
+        (local, sends, recvs, _, colls), = _runner((8, 64, 2048), src, dst, r).rounds   # one stage, one bucket
         assert set(sends) == set(recvs) == set(range(8)) - {r} and len(local) == 1
-        for peer, (parts, offs, n, own) in list(sends.items()) + list(recvs.items()):
+        assert not colls
+        for peer, (parts, offs, n, _, own) in list(sends.items()) + list(recvs.items()):
             assert not parts and n == 0 and len(own) == 1      # 64 KiB pieces: messages of their own
         # received straight into the dst tile: one contiguous run of it
-        assert all(own[0][3] is not None for _, _, _, own in recvs.values())
-        assert all(own[0][4] is not None for _, _, _, own in sends.values())    # sent from a view
+        assert all(own[0][0][3] is not None for *_, own in recvs.values())
+        assert all(own[0][0][4] is not None for *_, own in sends.values())    # sent from a view
 
 
 def test_small_pieces_coalesce_large_ones_travel_alone_the_same_split_on_both_sides():
@@ -63,10 +65,11 @@ def test_small_pieces_coalesce_large_ones_travel_alone_the_same_split_on_both_si
     src, dst = Layout(a, ("x", None)), Layout(b, (None, "x"))
     for rows, tensors in ((8, 1), (8, 3), (big, 1), (big, 2)):  # pieces of 128 B, of 64 KiB
         plans = [mc.plan((rows, 8), "float32", src, dst)] * tensors
-        (_, sends, _, _), = Runner(plans, rank=0, devices_per_process=1, backend=_Host()).rounds
-        (_, _, recvs, _), = Runner(plans, rank=2, devices_per_process=1, backend=_Host()).rounds
-        s_parts, s_offs, s_n, s_own = sends[2]
-        r_parts, r_offs, r_n, r_own = recvs[0]
+        (_, sends, _, _, _), = Runner(plans, rank=0, devices_per_process=1, backend=_Host()).rounds
+        (_, _, recvs, _, _), = Runner(plans, rank=2, devices_per_process=1, backend=_Host()).rounds
+        s_parts, s_offs, s_n, _, s_own = sends[2]
+        r_parts, r_offs, r_n, _, r_own = recvs[0]
+        s_own, r_own = [p for p, _ in s_own], [p for p, _ in r_own]
         assert (s_offs, s_n) == (r_offs, r_n)
         assert [(p[0], p[1]) for p in s_parts] == [(p[0], p[1]) for p in r_parts]
         assert [(p[0], p[1]) for p in s_own] == [(p[0], p[1]) for p in r_own]
@@ -84,15 +87,15 @@ def test_a_sum_across_processes_sends_each_addend_to_the_root_in_src_order():
     sums = [t for t in p.transfers if t.kind == "reduce" and len({d for d in t.srcs}) > 1]
     assert sums
     made = 0
-    for r, (_, sends, recvs, mine) in [(r, rd) for r in range(4)
+    for r, (_, sends, recvs, mine, _) in [(r, rd) for r in range(4)
                                        for rd in Runner([p], rank=r, devices_per_process=1, backend=_Host()).rounds]:
         made += len(mine)
         for i, t in mine:                                   # the sums this rank makes
             assert r == t.dsts[0]
-            got = [part[4] for q in recvs for part in recvs[q][0] + recvs[q][3] if part[1] is t]
+            got = [part[4] for q in recvs for part in recvs[q][0] + [p for p, _ in recvs[q][4]] if part[1] is t]
             assert got == [d for d in t.srcs if d != r]     # every other addend, in the plan's order
-        for q, (parts, _, _, own) in sends.items():
-            for part in parts + own:
+        for q, (parts, _, _, _, own) in sends.items():
+            for part in parts + [p for p, _ in own]:
                 if part[1].kind == "reduce":
                     assert part[5] == r and part[3] == [] and q == part[1].dsts[0]
     assert made == len(sums)

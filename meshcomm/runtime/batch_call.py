@@ -90,7 +90,7 @@ class BatchKernel:
 
     parity = 0          # the run's (Program.start sets it): which half of the tags it uses
 
-    def __init__(self, ctx, be, tensors: list[Tensor], plans, bucket_bytes, pid):
+    def __init__(self, ctx, be, tensors: list[Tensor], plans, bucket_bytes, pid, deadline):
         self.ctx, self.be, self.tensors, self.plans = ctx, be, tensors, plans
         self.bucket_bytes, self.tags = bucket_bytes, tags_of(pid, be.tag_ub)
         own = ctx.ownership
@@ -102,6 +102,7 @@ class BatchKernel:
             self._host.append((t.name, want, fit_of(t.kind, t.devtype, t.dtype), len(own.owned(t.dst)) <= 1))
         self.runner = batch_exec.Runner(plans, rank=ctx.rank, devices_per_process=ctx.devices_per_process,
                                         backend=be, bucket_bytes=bucket_bytes)
+        self.runner.prepare(deadline)
 
     def describe(self) -> str:
         return f"{len(self.tensors)} tensors, one message per pair of processes per stage"
@@ -165,13 +166,13 @@ class BatchKernel:
             items.append(batch_exec.BatchItem(p, shards, like, o))
             kinds.append(kind)
         t_run = time.time() if stamp is not None else None
-        res = self.runner.run(items, half(self.tags, self.parity), deadline)    # worked out at construction
+        res, _ = self.runner.run(items, half(self.tags, self.parity), deadline)     # worked out at construction
         for i, o in views:                  # torch tiles: torch results over the same memory
             res[i] = torch_results(res[i], o)
         if stamp is not None:
-            for t, p, it, r in zip(self.tensors, self.plans, items, res):
+            for t, p, it, r, c in zip(self.tensors, self.plans, items, res, self.runner.coll):
                 _log.record_reshard(stamp, rank=ctx.rank, dpp=ctx.devices_per_process, backend=self.be.name,
-                                    plan=p, collective_reduce=False, shards=it.shards, out=r, t_run=t_run)
+                                    plan=p, collective_reduce=c, shards=it.shards, out=r, t_run=t_run)
         return res, kinds
 
     def finish(self, r):
@@ -223,7 +224,7 @@ def _build(ctx, be, names, srcs, dsts, bucket_mb, kinded=True):
             tensors.append(Tensor(n, srcs[n], dsts[n], tuple(shape), dt[0], kind, "cpu" if kinded else None))
         plans = _plans(tensors, bucket_mb)
         bucket = None if bucket_mb is None else int(bucket_mb * (1 << 20))
-        k = BatchKernel(ctx, be, tensors, plans, bucket, pid)
+        k = BatchKernel(ctx, be, tensors, plans, bucket, pid, deadline)
         total = sum(p.bytes_moved for p in plans)
         return new(ctx, pid, f"reshard_many of {len(names)} tensors ({total / 2**20:.1f} MiB moved)", k)
     return make

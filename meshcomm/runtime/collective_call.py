@@ -207,7 +207,7 @@ class CollectiveKernel:
             log_as = _log.collective_fields(req.op, len(groups(req.mesh, req.axes)[0]), a.tile,
                                             [s for _, s in self.prob.out_shapes], a.dtype[1])
             _log.record_reshard(stamp, rank=self.ctx.rank, dpp=self.ctx.devices_per_process, backend=self.be.name,
-                                plan=self.plan, collective_reduce=False, shards=shards, out=res, t_run=t_run,
+                                plan=self.plan, collective_reduce=self.runner.coll, shards=shards, out=res, t_run=t_run,
                                 **log_as)
         return res, done, kind, bare, out
 

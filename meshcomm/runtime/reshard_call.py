@@ -152,7 +152,7 @@ class ReshardKernel:
         res, done = self.runner.run(shards, like, fences, deadline, out, self.parity)
         if stamp is not None:
             _log.record_reshard(stamp, rank=self.ctx.rank, dpp=self.ctx.devices_per_process, backend=self.be.name,
-                                plan=self.p, collective_reduce=False, shards=shards, out=res, t_run=t_run)
+                                plan=self.p, collective_reduce=self.runner.coll, shards=shards, out=res, t_run=t_run)
         return res, done, kind, bare
 
     def finish(self, r):

@@ -1,8 +1,8 @@
 """SPMD worker (2 processes, mpiexec): work given up on keeps its buffer until MPI is done
 with it (backends.base.abandon, the one path for timeouts and aborted runs).
 
-1. A plan's send given up on. Rank 0 starts a planned 8 MiB transfer to rank 1 (an
-   Execution, as a Program's run starts one) and waits for it past its deadline (a
+1. A plan's send given up on. Rank 0 starts a planned 8 MiB transfer to rank 1 (a
+   Runner, as a Program's run does) and waits for it past its deadline (a
    PeerTimeoutError), drops every reference to the source array and fills fresh memory.
    Rank 1 only then receives: the bytes must be the source's. (Before abandon, an aborted
    run dropped the send's request with its buffer: MPICH then read freed memory, and the
@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 import meshcomm as mc
 from meshcomm.backends import base
+from meshcomm.backends.batch import BatchItem, Runner
 from meshcomm.errors import PeerTimeoutError
 
 N = 8 << 20
@@ -42,13 +43,12 @@ plan = mc.plan((N,), np.uint8, src, dst)
 if comm.rank == 0:
     data = np.full(N, 0x5A, np.uint8)
     alive = weakref.ref(data)
-    ex = base.Execution(plan, {0: data}, data, rank=0, devices_per_process=1, backend=be)
-    ex.start()
+    runner = Runner([plan], rank=0, devices_per_process=1, backend=be)
     try:
-        ex.finish(time.monotonic() - 1)
+        runner.run([BatchItem(plan, {0: data}, data)], (0, base.TAG_MOD), time.monotonic() - 1)
     except PeerTimeoutError:
         res["send_timed_out"] = True
-    del ex, data
+    del runner, data
     gc.collect()
     res["send_buffer_kept"] = alive() is not None
     fresh = fresh_memory()
