@@ -154,63 +154,20 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key):
     (`Backend.bind(bufs=)`): a run copies the tile in, starts it, and copies the result out.
     Chosen from agreed facts only (every member must: a persistent collective matches no
     non-blocking one); `post` where the buffers would be too large."""
-    rank_of = ctx.ownership.rank_of
-    ranks = tuple(sorted(rank_of(d) for d in g))
-    k, i = len(g), g.index(me)
-    dtype = np.dtype(arrays.numpy_dtype(dt[0]))
-    row = math.prod(tile[1:]) if tile else 1
-    n = math.prod(tile)
-    op = "sum" if req.reduce_op == "avg" else req.reduce_op
-    root = rank_of(g[req.root]) if req.op in _ROOTED else None
-    rooted = ctx.rank == root
-    send = recv = None
-    shape = mine = tile
-    unit = dtype if typed(dtype) else np.dtype(np.uint8)
-    per = dtype.itemsize // unit.itemsize       # buffer elements per tile element
-    if req.op in ("all_reduce", "reduce", "broadcast"):
-        send = np.empty(n, dtype)
-        what, kw, gets = {"all_reduce": ("allreduce", {"op": op}, True), "reduce": ("reduce", {"op": op, "root": root},
-                          rooted), "broadcast": ("bcast", {"root": root}, True)}[req.op]
-        if req.op == "broadcast":
-            send = send.view(unit)
-        res, fill = send, req.op != "broadcast" or rooted
-    elif req.op in ("all_gather", "gather"):
-        sizes = [shapes[d][0] for d in g]
-        counts = tuple(s * row * per for s in sizes)
-        gets = req.op == "all_gather" or rooted
-        shape, mine = (sum(sizes),) + tuple(tile[1:]), tuple(shapes[me])
-        send, recv = np.empty(counts[i], unit), np.empty(sum(counts) if gets else 0, unit)
-        what, kw = ("allgatherv", {"counts": counts}) if req.op == "all_gather" else \
-            ("gatherv", {"counts": counts, "root": root})
-        res, fill = recv, True
-    elif req.op in ("reduce_scatter", "scatter"):
-        sizes = _chunks(tile[0], k)
-        shape = (sizes[i],) + tuple(tile[1:])
-        gets = True
-        if req.op == "reduce_scatter":
-            counts = tuple(s * row for s in sizes)
-            send, recv = np.empty(n, dtype), np.empty(counts[i], dtype)
-            what, kw = "reduce_scatterv", {"counts": counts, "op": op}
-            fill = True
-        else:
-            counts = tuple(s * row * per for s in sizes)
-            send, recv = np.empty(sum(counts) if rooted else 0, unit), np.empty(counts[i], unit)
-            what, kw = "scatterv", {"counts": counts, "root": root}
-            fill = rooted
-        res = recv
-    else:                                       # all_to_all
-        send, recv = np.empty(n * per, unit), np.empty(n * per, unit)
-        what, kw, res, gets, fill = "alltoall", {}, recv, True, True
-    # the same answer on every member (a persistent call matches no non-blocking one): the
-    # largest buffer of any member, a root's gathered or scattered whole included
-    whole = sum(counts) * unit.itemsize if req.op in ("all_gather", "gather", "scatter") else n * dtype.itemsize
+    c = _call(ctx, req, g, me, dt, tile, shapes, "numpy")
     cap = PERSISTENT_MAX_ALL_TO_ALL if req.op == "all_to_all" else PERSISTENT_MAX
-    if max(whole, n * dtype.itemsize) > cap or not prim.persistent_calls:
-        return _leaned(post, prim, me, (key, req.op))
-    start = prim.bind(what, ranks, comm, bufs=(send, recv), **kw)
-    fill = fill and send.nbytes > 0
-    src = send.view(dtype).reshape(mine) if fill else None
-    out = res.view(dtype).reshape(shape) if gets else None
+    counted = (key, req.op)
+    if c.whole > cap or not prim.persistent_calls:
+        return _leaned(post, prim, me, counted)
+    dtype = np.dtype(arrays.numpy_dtype(dt[0]))
+    unit = dtype if c.typed else np.dtype(np.uint8)
+    send = np.empty(c.send, unit)
+    recv = None if c.recv is None else np.empty(c.recv, unit)
+    res = send if recv is None else recv
+    start = prim.bind(c.what, _ranks(ctx, g), comm, bufs=(send, recv), **c.kw)
+    fill, gets = c.fill and send.nbytes > 0, c.gets
+    src = send.view(dtype).reshape(c.mine) if fill else None
+    out = res.view(dtype).reshape(c.shape) if gets else None
 
     def run(x):
         # every member runs the persistent request (it matches no other kind of call): a
@@ -225,9 +182,7 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key):
             return [w], dict
         if x is None or type(x) is np.ndarray:
             return [w], lambda: {me: out.copy()}
-        return [w], lambda: {me: from_wire(res.view(np.uint8).copy(), x).reshape(shape)}
-
-    counted = (key, req.op)
+        return [w], lambda: {me: from_wire(res.view(np.uint8).copy(), x).reshape(c.shape)}
 
     def post(x):
         """`run` of a NumPy tile, posted (a Program's lean run): the started request's Work."""
@@ -245,24 +200,22 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key):
 
 def _leaned(post, prim, me, counted):
     """`post` (a non-blocking call, a new one per run) with the lean form a Program's lean
-    run takes: post gives the call's Work, result the tile once it is done. Where the
-    poster says how a NumPy tile of its own type is sent (`post.plain`: the send and
-    receive buffers of a tile, the bound call, the result's shape), with nothing else
-    around it (at 8 processes on 2 cores each layer of Python costs tens of microseconds:
-    BENCHMARKS 5)."""
-    plain = getattr(post, "plain", None)
-    if plain is not None:
-        bufs, call, shape = plain
+    run takes (a NumPy tile of the agreed shape and dtype): post gives the call's Work (an
+    MPI request, tested bare), result the tile once it is done. A call of typed buffers into
+    a receive buffer takes the tile as it is, with nothing around it (at 8 processes on 2
+    cores each layer of Python costs tens of microseconds: BENCHMARKS 5)."""
+    c, f = post.call
+    if c.typed and c.recv is not None:
         got = [None]
 
         def posted_plain(x):
             issued[counted] += 1
-            send, got[0] = bufs(x)
-            return call(send, got[0])
+            r = got[0] = np.empty(c.recv, x.dtype) if c.gets else None
+            return f(x.reshape(-1) if c.fill else None, r)
 
         def result_plain():
             r = got[0]
-            return None if r is None else r.reshape(shape)
+            return None if r is None else r.reshape(c.shape)
         post.lean = (posted_plain, result_plain, prim, True)
         return post
     fin = [dict]
@@ -274,7 +227,7 @@ def _leaned(post, prim, me, counted):
 
     def result():
         return fin[0]().get(me)
-    post.lean = (posted, result, prim, False)
+    post.lean = (posted, result, prim, True)
     return post
 
 
@@ -334,101 +287,86 @@ def _copy(x):
     return x.clone() if arrays.is_torch(x) else buffers.copy(x)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One member's native call of a collective Program: `Backend.bind`'s `what` and
+    arguments, its buffers in units (elements of the dtype where `typed`, else bytes), what
+    goes in and comes out."""
+
+    what: str
+    kw: dict
+    typed: bool
+    send: int               # units of the send buffer (0: none); in place, the result's too
+    recv: int | None        # units of the receive buffer; None: in place
+    fill: bool              # this member's tile goes in
+    gets: bool              # a result comes out here
+    shape: tuple            # the result's shape
+    mine: tuple             # the tile's shape
+    whole: int              # bytes of the largest buffer of any member
+
+
+def _ranks(ctx, g) -> tuple:
+    return tuple(sorted(ctx.ownership.rank_of(d) for d in g))
+
+
+def _call(ctx, req, g, me, dt, tile, shapes, wire) -> _Call:
+    dtype = np.dtype(arrays.numpy_dtype(dt[0]))
+    typ = req.op in _REDUCING or (wire == "numpy" and typed(dtype))
+    per = 1 if typ else dtype.itemsize          # units per tile element
+    u = dtype.itemsize // per                   # bytes per unit
+    k, i, tile = len(g), g.index(me), tuple(tile)
+    n, row = math.prod(tile) * per, (math.prod(tile[1:]) if tile else 1) * per
+    op = "sum" if req.reduce_op == "avg" else req.reduce_op
+    root = ctx.ownership.rank_of(g[req.root]) if req.op in _ROOTED else None
+    rooted = ctx.rank == root
+    if req.op in ("all_reduce", "reduce", "broadcast"):
+        what, kw = {"all_reduce": ("allreduce", {"op": op}), "reduce": ("reduce", {"op": op, "root": root}),
+                    "broadcast": ("bcast", {"root": root})}[req.op]
+        return _Call(what, kw, typ, n, None, req.op != "broadcast" or rooted, req.op != "reduce" or rooted,
+                     tile, tile, n * u)
+    if req.op in ("all_gather", "gather"):
+        sizes = [shapes[d][0] for d in g]
+        counts = tuple(s * row for s in sizes)
+        gets = req.op == "all_gather" or rooted
+        what, kw = ("allgatherv", {"counts": counts}) if req.op == "all_gather" else \
+            ("gatherv", {"counts": counts, "root": root})
+        return _Call(what, kw, typ, counts[i], sum(counts) if gets else 0, True, gets,
+                     (sum(sizes),) + tile[1:], tuple(shapes[me]), max(sum(counts), n) * u)
+    if req.op in ("reduce_scatter", "scatter"):
+        sizes = _chunks(tile[0], k)
+        counts = tuple(s * row for s in sizes)
+        shape = (sizes[i],) + tile[1:]
+        if req.op == "reduce_scatter":
+            return _Call("reduce_scatterv", {"counts": counts, "op": op}, typ, n, counts[i], True, True,
+                         shape, tile, n * u)
+        return _Call("scatterv", {"counts": counts, "root": root}, typ, sum(counts) if rooted else 0, counts[i],
+                     rooted, True, shape, tile, max(sum(counts), n) * u)
+    return _Call("alltoall", {}, typ, n, n, True, True, tile, tile, n * u)      # along the leading dimension
+
+
 def poster(ctx, prim, req, g, me, dt, tile, shapes, kind, comm=None):
     """A function of device `me`'s tile (None where this process has none) giving (works,
     fin): its call bound once (`Backend.bind`: group, counts, op, root checked; over MPI on
     `comm`, the Program's own communicator), only buffers made per run."""
-    rank_of = ctx.ownership.rank_of
-    ranks = tuple(sorted(rank_of(d) for d in g))
-    k = len(g)
-    itemsize = dt[1]
-    row = math.prod(tile[1:]) if tile else 1
-    wire = prim.wire
-    typ = wire == "numpy" and typed(np.dtype(arrays.numpy_dtype(dt[0])))
-    per = 1 if typ else itemsize        # buffer units (elements, or bytes) per tile element
+    c = _call(ctx, req, g, me, dt, tile, shapes, prim.wire)
+    f = prim.bind(c.what, _ranks(ctx, g), comm, **c.kw)
+    wire, t, itemsize = prim.wire, c.typed, dt[1]
 
-    def bind(what, **kw):
-        return prim.bind(what, ranks, comm, **kw)
-
-    def empty(count, like):             # a receive buffer of `count` units
-        return empty_wire(count * itemsize // per, wire, like, typed_elems=count if typ else None)
-
-    def out(buf, like, shape, typed=False):
-        if type(like) is np.ndarray and type(buf) is np.ndarray:
-            return (buf if typed else buf.view(like.dtype)).reshape(shape)
-        return from_wire(buf, like, typed=typed).reshape(shape)
-
-    op = "sum" if req.reduce_op == "avg" else req.reduce_op
-    root = rank_of(g[req.root]) if req.op in _ROOTED else None
-    rooted = ctx.rank == root
-    if req.op in ("all_reduce", "reduce"):
-        f = bind("allreduce", op=op) if req.op == "all_reduce" else bind("reduce", op=op, root=root)
-        gets = req.op == "all_reduce" or rooted
-
-        def post(x):
-            if type(x) is np.ndarray and wire == "numpy" and x.nbytes < buffers.MIN_BYTES:
-                buf = x.copy().reshape(-1)              # the common case, without conversions
-                return [f(buf)], (lambda: {me: buf.reshape(tile)}) if gets else dict
-            buf = _flat(_copy(x), wire, True)
-            if not gets:
-                return [f(buf)], dict
-            return [f(buf)], lambda: {me: out(buf, x, tile, typed=True)}
-        return post
-    if req.op == "broadcast":
-        n = math.prod(tile) * per
-        f = bind("bcast", root=root)
-
-        def post(x):
-            like = _like(x, kind, dt)
-            buf = _flat(_copy(x), wire, typ) if rooted else empty(n, like)
-            return [f(buf)], lambda: {me: out(buf, like, tile, typ)}
-        return post
-    if req.op in ("all_gather", "gather"):
-        sizes = [shapes[d][0] for d in g]
-        counts = tuple(s * row * per for s in sizes)
-        gets = req.op == "all_gather" or rooted
-        shape = (sum(sizes),) + tuple(tile[1:])
-        f = bind("allgatherv", counts=counts) if req.op == "all_gather" else bind("gatherv", counts=counts, root=root)
-
-        def post(x):
-            like = _like(x, kind, dt)
-            recv = empty(sum(counts), like) if gets else None
-            w = f(_flat(x, wire, typ), recv)
-            if recv is None:
-                return [w], dict
-            return [w], lambda: {me: out(recv, like, shape, typ)}
-        if typ:
-            total = sum(counts)
-            post.plain = (lambda x: (x.reshape(-1), np.empty(total, x.dtype) if gets else None), f, shape)
-        return post
-    if req.op in ("reduce_scatter", "scatter"):
-        sizes = _chunks(tile[0], k)
-        i = g.index(me)
-        shape = (sizes[i],) + tuple(tile[1:])
-        if req.op == "reduce_scatter":
-            counts = tuple(s * row for s in sizes)
-            f = bind("reduce_scatterv", counts=counts, op=op)
-
-            def post(x):
-                recv = empty_wire(counts[i] * itemsize, wire, x, typed_elems=counts[i])
-                return [f(_flat(x, wire, True), recv)], lambda: {me: out(recv, x, shape, typed=True)}
-            return post
-        counts = tuple(s * row * per for s in sizes)
-        f = bind("scatterv", counts=counts, root=root)
-
-        def post(x):
-            like = _like(x, kind, dt)
-            recv = empty(counts[i], like)
-            send = _flat(x, wire, typ) if rooted else None
-            return [f(send, recv)], lambda: {me: out(recv, like, shape, typ)}
-        return post
-    # all_to_all along the leading dimension
-    n = math.prod(tile) * per
-    f = bind("alltoall")
+    def empty(count, like):             # a buffer of `count` units
+        return empty_wire(count * itemsize if t else count, wire, like, typed_elems=count if t else None)
 
     def post(x):
-        recv = empty(n, x)
-        return [f(_flat(x, wire, typ), recv)], lambda: {me: out(recv, x, tile, typ)}
-    if typ:
-        post.plain = (lambda x: (x.reshape(-1), np.empty(n, x.dtype)), f, tile)
+        like = _like(x, kind, dt)
+        if c.recv is None:              # in place: a copy of the tile, or the root's
+            res = _flat(_copy(x), wire, t) if c.fill else empty(c.send, like)
+            w = f(res)
+        else:
+            res = empty(c.recv, like) if c.gets else None
+            w = f(_flat(x, wire, t) if c.fill else None, res)
+        if not c.gets:
+            return [w], dict
+        if type(like) is np.ndarray and type(res) is np.ndarray:
+            return [w], lambda: {me: (res if t else res.view(like.dtype)).reshape(c.shape)}
+        return [w], lambda: {me: from_wire(res, like, typed=t).reshape(c.shape)}
+    post.call = (c, f)
     return post
