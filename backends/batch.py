@@ -101,13 +101,13 @@ class Runner:
         # waits go to the backend itself (mixed: both members' works polled together)
         self.b = b0 = backend.members()[0] if one else backend
 
-        used = set()
+        used: dict = {}
 
         def pick(op, n, k):             # the backend of one message or collective
             if one:
                 return b0
             c = backend.choose(op, n, k, device_kind)
-            used.add(c.name)
+            used[c.name] = c
             return c
         rank_of = lambda d: d // dpp  # noqa: E731
         self.coll = [collective_reduce_ok(p.dtype, backend) for p in plans]
@@ -173,7 +173,9 @@ class Runner:
                 self.rounds.append((local, _offsets(order(sends), pick), _offsets(order(recvs), pick), sums, colls))
         self.out_shapes = [out_specs(p, rank, dpp) for p in plans]
         self.tilings = [(p.src.tiles(p.shape), p.dst.tiles(p.shape)) for p in plans]
-        self.mixed = tuple(sorted(used))   # `mixed`: the backends its messages and collectives go to
+        if len(used) == 1:              # `mixed` sending all of this rank's part to one backend: waits there
+            self.b = next(iter(used.values()))
+        self.mixed = tuple(sorted(used)) if len(used) > 1 else ()     # (counted per run: tests, stats)
 
     def prepare(self, deadline) -> None:
         """Create the groups of this batch's collectives (collectively: every process of the

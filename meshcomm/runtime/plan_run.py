@@ -6,20 +6,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backends import base, compressed
+from ..backends import compressed
 from ..backends.batch import BatchItem, Runner
 from .program import half
 from .tiles import numpy_views, torch_results
 
-__all__ = ["PlanRun", "one_backend"]
+__all__ = ["PlanRun"]
 
 
 class PlanRun:
     """The executor of one plan for one Program (the module's docstring)."""
 
     def __init__(self, ctx, be, p, comp, tags, device_kind, deadline):
-        if comp is None:
-            be = one_backend(be, p, ctx.devices_per_process, device_kind)
         self.ctx, self.be, self.plan, self.comp, self.tags = ctx, be, p, comp, tags
         self.device_kind = device_kind
         self.runner, self.coll = None, False    # coll: sums over 3+ ranks as the backend's reduce
@@ -43,19 +41,3 @@ class PlanRun:
             return torch_results(res[0], out), done
         res, done = r.run([BatchItem(self.plan, shards, like, out)], tags, deadline, fences)
         return res[0], done
-
-
-def one_backend(be, p, dpp, device_kind):
-    """`mixed` whose tuning table sends every step of plan `p` to one backend: that backend
-    (chosen at construction, so a run pays nothing for the mixing; the same choice on every
-    process, from the plan's steps of every rank), else `be`."""
-    if len(be.members()) < 2:
-        return be
-    coll = base.collective_reduce_ok(p.dtype, be)
-    chosen = {be.choose(s.table_op, s.nbytes, len(s.ranks), device_kind)
-              for s in base.all_steps(p, dpp, coll) if s.prim != "local"}
-    if len(chosen) == 1:
-        only = chosen.pop()
-        if base.collective_reduce_ok(p.dtype, only) == coll:
-            return only
-    return be
