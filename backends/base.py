@@ -55,7 +55,7 @@ from .local import alloc_like
 from .pack import pack, unpack
 
 from meshcomm.caches import memo
-__all__ = ["Work", "DoneWork", "Backend", "Step", "compile_steps", "wire_bytes", "groups_needed",
+__all__ = ["Work", "Backend", "Step", "compile_steps", "wire_bytes", "groups_needed",
            "wait_polling", "poll_peers", "backoff", "abandon", "ABANDONED", "issued", "to_wire", "torch_of", "empty_wire", "from_wire", "TAG_MOD"]
 
 TAG_MOD = 32768   # the MPI standard guarantees tags up to 32767
@@ -76,11 +76,6 @@ class Work:
 
     def wait(self, deadline: float | None = None) -> None:
         wait_polling([self], deadline, rank=None)
-
-
-class DoneWork(Work):
-    def test(self) -> bool:
-        return True
 
 
 SPIN, YIELD, SLEEP_MAX = 2000, 4000, 2e-4

@@ -1,7 +1,8 @@
-"""Many tensors' plans run as one: per stage, ONE message between each pair of processes.
+"""The executor: a Program's plans (one reshard's, or a batch's) run as one: per stage, ONE
+message between each pair of processes.
 
-`run_batch(items, ...)` takes the plans of a batch (one per tensor, senders chosen for the
-whole batch by the planner) and runs this rank's part of all of them together:
+`Runner(plans, ...)` takes the plans (a batch's: one per tensor, senders chosen for the whole
+batch by the planner) and runs this rank's part of all of them together:
 
 * Stage k of every plan runs in stage k of the batch (a plan's later stage may read what
   its earlier one wrote; plans are independent of each other).
@@ -364,7 +365,7 @@ def _finish(b, entry, deadline):
                 addends[(i, id(t), src)] = v
             for d, sl in mine:
                 unpack(v, run.out[d], sl)
-    for i, t in sums:                   # in the plan's order of the addends (bitwise the steps')
+    for i, t in sums:                   # in the plan's order of the addends (bitwise the local backend's)
         run, acc = runs[i], None
         for sd in t.srcs:
             v = addends.get((i, id(t), sd))

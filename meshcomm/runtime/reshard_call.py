@@ -3,7 +3,7 @@
 Construction agrees on the layouts, backend, shape, dtype, array kind, device type and codec
 (runtime/program.py `construct`), plans, creates the plan's groups. A run checks this
 process's tiles against the agreed shapes and dtype, then runs the plan with the Program's
-tags (backends/base.py `Execution`).
+tags (runtime/plan_run.py: the executor, backends/batch.py `Runner`).
 """
 from __future__ import annotations
 
