@@ -186,8 +186,11 @@ class Runner:
 
     def run(self, items, tags, deadline, fences=()):
         """([{dst device: tile}] in item order, a fence the consumer waits on before using
-        them). `fences`: the producers' of the src tiles, waited for on the comm stream."""
-        stream = streams.comm_stream(self.b.name, streams.device_of(items[0].like)) if items else None
+        them, None for NumPy tiles). `fences`: the producers' of the src tiles, waited for on
+        the comm stream."""
+        if all(type(it.like) is np.ndarray for it in items):   # host tiles: no stream, nothing to fence
+            return self._run(items, tags, deadline, None), None
+        stream = streams.comm_stream(self.b.name, streams.device_of(items[0].like))
         for f in fences:                # compute -> comm: wait for the producers of the inputs
             f.wait_on(stream)
         with streams.use(stream):
