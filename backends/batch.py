@@ -237,13 +237,13 @@ class Runner:
             for peer, (parts, offs, n, mb, own) in sends.items():
                 if parts:
                     works.append(mb.isend(self._message(runs, parts, offs, n, mb.wire, stream), peer, tag))
+                    base.issued[(mb.name, "p2p_batched")] += 1
                 for part, ob in own:    # a broadcast's piece: made once for every peer
                     v = ready.get((id(part), ob.wire))
                     if v is None:
                         v = ready[(id(part), ob.wire)] = self._message(runs, [part], [0], part[1].nbytes,
                                                                         ob.wire, stream)
                     works.append(ob.isend(v, peer, tag))
-                base.issued[(mb.name, "p2p_batched")] += 1
             for i, t, copies in local:  # while the messages travel
                 run = runs[i]
                 src = (run.shards if t.src_buf == "src" else run.out).get(t.srcs[0])
@@ -317,8 +317,8 @@ OWN_MESSAGE = 64 << 10
 
 
 def _offsets(by_peer, pick):
-    """{peer: (coalesced parts, their byte offsets in that message, its size, its backend, the
-    parts sent as messages of their own with theirs)}, peers sorted; the same split and
+    """{peer: (coalesced parts, their byte offsets in that message, its size, its backend (None
+    without parts), the parts sent as messages of their own with theirs)}, peers sorted; the same split and
     choice on both sides (plan facts; `pick(op, bytes, group size)`: the backend)."""
     out = {}
     for peer in sorted(by_peer):
@@ -330,7 +330,8 @@ def _offsets(by_peer, pick):
                 parts.append(part)
                 offs.append(n)
                 n += _padded(part[1].nbytes)
-        out[peer] = (parts, offs, n, pick("send", n, 2), [(p, pick("send", p[1].nbytes, 2)) for p in own])
+        out[peer] = (parts, offs, n, pick("send", n, 2) if parts else None,
+                     [(p, pick("send", p[1].nbytes, 2)) for p in own])
     return out
 
 
