@@ -35,7 +35,6 @@ decide what to send).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
 
 from . import base, streams
 import numpy as np
@@ -51,7 +50,7 @@ from .base import (TAG_MOD, Run, collective_reduce_ok, empty_wire, from_wire, gr
                    out_specs, result_tiles, to_wire, torch_of)
 from .pack import pack, unpack
 
-__all__ = ["BatchItem", "Runner", "run_batch", "execute"]
+__all__ = ["BatchItem", "Runner", "execute"]
 
 
 @dataclasses.dataclass
@@ -63,15 +62,6 @@ class BatchItem:
     shards: dict
     like: object
     out: dict | None = None
-
-
-def run_batch(items: Sequence[BatchItem], *, rank: int, devices_per_process: int, backend, tags,
-              deadline, bucket_bytes: int | None = None, device_kind: str = "cpu"):
-    """This rank's dst tiles of every item ([{device: tile}] in item order)."""
-    runner = Runner([it.plan for it in items], rank=rank, devices_per_process=devices_per_process,
-                    backend=backend, bucket_bytes=bucket_bytes, device_kind=device_kind)
-    runner.prepare(deadline)
-    return runner.run(items, tags, deadline)[0]
 
 
 def execute(plan, shards, like, *, rank: int, devices_per_process: int, backend, deadline) -> dict:
