@@ -14,8 +14,8 @@ from typing import Sequence
 
 from meshcomm.reduceops import PARTIAL_OPS
 
-__all__ = ["REDUCE_OPS", "check_op", "check_group", "check_counts", "check_len", "check_alltoall", "displs",
-           "member", "others"]
+__all__ = ["REDUCE_OPS", "check_op", "check_group", "check_counts", "check_len", "check_alltoall", "check_v",
+           "displs", "member", "others"]
 
 REDUCE_OPS = PARTIAL_OPS        # sum, prod, min, max: native in MPI and gloo alike
 
@@ -81,6 +81,23 @@ def check_len(buf, n: int, what: str, name: str) -> None:
     shape = tuple(buf.shape)
     if len(shape) != 1 or shape[0] != n:
         raise ValueError(f"{what}: {name} must be a 1-d buffer of {n} elements, got shape {shape}")
+
+
+def check_v(what: str, rank: int, sendbuf, recvbuf, counts, ranks, root=None) -> tuple:
+    """(ranks, counts, the root's index or None) of a v-collective (allgatherv, gatherv: each
+    member's block in, every block out; reduce_scatterv, scatterv: every block in, each
+    member's out; gatherv and scatterv: the whole side at the root only), after checking the
+    group, the counts and both buffers' lengths."""
+    ranks = check_group(rank, ranks, what)
+    counts = check_counts(counts, ranks, what)
+    i = None if root is None else member(ranks, root, what)
+    mine, whole = ("sendbuf", sendbuf), ("recvbuf", recvbuf)
+    if what not in ("allgatherv", "gatherv"):
+        mine, whole = whole, mine
+    check_len(mine[1], counts[ranks.index(rank)], what, mine[0])
+    if root is None or rank == root:
+        check_len(whole[1], sum(counts), what, whole[0])
+    return ranks, counts, i
 
 
 def displs(counts: Sequence[int]) -> tuple[int, ...]:

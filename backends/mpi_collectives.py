@@ -16,7 +16,7 @@ these are what `meshcomm tune` measures as "the MPI collective".
 """
 from __future__ import annotations
 
-from .collectives import check_alltoall, check_counts, check_group, check_len, check_op, displs, member, others
+from .collectives import check_alltoall, check_counts, check_group, check_op, check_v, displs, member, others
 
 __all__ = ["MPICollectives", "mpi_op"]
 
@@ -118,17 +118,11 @@ class MPICollectives:
         return self.bind("allreduce", ranks, op=op)(buf)
 
     def allgatherv(self, sendbuf, recvbuf, counts, ranks):
-        ranks = check_group(self.rank, ranks, "allgatherv")
-        counts = check_counts(counts, ranks, "allgatherv")
-        check_len(sendbuf, counts[ranks.index(self.rank)], "allgatherv", "sendbuf")
-        check_len(recvbuf, sum(counts), "allgatherv", "recvbuf")
+        ranks, counts, _ = check_v("allgatherv", self.rank, sendbuf, recvbuf, counts, ranks)
         return self.bind("allgatherv", ranks, counts=counts)(sendbuf, recvbuf)
 
     def reduce_scatterv(self, sendbuf, recvbuf, counts, op, ranks):
-        ranks = check_group(self.rank, ranks, "reduce_scatterv")
-        counts = check_counts(counts, ranks, "reduce_scatterv")
-        check_len(sendbuf, sum(counts), "reduce_scatterv", "sendbuf")
-        check_len(recvbuf, counts[ranks.index(self.rank)], "reduce_scatterv", "recvbuf")
+        ranks, counts, _ = check_v("reduce_scatterv", self.rank, sendbuf, recvbuf, counts, ranks)
         return self.bind("reduce_scatterv", ranks, counts=counts, op=op)(sendbuf, recvbuf)
 
     def alltoall(self, sendbuf, recvbuf, ranks):
@@ -136,21 +130,11 @@ class MPICollectives:
         return self.bind("alltoall", ranks)(sendbuf, recvbuf)
 
     def gatherv(self, sendbuf, recvbuf, counts, root, ranks):
-        ranks = check_group(self.rank, ranks, "gatherv")
-        counts = check_counts(counts, ranks, "gatherv")
-        member(ranks, root, "gatherv")
-        check_len(sendbuf, counts[ranks.index(self.rank)], "gatherv", "sendbuf")
-        if self.rank == root:
-            check_len(recvbuf, sum(counts), "gatherv", "recvbuf")
+        ranks, counts, _ = check_v("gatherv", self.rank, sendbuf, recvbuf, counts, ranks, root)
         return self.bind("gatherv", ranks, counts=counts, root=root)(sendbuf, recvbuf)
 
     def scatterv(self, sendbuf, recvbuf, counts, root, ranks):
-        ranks = check_group(self.rank, ranks, "scatterv")
-        counts = check_counts(counts, ranks, "scatterv")
-        member(ranks, root, "scatterv")
-        check_len(recvbuf, counts[ranks.index(self.rank)], "scatterv", "recvbuf")
-        if self.rank == root:
-            check_len(sendbuf, sum(counts), "scatterv", "sendbuf")
+        ranks, counts, _ = check_v("scatterv", self.rank, sendbuf, recvbuf, counts, ranks, root)
         return self.bind("scatterv", ranks, counts=counts, root=root)(sendbuf, recvbuf)
 
     def ibarrier(self, ranks):

@@ -35,7 +35,7 @@ from __future__ import annotations
 from meshcomm.errors import PeerTimeoutError
 
 from .base import Work
-from .collectives import check_alltoall, check_counts, check_group, check_len, check_op, displs, member, others
+from .collectives import check_alltoall, check_group, check_op, check_v, displs, others
 
 __all__ = ["TorchCollectives", "CollWork", "widened"]
 
@@ -123,10 +123,7 @@ class TorchCollectives:
 
     def allgatherv(self, sendbuf, recvbuf, counts, ranks):
         import torch
-        ranks = check_group(self.rank, ranks, "allgatherv")
-        counts = check_counts(counts, ranks, "allgatherv")
-        check_len(sendbuf, counts[ranks.index(self.rank)], "allgatherv", "sendbuf")
-        check_len(recvbuf, sum(counts), "allgatherv", "recvbuf")
+        ranks, counts, _ = check_v("allgatherv", self.rank, sendbuf, recvbuf, counts, ranks)
         m = max(counts)
         if min(counts) == m:
             return self._issue("allgatherv", ranks, (sendbuf, recvbuf), lambda g: self._all_gather(
@@ -143,10 +140,7 @@ class TorchCollectives:
                                                                       async_op=True), post)
 
     def reduce_scatterv(self, sendbuf, recvbuf, counts, op, ranks):
-        ranks = check_group(self.rank, ranks, "reduce_scatterv")
-        counts = check_counts(counts, ranks, "reduce_scatterv")
-        check_len(sendbuf, sum(counts), "reduce_scatterv", "sendbuf")
-        check_len(recvbuf, counts[ranks.index(self.rank)], "reduce_scatterv", "recvbuf")
+        ranks, counts, _ = check_v("reduce_scatterv", self.rank, sendbuf, recvbuf, counts, ranks)
         rop, acc = self._rop(op), sendbuf.clone()
         a, c = displs(counts)[ranks.index(self.rank)], counts[ranks.index(self.rank)]
         w, back = widened(acc, op)
@@ -181,12 +175,7 @@ class TorchCollectives:
             out, inp, output_split_sizes=outs, input_split_sizes=ins, group=g, async_op=True))
 
     def gatherv(self, sendbuf, recvbuf, counts, root, ranks):
-        ranks = check_group(self.rank, ranks, "gatherv")
-        counts = check_counts(counts, ranks, "gatherv")
-        i = member(ranks, root, "gatherv")
-        check_len(sendbuf, counts[ranks.index(self.rank)], "gatherv", "sendbuf")
-        if self.rank == root:
-            check_len(recvbuf, sum(counts), "gatherv", "recvbuf")
+        ranks, counts, i = check_v("gatherv", self.rank, sendbuf, recvbuf, counts, ranks, root)
         if min(counts) != max(counts):
             return self._rooted_a2a("gatherv", sendbuf, recvbuf, counts, i, ranks, gather=True)
         lst = _views(recvbuf, counts) if self.rank == root else None
@@ -194,12 +183,7 @@ class TorchCollectives:
             sendbuf, lst, dst=root, group=g, async_op=True))
 
     def scatterv(self, sendbuf, recvbuf, counts, root, ranks):
-        ranks = check_group(self.rank, ranks, "scatterv")
-        counts = check_counts(counts, ranks, "scatterv")
-        i = member(ranks, root, "scatterv")
-        check_len(recvbuf, counts[ranks.index(self.rank)], "scatterv", "recvbuf")
-        if self.rank == root:
-            check_len(sendbuf, sum(counts), "scatterv", "sendbuf")
+        ranks, counts, i = check_v("scatterv", self.rank, sendbuf, recvbuf, counts, ranks, root)
         if min(counts) != max(counts):
             return self._rooted_a2a("scatterv", sendbuf, recvbuf, counts, i, ranks, gather=False)
         lst = _views(sendbuf, counts) if self.rank == root else None
