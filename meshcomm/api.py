@@ -11,7 +11,7 @@ from .handle import Handle
 from .layout import Layout
 from .planning import plan
 from .reduceops import combine
-from .runtime.local_program import one_process
+from .runtime.local_program import bare_result, one_process
 from .validate import check_keys, check_layouts, check_tile_shapes, infer_shape
 
 __all__ = ["plan", "reshard", "reshard_many", "shard", "unshard"]
@@ -171,13 +171,7 @@ def reshard(x, src: Layout, dst: Layout, *, shape=None, dtype=None, backend: str
         return dist(ctx, x, src, dst, shape=shape, dtype=dtype, backend=backend, async_op=async_op,
                            compression=compression)
     runtime.no_context(backend, "reshard")
-    result, bare = one_process(x, src, dst, shape, dtype, async_op, compression)
-    if bare:
-        devs = dst.mesh.device_ids
-        if len(devs) != 1:
-            raise ValueError("a bare array in gives a bare array out only when the dst mesh has one "
-                             f"device; dst mesh has {len(devs)}; pass a dict {{device: tile}}")
-        result = result[devs[0]]
+    result = bare_result(one_process(x, src, dst, shape, dtype, async_op, compression), dst)
     return Handle(result=result) if async_op else result
 
 

@@ -15,7 +15,7 @@ from .context import init_hint
 from .program import new
 from .tiles import host_dtype
 
-__all__ = ["one_process", "reshard_local", "local_reshard", "LocalKernel", "fill_out", "no_out"]
+__all__ = ["one_process", "bare_result", "reshard_local", "local_reshard", "LocalKernel", "fill_out", "no_out"]
 
 
 class LocalKernel:
@@ -77,7 +77,7 @@ def local_reshard(src, dst, shape, dtype, compression):
     p = plan(shape, name, src, dst)
 
     def general(x):
-        return _bare(one_process(x, src, dst, shape, dtype, compression=compression), dst)
+        return bare_result(one_process(x, src, dst, shape, dtype, compression=compression), dst)
     run = general if compression is not None else _planned(p, name, general)
     label = f"reshard {src} -> {dst} {shape}"
     return new(None, 0, label, LocalKernel(run, "plan", "reshard", fill_out), p)
@@ -116,7 +116,9 @@ def _torch_dtype(name: str):
     return getattr(torch, name, None)
 
 
-def _bare(res, dst):
+def bare_result(res, dst):
+    """A one-process reshard's (result, bare) as the caller gets it: the one dst tile where
+    a bare array came in (the dst mesh must have one device), else the dict."""
     out, bare = res
     if bare:
         devs = dst.mesh.device_ids
