@@ -64,11 +64,9 @@ class Program:
     """
 
     def __init__(self, ctx, pid: int, label: str, kernel, plan=None):
-        self.ctx, self.id, self.label, self._kernel = ctx, pid, label, kernel
-        self.plan = plan
+        self.ctx, self.id, self.label, self._kernel, self.plan = ctx, pid, label, kernel, plan
         self.ranks, self.counter = (), 0    # its processes, and its number among their Programs
-        self.runs = 0
-        self.failed: str | None = None
+        self.runs, self.failed = 0, None    # failed: why it runs no more (str)
         self.check_every = settings.get("CHECK") == "every"     # read at construction
         # the lean run (__call__; the kernel's `lean`); not where every run is agreed
         lean = None if self.check_every or ctx is None else getattr(kernel, "lean", None)
@@ -124,15 +122,13 @@ class Program:
         return k.finish(r)
 
     def _lean_run(self, shape, dtype, fns):
-        """The lean run (`__call__`) of a kernel with a `lean` (a bare NumPy tile of `shape`
-        and `dtype` on one native call; `fns`, per run parity: its post, result, primitive,
-        and whether the posted Work's MPI request may be tested bare): post, poll until the
-        wait's first look at the control channel (`base.LOOK_S`), take the result;
-        everything it reads is bound here once. A run not done by then enters the control
-        context that a stalled wait needs; a quick one leaves its finished record. Anything
-        else (another tile, a peer's failure pending, this Program failed) returns _GENERAL:
-        the general run. BENCHMARKS 5: every microsecond of Python costs several at 8
-        processes on 2 cores."""
+        """The lean run (`__call__`) of a kernel with a `lean`: a bare NumPy tile of `shape`
+        and `dtype` on one native call; `fns`, per run parity: (post, result, primitive, whether
+        the MPI request may be tested bare). Post, poll until the wait's first look at the
+        control channel (`base.LOOK_S`), take the result; a run not done by then enters the
+        control context a stalled wait needs. Anything else (another tile, a peer's failure
+        pending, this Program failed) returns _GENERAL: the general run. Everything it reads
+        is bound here once: each microsecond of Python costs several at 8 processes on 2 cores."""
         ctx, pid, label, rec = self.ctx, self.id, self.label, control.RECORDER
         seqs, lock, ring, now, look = ctx.seq, ctx._lock, rec.ring, time.time, base.LOOK_S
         polite, every, yld = not base.SPIN, base.EVERY, os.sched_yield
@@ -190,8 +186,11 @@ class Program:
     def _go(self, ch, call, st, stamp):
         """The run itself, in the call's control context (on the calling or the queue's thread)."""
         def run():
-            if self.check_every:
-                self._agree_run(st)
+            if self.check_every:                    # MESHCOMM_CHECK=every: each run agrees (debugging)
+                ctx = self.ctx
+                ctx.attempts += 1
+                agreement.agree(ctx, self.ranks, (self.counter, self.runs), ctx.attempts, Meta(
+                    self.label, (("program", self.id), ("run", self.runs), ("input", self._kernel.facts(st)))))
             self._kernel.parity = call.seq & 1      # runs one at a time, in call order (ctx._lock)
             return self._kernel.run(st, time.monotonic() + self.ctx.timeout, stamp)
         return self._in_call(ch, call, run)
@@ -232,13 +231,6 @@ class Program:
                 ch.fail(e)
             finally:
                 ch.call = prev
-
-    def _agree_run(self, st) -> None:
-        """MESHCOMM_CHECK=every: the run's own agreement (debugging)."""
-        ctx = self.ctx
-        ctx.attempts += 1
-        agreement.agree(ctx, self.ranks, (self.counter, self.runs), ctx.attempts,
-                        Meta(self.label, (("program", self.id), ("run", self.runs), ("input", self._kernel.facts(st)))))
 
     # -- what it does -----------------------------------------------------------------------
     def explain(self) -> str:
@@ -293,7 +285,7 @@ def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable,
     the same on each of them: their group and how many Programs it constructed before."""
     ranks = tuple(range(ctx.world_size)) if ranks is None else tuple(ranks)
     counter = ctx.counters.get(ranks, 0) + 1    # counted once constructed: no gap after a failure
-    pid = program_id(ranks, counter)
+    pid = agreement.group_key((ranks, counter))     # the same on each of them, another for each Program
     ctx.attempts += 1                   # this process's agreements: its Meta's nonce
     ch = control.current()
     group = ctx.group_programs.setdefault(ranks, set())
@@ -333,11 +325,6 @@ def half(tags, parity: int) -> tuple:
     return first + parity * (span // 2), span // 2
 
 
-def program_id(ranks, counter) -> int:
-    """A Program's number: the same on each of its processes, different between Programs."""
-    return agreement.group_key((tuple(ranks), counter))
-
-
 def participants(ctx, *meshes) -> tuple:
     """The processes owning a device of these meshes (sorted ranks); a device without a
     process is a ValueError (the same on every process: no agreement needed)."""
@@ -353,9 +340,9 @@ def participants(ctx, *meshes) -> tuple:
     return got
 
 
-def new(ctx, pid: int, label: str, kernel, plan=None, cls=None) -> Program:
+def new(ctx, pid: int, label: str, kernel, plan=None) -> Program:
     """A Program object: of the public class (runtime/programs.py registers it in CLASS)."""
-    return (cls or CLASS[0])(ctx, pid, label, kernel, plan)
+    return CLASS[0](ctx, pid, label, kernel, plan)
 
 
 EAGER_MAX = 256     # eager call signatures kept per group of processes
@@ -415,7 +402,6 @@ def eager(ctx, sig, local_key, complete: bool, label: str, fields, err, extra, b
     if callable(fields):                # worked out only where it is constructed or agreed
         fields = fields()
     extra = dict(extra, complete=complete and err is None)
-    found = []
 
     def build_or_find(pid, metas, deadline):
         exchange = not all(m.extra.get("complete") for m in metas) or bool(agree_always and agree_always(metas))
@@ -430,17 +416,16 @@ def eager(ctx, sig, local_key, complete: bool, label: str, fields, err, extra, b
                 e.programs.pop(next(iter(e.programs)))
             e.programs[key] = prog
         e.last = key
-        found.append(prog)
         return prog
-    construct(ctx, label, fields, err, extra, build_or_find, describe, ranks)
+    prog = construct(ctx, label, fields, err, extra, build_or_find, describe, ranks)
     # at most EAGER_MAX signatures per group of processes, the least recently used out: its
     # members make the same calls of it, not of other groups, so they drop the same ones
-    group = ctx.eager[sig].ranks = found[0].ranks
+    group = ctx.eager[sig].ranks = prog.ranks
     _used(ctx, sig)                             # an exchange, agreed on every call, too
     mine = [s for s, entry in ctx.eager.items() if entry.ranks == group]
     if len(mine) > EAGER_MAX:
         del ctx.eager[mine[0]]
-    return found[0]
+    return prog
 
 
 @memo(maxsize=1024)
