@@ -27,12 +27,13 @@ fails (to MESHCOMM_LOG's folder, else a temporary folder named in the error), fo
 from __future__ import annotations
 
 import collections
-import typing
+import contextlib
 import json
 import os
 import pickle
 import tempfile
 import time
+import typing
 
 from ..errors import PeerError, PeerTimeoutError
 
@@ -126,17 +127,16 @@ class Channel:
                 except Exception:  # noqa: BLE001 - a dead peer's channel: nothing more to tell it
                     pass
 
-    def fail(self, err: BaseException, programs=None) -> None:
-        """Tell every other process that this process's current call failed with `err`;
-        `programs` (default: the call's) are failed everywhere: their messages may still be
-        in flight, so no process runs them again."""
+    def fail(self, err: BaseException) -> None:
+        """Tell every other process that this process's current call failed with `err`; the
+        Programs it names (`err.programs`, default: the call's) are failed everywhere: their
+        messages may still be in flight, so no process runs them again."""
         call = self.call
         if self.entry is not None:
             Recorder.done(self.entry, "failed")
         if getattr(err, "local_only", False):
             return                          # raised after a run that completed everywhere
-        if programs is None:
-            programs = getattr(err, "programs", None)
+        programs = getattr(err, "programs", None)
         if programs is None:
             programs = [call.program] if call is not None and call.what == "run" else []
         self.failed.update(programs)
@@ -207,10 +207,7 @@ class Channel:
         where = f" in {call}" if call is not None else ""
         mine = f" (this process: {self.call})" if self.call is not None and self.call != call else ""
         msg = f"rank {who} failed{where}{mine}: {text}"
-        if kind == "timeout":
-            e = PeerTimeoutError(msg, tuple(peers) or (who,), str(call))
-        else:
-            e = PeerError(msg, who)
+        e = PeerTimeoutError(msg, tuple(peers) or (who,), str(call)) if kind == "timeout" else PeerError(msg, who)
         # a relay of it carries the Metas its origin took back: it may reach a process before
         # the origin's own report does, and that process may construct again in between
         e.relayed, e.origin, e.retracts = True, (who, text, kind, list(peers)), list(retracts)
@@ -287,23 +284,18 @@ def install(ch: Channel | None) -> None:
     base.WATCH = ch.watch if ch is not None else None
 
 
-class entering:
-    """`with entering(ch, call):` around a construction or a run: raises what peers
-    reported first; records the call; on an error tells every peer and dumps the recorder
-    (`enter`/`leave` without the context manager: a Program's run)."""
-
-    __slots__ = ("ch", "call", "prev")
-
-    def __init__(self, ch: Channel | None, call: Call):
-        self.ch, self.call = ch, call
-
-    def __enter__(self):
-        self.prev = enter(self.ch, self.call)
-        return self
-
-    def __exit__(self, et, ev, tb):
-        leave(self.ch, self.prev, ev)
-        return False
+@contextlib.contextmanager
+def entering(ch: Channel | None, call: Call):
+    """`with entering(ch, call):` around a construction: raises what peers reported first;
+    records the call; on an error tells every peer and dumps the recorder (`enter`/`leave`
+    without the context manager: a Program's run)."""
+    prev = enter(ch, call)
+    try:
+        yield
+    except BaseException as e:
+        leave(ch, prev, e)
+        raise
+    leave(ch, prev)
 
 
 def enter(ch: Channel | None, call: Call, check: bool = True):
@@ -326,7 +318,7 @@ def leave(ch: Channel | None, prev, ev=None) -> None:
     if ch is None:
         return
     try:
-        if ev is not None and isinstance(ev, Exception):
+        if isinstance(ev, Exception):
             ch.fail(ev)
             path = dump(ch.rank)
             if path is not None and isinstance(ev, (PeerError, PeerTimeoutError)) \
