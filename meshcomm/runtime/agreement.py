@@ -17,6 +17,7 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import PeerError
+from . import control
 
 __all__ = ["Meta", "agree", "settle", "error_of", "raise_together", "LABELS"]
 
@@ -41,10 +42,7 @@ class Meta:
     extra: dict = dataclasses.field(default_factory=dict)   # per-process payload, not compared
 
     def get(self, name: str):
-        for k, v in self.fields:
-            if k == name:
-                return v
-        return None
+        return next((v for k, v in self.fields if k == name), None)
 
 
 def error_of(e: BaseException | None) -> tuple[str, str] | None:
@@ -65,7 +63,6 @@ def agree(ctx, ranks, counter, nonce: int, meta: Meta, own_error: BaseException 
     another group or a later round waits for it; one of an earlier round, or whose sender
     gave its attempt up (a ("RETRACT", nonce) follows it), is dropped, so an attempt left
     behind by a failure never answers a later agreement."""
-    from . import control
     if deadline is None:
         deadline = time.monotonic() + ctx.timeout
     ch = control.current()
@@ -73,8 +70,7 @@ def agree(ctx, ranks, counter, nonce: int, meta: Meta, own_error: BaseException 
     g = group_key(ranks)
     # the round: the Program's number, and how many attempts at it failed together before
     # (the store keeps a value after its round: a later attempt must not read it)
-    tries = getattr(ctx, "tries", {})
-    counter = (counter, tries.get((g, counter), 0))
+    counter = (counter, ctx.tries.get((g, counter), 0))
 
     def accept(r, v):
         if v[0] == "RETRACT":           # its sender gave that attempt up (sent after its Meta)
@@ -111,19 +107,14 @@ def agree(ctx, ranks, counter, nonce: int, meta: Meta, own_error: BaseException 
         settle(metas, me, own_error, describe, ranks=tuple(ranks))
     except Exception as e:
         e.shared = True         # every process of the group raises it now: nothing to tell them
-        if hasattr(ctx, "tries"):
-            ctx.tries[(g, counter[0])] = counter[1] + 1
+        ctx.tries[(g, counter[0])] = counter[1] + 1
         raise
     return metas
 
 
 def value(metas: Sequence[Meta], name: str, default=None):
     """The agreed value of a field, from any process that knows it."""
-    for m in metas:
-        v = m.get(name)
-        if v is not None:
-            return v
-    return default
+    return next((v for v in (m.get(name) for m in metas) if v is not None), default)
 
 
 def settle(metas: Sequence[Meta], me: int, own_error: BaseException | None,
@@ -133,24 +124,19 @@ def settle(metas: Sequence[Meta], me: int, own_error: BaseException | None,
     `metas[i]` is rank `ranks[i]`'s (default: rank i)."""
     if own_error is not None:
         raise own_error
-    rank = (lambda i: i) if ranks is None else (lambda i: ranks[i])
-    errs = [(rank(i), m) for i, m in enumerate(metas) if m.err is not None]
+    ranks = range(len(metas)) if ranks is None else ranks
+    errs = [(ranks[i], m) for i, m in enumerate(metas) if m.err is not None]
     if errs:
         op = errs[0][1].op
         raise ValueError(f"{op} failed on other process(es): " +
                          "; ".join(f"rank {r}: {m.err[0]}: {m.err[1]}" for r, m in errs[:4]))
-    names = [k for k, _ in metas[me].fields]
-    for m in metas:
-        for k, _ in m.fields:
-            if k not in names:
-                names.append(k)
-    for key in names:
-        groups: dict = {}
-        first: dict = {}
+    # this process's fields first, in their order, then any only others have
+    for key in dict.fromkeys(k for m in (metas[me], *metas) for k, _ in m.fields):
+        groups, first = {}, {}          # value -> its ranks, and the first Meta with it
         for i, m in enumerate(metas):
             v = m.get(key)
             if v is not None:
-                groups.setdefault(_hashable(v), []).append(rank(i))
+                groups.setdefault(_hashable(v), []).append(ranks[i])
                 first.setdefault(_hashable(v), m)
         if len(groups) > 1:
             fmt = (describe or {}).get(key)
@@ -174,7 +160,6 @@ def raise_together(ctx, op: str, err: BaseException):
     this process takes part in the agreement the others are in, so every process raises at
     once (the others a ValueError naming this rank) instead of waiting out the timeout.
     Raises `err` here."""
-    from . import control
     ch = control.current()
 
     def go():
