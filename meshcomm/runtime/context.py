@@ -18,7 +18,8 @@ import numpy as np
 
 from .. import log, settings
 from ..caches import BoundedDict
-from .ownership import Ownership
+from . import control
+from .ownership import Ownership, launcher_world_size
 
 __all__ = ["init", "finalize", "current", "Context", "BACKEND_NAMES"]
 
@@ -46,19 +47,14 @@ def no_context(backend, what: str) -> None:
     if backend not in (None, "local"):
         raise ValueError(f"backend {backend!r} needs meshcomm.init(backend={backend!r}) under a "
                          f"launcher (mpiexec or torchrun); without one, {what} runs in this process")
-    if backend is None and not _LOCAL:
-        from .ownership import launcher_world_size
-        n = launcher_world_size()
-        if n > 1:
-            raise RuntimeError(
-                f"{what}: this process runs under a launcher with {n} processes but meshcomm.init() "
-                "was not called: call meshcomm.init(backend='mpi'|'torch'|'mixed') first; to run in "
-                "this process alone, say so: meshcomm.init(backend='local'), or backend='local' on the call")
+    hint = init_hint() if backend is None and not _LOCAL else ""
+    if hint:                    # "; this process runs under a launcher ...": after "{what}:"
+        raise RuntimeError(f"{what}:{hint[1:]}; to run in this process alone, say so: "
+                           "meshcomm.init(backend='local'), or backend='local' on the call")
 
 
 def init_hint() -> str:
     """A sentence for errors of calls without a context that look like SPMD calls."""
-    from .ownership import launcher_world_size
     n = launcher_world_size()
     if n > 1:
         return (f"; this process runs under a launcher with {n} processes but meshcomm.init() was "
@@ -135,7 +131,6 @@ def init(backend: str = "mpi", devices_per_process: int = 1, timeout: float | No
         backends["mixed"] = MixedBackend(backends["mpi"], backends["torch"])
     ctx = Context(backend, backends, int(devices_per_process), timeout)
     _set(ctx)
-    from . import control
     control.install(ctx.channel)
     if not _EXIT_HOOK:
         atexit.register(_finalize_at_exit)
@@ -203,9 +198,7 @@ class Context:
         self.group_programs: dict = {}  # processes (sorted ranks) -> their Programs' numbers (control.Channel.watch)
         self.tries: dict = {}       # (group key, counter) -> attempts that failed together (agreement)
         self.attempts = 0           # agreements this process took part in (their nonces)
-        from . import control
         self.channel = control.Channel(self.backend, self.rank, self.world_size, timeout)
-
 
     def __repr__(self) -> str:
         return (f"Context(backend={self.backend_name!r}, rank={self.rank}/{self.world_size}, "
@@ -276,18 +269,13 @@ class Context:
 
     def close(self):
         self._pool.shutdown(wait=True)
-        from . import control
         try:
             self.channel.raise_pending()     # a peer failed in a run this process finished
         finally:
             control.install(None)
             self.eager.clear()      # the Programs (buffers, works) go before their backends
             gc.collect()
-            self._close_backends()
+            for name in ("mixed", "torch", "mpi"):     # the reverse of init: mixed wraps both
+                if name in self._backends:
+                    self._backends[name].close()
             gc.collect()            # gloo's works and groups, while the interpreter still runs
-
-    def _close_backends(self):
-        for name in ("mixed", "torch", "mpi"):
-            b = self._backends.get(name)
-            if b is not None:
-                b.close()
