@@ -18,8 +18,7 @@ class PlanRun:
     """The executor of one plan for one Program (the module's docstring)."""
 
     def __init__(self, ctx, be, p, comp, tags, device_kind, deadline):
-        self.ctx, self.be, self.plan, self.comp, self.tags = ctx, be, p, comp, tags
-        self.device_kind = device_kind
+        self.ctx, self.be, self.plan, self.comp, self.tags, self.device_kind = ctx, be, p, comp, tags, device_kind
         self.runner, self.coll = None, False    # coll: sums over 3+ ranks as the backend's reduce
         if comp is None:
             self.runner = Runner([p], rank=ctx.rank, devices_per_process=ctx.devices_per_process, backend=be,
@@ -36,8 +35,6 @@ class PlanRun:
         host = None
         if type(like) is not np.ndarray and r.b.wire == "numpy":
             host = numpy_views(shards, like, out)       # CPU torch tiles: no copy (None: on a device, bfloat16)
-        if host is not None:
-            res, done = r.run([BatchItem(self.plan, *host)], tags, deadline, fences)
-            return torch_results(res[0], out), done
-        res, done = r.run([BatchItem(self.plan, shards, like, out)], tags, deadline, fences)
-        return res[0], done
+        item = BatchItem(self.plan, shards, like, out) if host is None else BatchItem(self.plan, *host)
+        res, done = r.run([item], tags, deadline, fences)
+        return (res[0] if host is None else torch_results(res[0], out)), done

@@ -70,11 +70,8 @@ class Program(program.Program):
         return _collective("scatter", mesh, axes, shape, dtype, backend, device, root=root, dim=dim)
 
 
-
 program.CLASS[0] = Program
 
 
 def _collective(op, mesh, axes, shape, dtype, backend, device, **kw):
     return collective_call.program(collective_call.request(op, mesh, axes, **kw), shape, dtype, backend, device)
-
-
