@@ -43,12 +43,9 @@ def _owned(mesh, rank: int, dpp: int) -> tuple[int, ...]:
     return tuple(d for d in mesh.device_ids if d // dpp == rank)
 
 
-_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "WORLD_SIZE")
-
-
 def launcher_world_size() -> int:
     """How many processes a launcher (mpiexec, torchrun) started with this one (1: none)."""
-    for v in _SIZE_VARS:
+    for v in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "WORLD_SIZE"):
         try:
             n = int(os.environ.get(v, "1"))
         except ValueError:

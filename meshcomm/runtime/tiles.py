@@ -17,9 +17,7 @@ def empty_like(kind, name, devtype):
     """An empty array of the agreed kind, dtype and device (a process without tiles)."""
     if kind == "torch":
         import torch
-        dev = "cpu"
-        if devtype == "cuda":
-            dev = torch.device("cuda", torch.cuda.current_device())
+        dev = torch.device("cuda", torch.cuda.current_device()) if devtype == "cuda" else "cpu"
         return torch.empty(0, dtype=getattr(torch, name), device=dev)
     return np.empty(0, dtype=arrays.numpy_dtype(name))
 
