@@ -168,5 +168,5 @@ def raise_together(ctx, op: str, err: BaseException):
         ctx.attempts += 1
         with control.entering(ch, control.Call("construct", group_key((ranks, counter)), op, ctx.attempts)):
             agree(ctx, ranks, counter, ctx.attempts, Meta(op, (("op", op),), error_of(err)), err)
-    ctx.run(go, False)()
+    ctx.call(go)
     raise err
