@@ -42,7 +42,10 @@ class Meta:
     extra: dict = dataclasses.field(default_factory=dict)   # per-process payload, not compared
 
     def get(self, name: str):
-        return next((v for k, v in self.fields if k == name), None)
+        for k, v in self.fields:
+            if k == name:
+                return v
+        return None
 
 
 def error_of(e: BaseException | None) -> tuple[str, str] | None:
