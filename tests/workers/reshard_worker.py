@@ -315,9 +315,19 @@ def main():
             stats["streams_wait_on"] = streams.stats["wait_on"]
             stats["seconds"] = round(time.time() - t0, 1)
             report(args, {"rank": ctx.rank, **stats})
-            if mpi:
-                MPI.Finalize()
-            os._exit(0)                     # after timeouts the process groups are not clean
+            if not mpi:
+                os._exit(0)                 # under torchrun a peer died: its groups are broken
+            # leave through a normal exit, not os._exit: MPICH's MPI_Finalize leaves PMI
+            # finalize to its exit hook, so after os._exit hydra's proxy sees a PMI socket
+            # closed before finalize and SIGKILLs every process of the job still exiting
+            # (exit code 9, about 1 launch in 20). meshcomm's finalize frees the process
+            # groups (the timed-out ones too); mpi4py finalizes MPI at exit.
+            try:
+                mc.finalize()
+            except PeerTimeoutError as e:   # the staged incident, reported to a process that
+                if ctx.world_size - 1 not in e.peers:   # the lagging rank, at finalize
+                    raise
+            return
         rank = ctx.rank
         mc.finalize()
     stats.update({f"issued_{b}_{p}": c for (b, p), c in base.issued.items()})
