@@ -20,7 +20,7 @@ groups its collectives need, a run's tiles (`Run`) and the wire buffers.
   contributing rank sends its tiles to the root rank, which adds them up in order. For
   integer dtypes (exact in any order) a reduce over 3+ ranks uses the backend's `reduce`
   instead, unless the backend finds gathering faster (MPI with every rank on one host, where
-  MPICH's Ireduce measured 3-7x slower); `REDUCE_MODE = "collective"` uses the collective
+  MPICH's Ireduce is slower); `REDUCE_MODE = "collective"` uses the collective
   for integers and float32/float64 (not bitwise reproducible), `ordered` never.
 * Groups: torch's `new_group` must be called by every rank in the same order, MPI's
   `Create_group` by the members in the same order. `groups_needed(plan, ...)` lists the
@@ -39,13 +39,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
 from collections import Counter
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from meshcomm.arrays import is_torch as _is_torch
+from meshcomm.caches import memo
 from meshcomm.errors import PeerTimeoutError
 from meshcomm.planners.boxes import box_size, local_slices
 from meshcomm.reduceops import combine_
@@ -54,9 +55,9 @@ from . import buffers, streams
 from .local import alloc_like
 from .pack import pack, unpack
 
-from meshcomm.caches import memo
-__all__ = ["Work", "Backend", "Step", "compile_steps", "wire_bytes", "groups_needed",
-           "wait_polling", "poll_peers", "backoff", "abandon", "ABANDONED", "issued", "to_wire", "torch_of", "empty_wire", "from_wire", "TAG_MOD"]
+__all__ = ["Work", "Backend", "Step", "compile_steps", "wire_bytes", "groups_needed", "wait_polling", "poll_peers",
+           "backoff", "abandon", "finish_all", "ABANDONED", "issued", "to_wire", "torch_of", "empty_wire", "from_wire",
+           "TAG_MOD"]
 
 TAG_MOD = 32768   # the MPI standard guarantees tags up to 32767
 
@@ -88,12 +89,9 @@ SPIN_FREE = 2000    # polls before the first yield where this host has a core pe
 def set_local_processes(k: int) -> None:
     """The polling policy for `k` processes on this host (each backend's init calls it): with
     more processes than cores, a wait yields the core from its first misses, once every EVERY
-    polls (a spinning rank steals the core its peer needs: a 1 KiB all_gather of 4 processes
-    on 2 cores ran 1.6x slower with 40 polls before the first yield; yielding after every
-    miss instead of every 4th made an MPI Iallgather polled from Python at 3, 4 and 8
-    processes on 2 cores 1.1-1.5x slower, 1 KiB to 1 MiB: BENCHMARKS 5); with a core each,
-    it polls SPIN_FREE times first (MPI progresses only inside its calls: yielding between
-    them made a 1 MiB all_reduce of 2 processes on 2 cores 1.4x slower)."""
+    polls (a spinning rank steals the core its peer needs; yielding after every miss was
+    slower still: BENCHMARKS 5); with a core each, it polls SPIN_FREE times first (MPI
+    progresses only inside its calls: yielding between them slows it down)."""
     global SPIN
     try:
         cores = len(os.sched_getaffinity(0))
@@ -254,6 +252,15 @@ def wait_threads(be, polled, waits, deadline) -> None:
             time.sleep(2e-4)            # the waiters block in C++: nothing here to poll fast
 
 
+def finish_all(works) -> None:
+    """Run the `finish` of each work that has one, once they are done (native collectives'
+    unpadding, a staged receive's copy to its device: torch_dist.py, torch_collectives.py)."""
+    for w in works:
+        finish = getattr(w, "finish", None)
+        if finish is not None:
+            finish()
+
+
 def watch(pending: Sequence[Work], deadline) -> None:
     """Poll the control channel from a wait (gives the works up when it raises)."""
     w = WATCH
@@ -373,15 +380,14 @@ class Backend:
         """A function (send, recv=None) -> Work posting the native collective `what` with
         fixed group, counts, op and root (a Program keeps it; MPI checks once and posts on
         `comm`, the Program's own communicator). Here: the method of that name, per call."""
-        call = {"allreduce": lambda s, r: self.allreduce(s, op, ranks),
-                "allgatherv": lambda s, r: self.allgatherv(s, r, counts, ranks),
-                "reduce_scatterv": lambda s, r: self.reduce_scatterv(s, r, counts, op, ranks),
-                "alltoall": lambda s, r: self.alltoall(s, r, ranks),
-                "gatherv": lambda s, r: self.gatherv(s, r, counts, root, ranks),
-                "scatterv": lambda s, r: self.scatterv(s, r, counts, root, ranks),
-                "bcast": lambda s, r: self.bcast(s, root, ranks),
-                "reduce": lambda s, r: self.reduce(s, root, ranks, op)}[what]
-        return lambda s, r=None: call(s, r)
+        return {"allreduce": lambda s, r=None: self.allreduce(s, op, ranks),
+                "allgatherv": lambda s, r=None: self.allgatherv(s, r, counts, ranks),
+                "reduce_scatterv": lambda s, r=None: self.reduce_scatterv(s, r, counts, op, ranks),
+                "alltoall": lambda s, r=None: self.alltoall(s, r, ranks),
+                "gatherv": lambda s, r=None: self.gatherv(s, r, counts, root, ranks),
+                "scatterv": lambda s, r=None: self.scatterv(s, r, counts, root, ranks),
+                "bcast": lambda s, r=None: self.bcast(s, root, ranks),
+                "reduce": lambda s, r=None: self.reduce(s, root, ranks, op)}[what]
 
     def barrier(self, deadline: float | None) -> None:
         self.allgather_obj(None, deadline)
@@ -421,11 +427,6 @@ class Backend:
 
 
 # -- wire buffers ---------------------------------------------------------------------------
-
-def _is_torch(x) -> bool:
-    t = sys.modules.get("torch")
-    return t is not None and isinstance(x, getattr(t, "Tensor", ()))
-
 
 def _as_bytes(a):
     if _is_torch(a):
@@ -528,10 +529,6 @@ class Step:
         return {"p2p": "send", "bcast": "bcast", "gather": "reduce", "reduce": "reduce"}.get(self.prim, "")
 
 
-def _unique(seq):
-    return tuple(dict.fromkeys(seq))
-
-
 # How sums over 3+ ranks run: "auto" (the backend's reduce for integers, except MPI on one
 # host, where the root gathers; floats in plan order), "collective" (the backend's reduce for
 # integers and float32/64: order not fixed), "ordered" (always gathered, added in plan order).
@@ -569,7 +566,7 @@ def collective_reduce_ok(dtype: str, backend: "Backend | None" = None) -> bool:
 def _step_for(i, t, rank_of, collective_reduce: bool) -> Step:
     if t.kind == "reduce":
         root = rank_of(t.dsts[0])
-        ranks = _unique([rank_of(s) for s in t.srcs] + [root])
+        ranks = {rank_of(s) for s in t.srcs} | {root}
         if len(ranks) == 1:
             prim = "local"
         elif collective_reduce and len(ranks) >= 3:
@@ -578,7 +575,7 @@ def _step_for(i, t, rank_of, collective_reduce: bool) -> Step:
             prim = "gather"
     else:
         root = rank_of(t.srcs[0])
-        ranks = _unique([root] + [rank_of(d) for d in t.dsts])
+        ranks = {root} | {rank_of(d) for d in t.dsts}
         prim = "local" if len(ranks) == 1 else ("p2p" if len(ranks) == 2 else "bcast")
     return Step(i, t.stage, prim, root, tuple(sorted(ranks)), t.nbytes)
 
@@ -643,10 +640,6 @@ def groups_needed(plan, devices_per_process: int, collective_reduce: bool,
 
 # -- a run's tiles (the executor: backends/batch.py) ------------------------------------------
 
-def _alloc(like, shape, zero: bool, op: str = "sum"):
-    return alloc_like(like, shape, zero, op)
-
-
 @memo(maxsize=256)
 def out_specs(plan, rank: int, devices_per_process: int) -> tuple:
     """(dst device, tile shape, starts as fill_op's identity) of each dst tile `rank` owns."""
@@ -662,9 +655,9 @@ def result_tiles(plan, specs, like, out=None) -> dict:
         if out is not None and d in out:
             res[d] = out[d]
             if zero:
-                out[d][...] = _alloc(like, shape, zero=True, op=plan.fill_op)
+                out[d][...] = alloc_like(like, shape, zero=True, op=plan.fill_op)
         else:
-            res[d] = _alloc(like, shape, zero=zero, op=plan.fill_op)
+            res[d] = alloc_like(like, shape, zero=zero, op=plan.fill_op)
     return res
 
 
@@ -703,12 +696,7 @@ class Run:
         v = _contiguous_view(tile, local_slices(t.boxes[0], self.dt.boxes[mine[0]]))
         if v is None:
             return None
-        b = _as_bytes(v)
-        if wire == "numpy" and _is_torch(b):
-            return b.numpy()
-        if wire == "torch" and not _is_torch(b):
-            return torch_of(b)
-        return b
+        return to_wire(v, wire)
 
     def _unpack_to(self, t, d, value):
         unpack(value, self.out[d], [local_slices(b, self.dt.boxes[d]) for b in t.boxes])
@@ -718,10 +706,7 @@ class Run:
             acc = None
             for s in t.srcs:
                 v = self._packed(t, s, copy=True)
-                if acc is None:
-                    acc = v
-                else:
-                    acc = combine_(acc, v, self.plan.reduce_op)
+                acc = v if acc is None else combine_(acc, v, self.plan.reduce_op)
             self._unpack_to(t, t.dsts[0], acc)
             return
         bufs, origin = self._src(t)
@@ -764,7 +749,7 @@ class Run:
                 v = self._packed(t, src, copy=True)
                 acc = v if acc is None else combine_(acc, v, op)
         if acc is None:                     # a root rank without contributors: the identity
-            acc = _alloc(self.like, (s.nbytes // self.plan.itemsize,), zero=True, op=op)
+            acc = alloc_like(self.like, (s.nbytes // self.plan.itemsize,), zero=True, op=op)
         w = to_wire(acc, b.wire, stream, typed=True)
         if me != s.root:
             return [b.reduce(w, s.root, s.ranks, op)], None

@@ -26,7 +26,7 @@ import hashlib
 import json
 
 from . import tuning
-from .base import Backend, torch_of, wait_polling, wait_threads
+from .base import Backend, finish_all, torch_of, wait_polling, wait_threads
 
 __all__ = ["MixedBackend"]
 
@@ -124,10 +124,7 @@ class MixedBackend(Backend):
         if not tw:
             return wait_polling(mw, deadline, self.rank, self.timeout)
         wait_threads(self, mw, self.torch.wait_async(tw, deadline), deadline)
-        for w in tw:
-            finish = getattr(w, "finish", None)
-            if finish is not None:
-                finish()
+        finish_all(tw)
 
     def allgather_obj(self, obj, deadline, tag=None, accept=None, ranks=None):
         return self.mpi.allgather_obj(obj, deadline, tag, accept, ranks)

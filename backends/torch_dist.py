@@ -292,12 +292,11 @@ class TorchBackend(TorchCollectives, Backend):
         if not live:
             return
         if _base.WATCH is None:
-            return self._block(live, deadline)
-        _base.wait_threads(self, [], self.wait_async(live, deadline), deadline)
-        for w in live:
-            finish = getattr(w, "finish", None)     # native collectives: unpad (torch_collectives)
-            if finish is not None:
-                finish()
+            for w in live:
+                self._wait_one(w, deadline)
+        else:
+            _base.wait_threads(self, [], self.wait_async(live, deadline), deadline)
+        _base.finish_all(live)
 
     def wait_async(self, works, deadline):
         """[(work, Future of its blocking wait)]: one waiter thread each; the Future raises
@@ -319,13 +318,6 @@ class TorchBackend(TorchCollectives, Backend):
                 w.work.wait(timeout=_td(max(left, 1e-3)))
         except Exception as e:              # gloo: timeouts and closed connections
             raise self._timeout(w, e) from e
-
-    def _block(self, works, deadline):
-        for w in works:
-            self._wait_one(w, deadline)
-            finish = getattr(w, "finish", None)     # native collectives: unpad (torch_collectives)
-            if finish is not None:
-                finish()
 
     def _timeout(self, w, e):
         t = f"{self.timeout:g}s" if self.timeout is not None else "the timeout"
