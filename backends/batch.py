@@ -36,16 +36,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import base, streams
 import numpy as np
 
-from meshcomm.planners.boxes import contiguous_in, local_slices
-
 from meshcomm.arrays import is_torch as _is_torch
-
 from meshcomm.caches import memo
+from meshcomm.planners.boxes import contiguous_in, local_slices
 from meshcomm.reduceops import combine_
 
+from . import base, streams
 from .base import (TAG_MOD, Run, collective_reduce_ok, empty_wire, from_wire, groups_needed, compile_steps,
                    out_specs, result_tiles, to_wire, torch_of)
 from .pack import pack, unpack
@@ -86,7 +84,7 @@ class Runner:
     the message, on the backend's CUDA stream where the tiles are on a device."""
 
     def __init__(self, plans, *, rank, devices_per_process, backend, bucket_bytes=None, device_kind="cpu"):
-        dpp = self.dpp = devices_per_process
+        dpp = devices_per_process
         self.plans, self.rank, self.be = plans, rank, backend
         one = len(backend.members()) == 1
         # waits go to the backend itself (mixed: both members' works polled together)
@@ -100,7 +98,7 @@ class Runner:
             c = backend.choose(op, n, k, device_kind)
             used[c.name] = c
             return c
-        rank_of = lambda d: d // dpp  # noqa: E731
+        rank_of = self.rank_of = lambda d: d // dpp  # noqa: E731
         self.coll = [collective_reduce_ok(p.dtype, backend) for p in plans]
         steps = [compile_steps(p, rank, dpp, c) for p, c in zip(plans, self.coll)]
         self.groups: dict = {}          # {backend name: groups of the collectives}, every process alike
@@ -109,7 +107,7 @@ class Runner:
                                                                               device_kind), device_kind).items():
                 self.groups.setdefault(name, []).extend(g for g in gs if g not in self.groups.get(name, []))
         self.nstages = max((st.stage for ss in steps for st in ss), default=-1) + 1
-        self.buckets = _buckets([(p, None, None) for p in plans], rank, bucket_bytes)
+        self.buckets = _buckets(plans, bucket_bytes)
         self.rounds = []                # per (stage, bucket): (locals, sends, recvs, sums, collectives)
         for k in range(self.nstages):
             for bucket in self.buckets:
@@ -188,12 +186,12 @@ class Runner:
             return outs, streams.record(stream)     # comm -> compute
 
     def _run(self, items, tags, deadline, stream):
-        b, rank, dpp = self.b, self.rank, self.dpp
+        b, rank, rank_of = self.b, self.rank, self.rank_of
         outs, runs = [], []
         for it, p, shapes, (st, dt) in zip(items, self.plans, self.out_shapes, self.tilings):
             out = result_tiles(p, shapes, it.like, it.out)
             outs.append(out)
-            runs.append(Run(p, it.shards, out, it.like, rank, lambda d: d // dpp, st, dt))
+            runs.append(Run(p, it.shards, out, it.like, rank, rank_of, st, dt))
         base.issued[("batch", b.name)] += 1
         for name in self.mixed:         # `mixed`: the backends its messages go to
             base.issued[("mixed", name)] += 1
@@ -376,13 +374,13 @@ def _padded(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _buckets(runs, rank, bucket_bytes):
+def _buckets(plans, bucket_bytes):
     """The tensors in consecutive buckets of at most `bucket_bytes` of planned transfers (a
     tensor larger than that is a bucket alone); the same cut on every rank (plans' bytes)."""
     if not bucket_bytes:
-        return [list(range(len(runs)))]
+        return [list(range(len(plans)))]
     out, cur, size = [], [], 0
-    for i, (p, _, _) in enumerate(runs):
+    for i, p in enumerate(plans):
         nb = sum(t.nbytes for t in p.transfers if t.kind != "copy")
         if cur and size + nb > bucket_bytes:
             out.append(cur)
