@@ -16,8 +16,8 @@
   communicators of their own (`communicator`): `Comm.Idup`s, polled to the deadline, of a
   base communicator made once per group: a group's blocking creation happens once.
 * A broadcast inside one host is the root's Isend to each member, not `Ibcast` (each
-  receiver copies from the root's buffer in parallel: about 2x MPICH's `Ibcast`, BENCHMARKS.md);
-  integer reduces gather to the root there (3-7x `Ireduce`). Across hosts MPI's trees stay.
+  receiver copies from the root's buffer in parallel), and integer reduces gather to the root
+  there: both faster than MPICH's own (BENCHMARKS.md). Across hosts MPI's trees stay.
 * Every wait polls `Test` with a deadline: a peer that never arrives is named.
 * MPI_THREAD_MULTIPLE (mpi4py's default): an asynchronous call runs on the context's queue
   thread. Host buffers only. Native collectives (bound once, on a Program's own
@@ -25,6 +25,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import pickle
 import time
 from typing import Sequence
@@ -129,6 +130,11 @@ def timed_allgather(comm, obj, deadline, tag, timeout, what, why, accept=None, s
 
 _NONE = object()
 
+
+def _meta_tag(tag) -> int:
+    """The metadata communicator's tag of a round: (the group's key, its round) -> the key."""
+    return (tag[0] if isinstance(tag, tuple) else tag) % TAG_MOD
+
 REDUCE_DTYPES = ("float32", "float64", "int32", "int64", "int8", "uint8", "int16", "uint16", "uint32", "uint64")
 
 
@@ -161,8 +167,8 @@ class MPIBackend(MPICollectives, Backend):
         # and on which host (broadcasts inside one host go point to point, see above)
         self.hosts = timed_allgather(base, MPI.Get_processor_name(), deadline, INIT_TAG, timeout,
                                      "meshcomm.init", "did not call init")
-        # every rank on one host: integer reduces gather to the root too (MPICH's Ireduce
-        # measured 3-7x slower over shared memory here); the same answer on every rank
+        # every rank on one host: integer reduces gather to the root too (faster than MPICH's
+        # Ireduce over shared memory); the same answer on every rank
         self.gather_reduces = len(set(self.hosts)) == 1
         self.reduce_dtypes = mpi_reduce_dtypes(MPI.Get_library_version())
         _base.set_local_processes(self.hosts.count(self.hosts[self.rank]))
@@ -337,16 +343,14 @@ class MPIBackend(MPICollectives, Backend):
     # -- metadata: an allgather of small objects that names missing peers --------------
     def allgather_obj(self, obj, deadline, tag=None, accept=None, ranks=None):
         if tag is None:
-            tag = self._meta_seq % TAG_MOD
+            tag = self._meta_seq
             self._meta_seq += 1
-        elif isinstance(tag, tuple):        # (the group's key, its round): the group's tag
-            tag = tag[0]
-        return timed_allgather(self.meta, obj, deadline, tag % TAG_MOD, self.timeout,
+        return timed_allgather(self.meta, obj, deadline, _meta_tag(tag), self.timeout,
                                "the agreement of a Program", "did not construct the same Program", accept,
                                self._stash, ranks)
 
     def unread(self, objs, tag, ranks) -> None:
-        tag = (tag[0] if isinstance(tag, tuple) else tag) % TAG_MOD
+        tag = _meta_tag(tag)
         for r, v in zip(ranks, objs):
             if r != self.rank:
                 self._stash[(r, tag)] = [v] + self._stash.get((r, tag), [])
@@ -356,29 +360,20 @@ class MPIBackend(MPICollectives, Backend):
         what this rank sent there before (MPI keeps their order)."""
         data = _dumps(obj)
         ranks = range(self.world_size) if ranks is None else ranks
-        tag = tag[0] if isinstance(tag, tuple) else tag
-        self._ctl_out.extend((self.meta.Isend(data, dest=r, tag=tag % TAG_MOD), data)
-                             for r in ranks if r != self.rank)
+        tag = _meta_tag(tag)
+        self._ctl_out.extend((self.meta.Isend(data, dest=r, tag=tag), data) for r in ranks if r != self.rank)
 
     def close(self):
         for r in self._persistent:          # inactive ones (an active one would be erroneous to free)
-            try:
+            with contextlib.suppress(Exception):
                 if r.Test():
                     r.Free()
-            except Exception:
-                pass
         self._persistent.clear()
-        for c in list(self._groups.values()) + self._own + list(self._bases.values()):
+        for c in [*self._groups.values(), *self._own, *self._bases.values(), self.comm, self.meta, self.ctl,
+                  self.arrive]:
             if c is not None:
-                try:
+                with contextlib.suppress(Exception):
                     c.Free()
-                except Exception:
-                    pass
         self._groups.clear()
         self._own.clear()
         self._bases.clear()
-        for c in (self.comm, self.meta, self.ctl, self.arrive):
-            try:
-                c.Free()
-            except Exception:
-                pass
