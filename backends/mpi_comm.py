@@ -3,6 +3,7 @@ them: the works a wait polls, a communicator duplication polled to a deadline, a
 of a group's creation."""
 from __future__ import annotations
 
+import contextlib
 import zlib
 
 import numpy as np
@@ -30,17 +31,14 @@ class MPIMultiWork(Work):
 
     def cancel(self) -> None:
         for r in self.reqs:
-            try:
+            with contextlib.suppress(Exception):
                 r.Cancel()
-            except Exception:
-                pass
 
     def test(self) -> bool:
         try:
             return mpi().Request.Testall(self.reqs)
         except mpi().Exception as e:
-            raise PeerTimeoutError(f"rank {self.rank}: {self.op} with peer rank(s) {list(self.peers)} "
-                                   f"failed: {e}", self.peers, self.op) from e
+            raise _failed(self, e) from e
 
 
 class MPIWork(Work):
@@ -51,17 +49,18 @@ class MPIWork(Work):
 
     def cancel(self) -> None:
         if self.op == "recv":
-            try:
+            with contextlib.suppress(Exception):
                 self.req.Cancel()
-            except Exception:
-                pass
 
     def test(self) -> bool:
         try:
             return self.req.Test()
         except mpi().Exception as e:
-            raise PeerTimeoutError(f"rank {self.rank}: {self.op} with peer rank(s) {list(self.peers)} "
-                                   f"failed: {e}", self.peers, self.op) from e
+            raise _failed(self, e) from e
+
+
+def _failed(w, e) -> PeerTimeoutError:
+    return PeerTimeoutError(f"rank {w.rank}: {w.op} with peer rank(s) {list(w.peers)} failed: {e}", w.peers, w.op)
 
 
 def timed_dup(comm, deadline, ranks=None, timeout=None):
