@@ -4,12 +4,9 @@ non-blocking collective on the group's cached communicator, returned as a polled
 Each primitive is the MPI call of the same name (Iallreduce, Iallgatherv, Ireduce_scatter,
 Ialltoall, Igatherv, Iscatterv, Ibarrier; reduce is MPIBackend.reduce's Ireduce), or its
 equal-count form where every member's count is the same (Iallgather, Ireduce_scatter_block):
-MPICH picks other algorithms for those, measured up to 1.3x faster on 8 processes at 256 KiB
-(an all-gather). Not for gathers and scatters: MPICH's Igather and Iscatter (a tree) were
-up to 2x slower than the v forms (linear) from 256 KiB on 8 processes here.
-mpi4py
-takes the MPI datatype from the NumPy dtype (uint8 bytes, int32/64, float32/64, ...):
-counts are elements. bfloat16 has no MPI datatype (a NumPy array of ml_dtypes' bfloat16 is
+MPICH picks other, faster algorithms for those. Not for gathers and scatters: MPICH's Igather
+and Iscatter (a tree) were slower than the v forms (linear) from 256 KiB. mpi4py takes the
+MPI datatype from the NumPy dtype (uint8 bytes, int32/64, float32/64, ...): counts are elements. bfloat16 has no MPI datatype (a NumPy array of ml_dtypes' bfloat16 is
 refused by mpi4py with a TypeError); reduce it on torch. Unlike broadcasts and reduces of a
 plan (backends/mpi.py), nothing here is turned into point-to-point messages on one host:
 these are what `meshcomm tune` measures as "the MPI collective".
@@ -22,12 +19,6 @@ __all__ = ["MPICollectives", "mpi_op"]
 
 
 _OPS: dict = {}
-
-
-def _v_spec(counts):
-    """None where every member's count is the same (the equal-count MPI call applies), else
-    (counts, displacements) for the v form."""
-    return None if counts.count(counts[0]) == len(counts) else (counts, displs(counts))
 
 
 def mpi_op(op: str):
@@ -57,15 +48,15 @@ class MPICollectives:
         start where the MPI library predates MPI-4 and has no `_init` calls)."""
         ranks = check_group(self.rank, ranks, what)
         comm = self._group(ranks) if comm is None else comm
-        spec = None
+        vspec = spec = None             # (counts, displacements); spec: None where the counts are equal
         if counts is not None:
             counts = check_counts(counts, ranks, what)
-            spec = _v_spec(counts)
+            vspec = (counts, displs(counts))
+            spec = None if counts.count(counts[0]) == len(counts) else vspec
         mop = mpi_op(op) if op is not None else None
         i = member(ranks, root, what) if root is not None else None
         rooted = self.rank == root
-        inp = _OPS["in_place"] if _OPS else mpi_op("in_place")
-        vspec = (counts, displs(counts)) if counts is not None else None
+        inp = mpi_op("in_place")
         # (MPI call, its arguments from (send, recv)): Iname non-blocking, Name_init persistent
         if what == "allreduce":
             name, args = "Allreduce", lambda s, r: ((inp, s), {"op": mop})
