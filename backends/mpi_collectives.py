@@ -5,11 +5,12 @@ Each primitive is the MPI call of the same name (Iallreduce, Iallgatherv, Ireduc
 Ialltoall, Igatherv, Iscatterv, Ibarrier; reduce is MPIBackend.reduce's Ireduce), or its
 equal-count form where every member's count is the same (Iallgather, Ireduce_scatter_block):
 MPICH picks other, faster algorithms for those. Not for gathers and scatters: MPICH's Igather
-and Iscatter (a tree) were slower than the v forms (linear) from 256 KiB. mpi4py takes the
-MPI datatype from the NumPy dtype (uint8 bytes, int32/64, float32/64, ...): counts are elements. bfloat16 has no MPI datatype (a NumPy array of ml_dtypes' bfloat16 is
-refused by mpi4py with a TypeError); reduce it on torch. Unlike broadcasts and reduces of a
-plan (backends/mpi.py), nothing here is turned into point-to-point messages on one host:
-these are what `meshcomm tune` measures as "the MPI collective".
+and Iscatter (a tree) were slower than the v forms (linear) from 256 KiB. mpi4py takes the MPI
+datatype from the NumPy dtype (uint8 bytes, int32/64, float32/64, ...): counts are elements.
+bfloat16 has no MPI datatype (mpi4py refuses ml_dtypes' bfloat16 with a TypeError); reduce it
+on torch. Unlike broadcasts and reduces of a plan (backends/mpi.py), nothing here is turned
+into point-to-point messages on one host: these are what `meshcomm tune` measures as "the MPI
+collective".
 """
 from __future__ import annotations
 
