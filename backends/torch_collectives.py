@@ -136,8 +136,7 @@ class TorchCollectives:
             for i, (a, c) in enumerate(zip(displs(counts), counts)):
                 recvbuf[a:a + c] = padded_out[i * m:i * m + c]
         return self._issue("allgatherv", ranks, (padded_in, padded_out, recvbuf),
-                           lambda g: self._all_gather(padded_out, padded_in, group=g,
-                                                                      async_op=True), post)
+                           lambda g: self._all_gather(padded_out, padded_in, group=g, async_op=True), post)
 
     def reduce_scatterv(self, sendbuf, recvbuf, counts, op, ranks):
         ranks, counts, _ = check_v("reduce_scatterv", self.rank, sendbuf, recvbuf, counts, ranks)
@@ -159,18 +158,13 @@ class TorchCollectives:
 
     def _rooted_a2a(self, what, sendbuf, recvbuf, counts, i, ranks, gather: bool):
         """gatherv/scatterv of uneven counts as one all_to_all_single with the root's splits."""
-        me, root = ranks.index(self.rank), ranks[i]
-        none = [0] * len(ranks)
+        rooted = self.rank == ranks[i]
+        mine = [counts[ranks.index(self.rank)] if j == i else 0 for j in range(len(ranks))]   # to/from the root
+        every = list(counts) if rooted else [0] * len(ranks)
         if gather:
-            ins = [counts[me] if j == i else 0 for j in range(len(ranks))]
-            outs = list(counts) if self.rank == root else none
-            out = recvbuf if self.rank == root else sendbuf.new_empty(0)
-            inp = sendbuf
+            ins, outs, inp, out = mine, every, sendbuf, (recvbuf if rooted else sendbuf.new_empty(0))
         else:
-            ins = list(counts) if self.rank == root else none
-            outs = [counts[me] if j == i else 0 for j in range(len(ranks))]
-            inp = sendbuf if self.rank == root else recvbuf.new_empty(0)
-            out = recvbuf
+            ins, outs, inp, out = every, mine, (sendbuf if rooted else recvbuf.new_empty(0)), recvbuf
         return self._issue(what, ranks, (sendbuf, recvbuf), lambda g: self.dist.all_to_all_single(
             out, inp, output_split_sizes=outs, input_split_sizes=ins, group=g, async_op=True))
 
