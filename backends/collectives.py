@@ -10,6 +10,7 @@ Leaf module: imports nothing from meshcomm but meshcomm.reduceops.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 from meshcomm.reduceops import PARTIAL_OPS
@@ -33,22 +34,17 @@ def check_group(rank: int, ranks: Sequence[int], what: str) -> tuple[int, ...]:
     """`ranks` as a tuple after checking it is sorted, distinct and holds `rank`."""
     if type(ranks) is tuple and (rank, ranks) in _CHECKED:
         return ranks
-    ranks = _checked_group(rank, ranks, what)
+    ranks = tuple(int(r) for r in ranks)
+    if not ranks or list(ranks) != sorted(set(ranks)):
+        raise ValueError(f"{what}: ranks must be a sorted tuple of distinct world ranks, got {ranks}")
+    if rank not in ranks:
+        raise ValueError(f"{what}: rank {rank} is not in the group {list(ranks)} (only members call it)")
     if len(_CHECKED) < 4096:
         _CHECKED.add((rank, ranks))
     return ranks
 
 
 _CHECKED: set = set()       # (rank, ranks) groups that passed check_group
-
-
-def _checked_group(rank: int, ranks: Sequence[int], what: str) -> tuple[int, ...]:
-    ranks = tuple(int(r) for r in ranks)
-    if not ranks or list(ranks) != sorted(set(ranks)):
-        raise ValueError(f"{what}: ranks must be a sorted tuple of distinct world ranks, got {ranks}")
-    if rank not in ranks:
-        raise ValueError(f"{what}: rank {rank} is not in the group {list(ranks)} (only members call it)")
-    return ranks
 
 
 def member(ranks: tuple[int, ...], root: int, what: str) -> int:
@@ -105,11 +101,7 @@ def displs(counts: Sequence[int]) -> tuple[int, ...]:
     key = tuple(counts)
     out = _DISPLS.get(key)
     if out is None:
-        at, offs = 0, []
-        for c in key:
-            offs.append(at)
-            at += c
-        out = tuple(offs)
+        out = tuple(itertools.accumulate(key, initial=0))[:-1]
         if len(_DISPLS) < 4096:
             _DISPLS[key] = out
     return out
