@@ -190,11 +190,7 @@ class _Program:
         tag, peer = self.tags[(i, u, v)], self.rank_of(u)
 
         def split(buf, sizes):
-            parts, at = [], 0
-            for n in sizes:
-                parts.append(buf[at:at + n])
-                at += n
-            return parts
+            return np.split(buf, np.cumsum(sizes[:-1]))
         heads: dict = {}
         nxt = [0]
         if self.fixed:
@@ -263,17 +259,19 @@ class _Program:
             if pos > 0:
                 self._listen(i, c[pos - 1], dev, msgs, self._arrival(i, t, c, pos, msgs))
                 continue
-            nxt = c[1] if len(c) > 1 else None
-            after = self._arrival(i, t, c, 1, msgs) if nxt is not None and self._mine(nxt) else None
+            nxt, after = self._next(i, t, c, 0, msgs)
             for m, msg in enumerate(msgs):
                 self.eng.task(START, lambda m=m, msg=msg, dev=dev, nxt=nxt, after=after:
                               self._chain_start(i, t, m, msg, dev, nxt, after))
 
     def _arrival(self, i, t, c, pos: int, msgs):
         """The function receiving messages at chain position `pos`."""
-        if t.kind == "reduce":
-            return self._ring_arrival(i, t, c, pos, msgs)
-        return self._bcast_arrival(i, t, c, pos, msgs)
+        return (self._ring_arrival if t.kind == "reduce" else self._bcast_arrival)(i, t, c, pos, msgs)
+
+    def _next(self, i, t, c, pos: int, msgs):
+        """(the device after chain position `pos`, or None; its arrival function where it is this process's)."""
+        nxt = c[pos + 1] if pos + 1 < len(c) else None
+        return nxt, (self._arrival(i, t, c, pos + 1, msgs) if nxt is not None and self._mine(nxt) else None)
 
     def _chain_start(self, i, t, m, msg, dev, nxt, after) -> None:
         if t.kind == "reduce":
@@ -289,9 +287,7 @@ class _Program:
         self._deliver(i, dev, nxt, m, parts, after)
 
     def _bcast_arrival(self, i, t, c, pos, msgs):
-        dev = c[pos]
-        nxt = c[pos + 1] if pos + 1 < len(c) else None
-        after = self._arrival(i, t, c, pos + 1, msgs) if nxt is not None and self._mine(nxt) else None
+        dev, (nxt, after) = c[pos], self._next(i, t, c, pos, msgs)
 
         def arrive(m, parts):
             msg = msgs[m]
@@ -310,9 +306,7 @@ class _Program:
         return arrive
 
     def _ring_arrival(self, i, t, c, pos, msgs):
-        dev = c[pos]
-        nxt = c[pos + 1] if pos + 1 < len(c) else None
-        after = self._arrival(i, t, c, pos + 1, msgs) if nxt is not None and self._mine(nxt) else None
+        dev, (nxt, after) = c[pos], self._next(i, t, c, pos, msgs)
         own = dev in t.srcs
 
         def arrive(m, parts):
