@@ -137,9 +137,7 @@ def from_dict(d: Mapping[str, Any], source: str = "<dict>") -> TuningTable:
         if "op" not in r or "backend" not in r:
             raise ValueError(f"{source}: rule {i} needs 'op' and 'backend'")
         try:
-            out.append(Rule(op=r["op"], backend=r["backend"], min_bytes=r.get("min_bytes", 0),
-                            max_bytes=r.get("max_bytes"), min_group=r.get("min_group", 0),
-                            max_group=r.get("max_group"), device=r.get("device")))
+            out.append(Rule(**r))       # its keys checked above; absent ones take Rule's defaults
         except ValueError as e:
             raise ValueError(f"{source}: rule {i}: {e}") from None
     meas = d.get("measurements", [])
