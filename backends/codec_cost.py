@@ -30,17 +30,10 @@ from meshcomm.arrays import numpy_dtype
 from meshcomm.caches import memo
 from meshcomm.compression import AUTO, ZFP, Cast, coerce
 
-__all__ = [
-    "AUTO_CANDIDATES",
-    "LOCAL_GBPS",
-    "PER_CORE_GBPS",
-    "agreement_key",
-    "check",
-    "choose_reduce",
-    "link",
-    "resolve",
-    "speed",
-]
+from .tuning import table_from_env
+
+__all__ = ["AUTO_CANDIDATES", "LOCAL_GBPS", "PER_CORE_GBPS", "agreement_key", "check", "choose_reduce", "link",
+           "resolve", "speed"]
 
 # (encode, decode) GB/s of uncompressed bytes, one core, 4 MiB float32 normal values
 PER_CORE_GBPS = {"zfp": (0.2, 0.2), "bf16": (4.0, 8.0), "fp16": (0.5, 2.0)}
@@ -92,11 +85,6 @@ def _host_processes(backend, world: int) -> int:
     return max(1, world)
 
 
-def _table():
-    from .tuning import table_from_env
-    return table_from_env()
-
-
 @memo(maxsize=8)
 def _codec_entries(path) -> tuple:
     """The "codecs" list of a `meshcomm tune` file (a table read and checked by tuning)."""
@@ -111,7 +99,7 @@ def speed(codec, processes_per_host: int) -> tuple[float, float]:
     """(encode, decode) bytes/s of one process while all code at once."""
     path = settings.get("TUNING")
     if path:
-        _table()                        # a missing or malformed file: tuning's error naming the variable
+        table_from_env()                # a missing or malformed file: tuning's error naming the variable
     for m in _codec_entries(path):
         if m.get("codec") == str(codec):
             return float(m["encode_GBps"]) * 1e9, float(m["decode_GBps"]) * 1e9
@@ -128,7 +116,7 @@ def link(devices_per_process: int) -> Topology:
         return Topology(devices_per_process * settings.get("EMULATE_NODE_SIZE"), intra_node_gbps=LOCAL_GBPS,
                         inter_node_gbps=g, intra_node_latency_s=5e-6, inter_node_latency_s=20e-6,
                         name=f"emulated {g:g} Gb/s")
-    sends = [m for m in _table().measurements if isinstance(m, dict) and m.get("op") == "send"
+    sends = [m for m in table_from_env().measurements if isinstance(m, dict) and m.get("op") == "send"
              and m.get("algbw_GBps")]
     gbps = LOCAL_GBPS
     if sends:
