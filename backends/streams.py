@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 import threading
 from collections import Counter
+
+from meshcomm.arrays import is_torch
 
 __all__ = ["Fence", "device_of", "is_cuda", "current_stream", "comm_stream", "use",
            "fence_from_current", "record", "host_sync", "stats"]
@@ -32,10 +33,7 @@ _streams: dict = {}
 
 def device_of(x):
     """The torch device of a tensor, or None for anything else (NumPy, JAX: host data)."""
-    t = sys.modules.get("torch")
-    if t is not None and isinstance(x, getattr(t, "Tensor", ())):
-        return x.device
-    return None
+    return x.device if is_torch(x) else None
 
 
 def is_cuda(device) -> bool:
