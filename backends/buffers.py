@@ -4,9 +4,8 @@ A tile of at least `MIN_BYTES` is a NumPy array over a block this pool handed ou
 last array viewing the block is gone (NumPy keeps the ctypes object over the block as every
 view's base; a finalizer on it), the block comes back here, and the next tile of the same
 size takes it instead of fresh pages. Fresh pages cost a page fault each on first touch
-(and the kernel zeroes them): on this machine four 4 MiB tiles written into fresh memory took
-3.6x as long as into blocks written before (benchmarks/alloc_reuse.py; where malloc still
-holds pages freed just before, the pool gains nothing). The pool keeps at most
+(and the kernel zeroes them: benchmarks/alloc_reuse.py; where malloc still holds pages freed
+just before, the pool gains nothing). The pool keeps at most
 MESHCOMM_BUFFER_POOL_MB of idle blocks, the oldest dropped first.
 """
 from __future__ import annotations

@@ -44,8 +44,8 @@ def phase_of(tile) -> int:
 def aligned_numpy(shape, dtype, zero: bool = False, phase: int = 0):
     """np.empty/np.zeros whose data starts `phase` bytes past an ALIGN-byte (cache line)
     boundary: the source tiles' (`phase_of`), so that copies between source and result
-    tiles, MPI's between processes included, are aligned alike on both sides (2 MiB over
-    MPICH's shared memory: 1.3-1.6x as long into a buffer at another phase, BENCHMARKS 3).
+    tiles, MPI's between processes included, are aligned alike on both sides (slower into a
+    buffer at another phase: BENCHMARKS 3).
     JAX's CPU buffers start on a boundary, so a result committed to a JAX CPU device
     (`jax.device_put`) is adopted rather than copied. From 1 MiB the memory comes from
     backends/buffers.py (reused once every array over it is gone)."""

@@ -25,7 +25,7 @@ __all__ = ["Engine", "stats"]
 stats: Counter = Counter()      # sent_bytes, recv_bytes, messages, calls (this process)
 # Idle polling sleeps early and briefly: chunks take milliseconds to code, and with more
 # processes than cores a process that spins or yields while it waits takes CPU time from the
-# processes that are coding (measured: up to a third of a compressed all-gather's time).
+# processes that are coding.
 SPIN, NAP, NAP_MAX = 8, 2e-5, 5e-4
 
 
