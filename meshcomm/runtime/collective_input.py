@@ -1,5 +1,6 @@
-"""A collective call as validated (`Request`), and its input on one process: its tiles, checked (keys, kinds, shapes, dtypes), and
-the facts every process then agrees on (dtype, array kind, device type, tile shape)."""
+"""A collective call as validated (`Request`), and its input on one process: its tiles, checked
+(keys, kinds, shapes, dtypes), and the facts every process then agrees on (dtype, array kind,
+device type, tile shape)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +17,7 @@ __all__ = ["Request", "request", "tiles_of", "local_facts", "check_declared"]
 
 ROOTED = ("broadcast", "scatter")          # only the root's tile carries data
 GATHERS = ("all_gather", "gather")         # tiles may differ along `dim`
+REDUCING = ("all_reduce", "reduce", "reduce_scatter")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,27 +50,10 @@ class Request:
 
 # -- the arguments, validated --------------------------------------------------------------------
 
-def _check_op(op: str, reduce_op) -> str:
-    if reduce_op not in REDUCE_OPS:
-        raise ValueError(f"{op}: op must be one of {', '.join(REDUCE_OPS)}, got {reduce_op!r}")
-    return reduce_op
-
-
 def _check_int(op: str, name: str, v) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise TypeError(f"{op}: {name} must be an int, got {v!r}")
     return int(v)
-
-
-def _check_compression(op: str, compression):
-    """The compression= argument as a codec, "auto" or None (ValueError/TypeError naming a bad one)."""
-    if compression is None:
-        return None
-    from .. import compression as codecs
-    try:
-        return codecs.coerce(compression)
-    except (ValueError, TypeError) as e:
-        raise type(e)(f"{op}: {e}") from None
 
 
 _CHECKED = {"all_reduce": ("reduce_op", "compression"), "all_gather": ("dim", "compression"),
@@ -97,13 +82,20 @@ def _request_of(*args) -> Request:
 
 def _build_request(op, mesh, axes, dim, root, reduce_op, split_dim, concat_dim, compression=None) -> Request:
     ax = group_axes(mesh, axes)
-    checked = _CHECKED[op]
-    kw = {"compression": _check_compression(op, compression)} if "compression" in checked else {}
+    checked, kw = _CHECKED[op], {}
+    if "compression" in checked and compression is not None:      # a codec or "auto"
+        from .. import compression as codecs
+        try:
+            kw["compression"] = codecs.coerce(compression)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{op}: {e}") from None
     for name, v in (("dim", dim), ("root", root), ("split_dim", split_dim), ("concat_dim", concat_dim)):
         if name in checked:
             kw[name] = _check_int(op, name, v)
     if "reduce_op" in checked:
-        kw["reduce_op"] = _check_op(op, reduce_op)
+        if reduce_op not in REDUCE_OPS:
+            raise ValueError(f"{op}: op must be one of {', '.join(REDUCE_OPS)}, got {reduce_op!r}")
+        kw["reduce_op"] = reduce_op
     return Request(op, mesh, ax, **kw)
 
 
@@ -171,14 +163,12 @@ def local_facts(req, tiles: Mapping[int, Any]) -> dict:
         n = len(facts["tile"])
         if not -n <= req.dim < n:
             raise ValueError(f"{req.op}: dim={req.dim} is out of range for tiles with {n} dimension(s)")
-    if facts["dtype"] is not None and req.reduce_op == "avg" and req.op in ("all_reduce", "reduce", "reduce_scatter"):
-        kind = arrays.numpy_dtype(facts["dtype"][0]).kind
-        if kind not in "fc" and facts["dtype"][0] != "bfloat16":
-            raise TypeError(f"{req.op}: op='avg' needs a floating dtype, got {facts['dtype'][0]} "
-                            "(use op='sum' and divide)")
-    if facts["dtype"] is not None and facts["dtype"][0] == "bool" and req.op in ("all_reduce", "reduce", "reduce_scatter") \
-            and req.reduce_op in ("sum", "prod", "avg"):
-        raise TypeError(f"{req.op}: op={req.reduce_op!r} is not defined for bool tiles (use min or max)")
+    dt = facts["dtype"]
+    if dt is not None and req.op in REDUCING:
+        if req.reduce_op == "avg" and arrays.numpy_dtype(dt[0]).kind not in "fc" and dt[0] != "bfloat16":
+            raise TypeError(f"{req.op}: op='avg' needs a floating dtype, got {dt[0]} (use op='sum' and divide)")
+        if dt[0] == "bool" and req.reduce_op in ("sum", "prod", "avg"):
+            raise TypeError(f"{req.op}: op={req.reduce_op!r} is not defined for bool tiles (use min or max)")
     return facts
 
 
@@ -201,4 +191,4 @@ def check_declared(req, tiles, declared) -> None:
         if v is not None and tile is not None and (v.ndim != len(tile) or any(
                 a != b for i, (a, b) in enumerate(zip(v.shape, tile)) if i != k)):
             raise ValueError(f"{req.op}: the tile of device {d} has shape {tuple(v.shape)}, the Program's is "
-                             f"{tuple(tile)}" + (f" (tiles may differ along dim {req.dim} only)" if k is not None else ""))
+                             f"{tuple(tile)}" + ("" if k is None else f" (tiles may differ along dim {req.dim} only)"))
