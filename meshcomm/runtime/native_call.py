@@ -22,6 +22,7 @@ from .. import arrays
 from ..backends import buffers
 from ..backends.base import empty_wire, exact_reduce, from_wire, issued, to_wire
 from ..collectives.layouts import groups
+from .collective_input import REDUCING
 from .tiles import empty_like
 
 __all__ = ["Native", "choose", "posters", "run", "poster", "typed"]
@@ -31,7 +32,6 @@ TABLE_OP = {"all_reduce": "allreduce", "all_gather": "allgather", "reduce_scatte
             "scatter": "scatter"}
 _ROOTED = ("broadcast", "reduce", "gather", "scatter")
 _ORDERED = ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")
-_REDUCING = ("all_reduce", "reduce", "reduce_scatter")
 
 # Programs whose native MPI calls get communicators of their own (two per group: one per run
 # parity): every process can hold about 2040 communicators (MPICH's context ids); past this
@@ -70,13 +70,13 @@ def choose(ctx, be, req, dt, tile, shapes, devtype, counter=0) -> Native | None:
     name, itemsize = dt
     nbytes = _nccl_bytes(req, tile, shapes, gs[0], itemsize)
     prim = be.choose(TABLE_OP[req.op], nbytes, k, "cpu")
-    if req.op in _REDUCING and not exact_reduce(name, prim):
+    if req.op in REDUCING and not exact_reduce(name, prim):
         return None
     if prim.name == "mpi" and counter > OWN_COMMS_MAX:
         return None                     # a communicator of its own per Program, up to a cap
     if prim.name == "torch" and devtype == "cpu" and k < ctx.world_size:
         return None                     # gloo groups need every member's history alike: the plan
-    return Native(prim, tuple(tuple(sorted(rank_of(d) for d in g)) for g in gs), "native_" + prim.name)
+    return Native(prim, tuple(_ranks(ctx, g) for g in gs), "native_" + prim.name)
 
 
 def _nccl_bytes(req, tile, shapes, g, itemsize) -> int:
@@ -128,12 +128,11 @@ def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> tuple:
         me = [d for d in g if rank_of(d) == ctx.rank]
         if not me:
             continue
-        ranks = tuple(sorted(rank_of(d) for d in g))
         for posts in out:
             if posts is out[1] and not own_comms:
                 posts.append(out[0][-1])
                 continue
-            comm = prim.communicator(ranks, deadline) if own_comms else None
+            comm = prim.communicator(_ranks(ctx, g), deadline) if own_comms else None
             post = poster(ctx, prim, req, g, me[0], dt, tile, shapes, kind, comm)
             if comm is not None and kind == "numpy":
                 post = persistent(ctx, prim, req, g, me[0], dt, tile, shapes, comm, post, nat.key)
@@ -142,9 +141,8 @@ def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> tuple:
 
 
 # largest buffer (bytes) of a native MPI call run as a persistent request: below it, copying
-# the tile in and the result out costs less than posting a new request (BENCHMARKS 5: 16 and
-# 64 KiB faster persistent at 2 and 8 processes), except MPICH's persistent all_to_all, half
-# the speed of its non-blocking one at 64 KiB on 2 processes
+# the tile in and the result out costs less than posting a new request; MPICH's persistent
+# all_to_all is slower than its non-blocking one sooner (BENCHMARKS 5)
 PERSISTENT_MAX = 64 << 10
 PERSISTENT_MAX_ALL_TO_ALL = 16 << 10
 
@@ -202,8 +200,8 @@ def _leaned(post, prim, me, counted):
     """`post` (a non-blocking call, a new one per run) with the lean form a Program's lean
     run takes (a NumPy tile of the agreed shape and dtype): post gives the call's Work (an
     MPI request, tested bare), result the tile once it is done. A call of typed buffers into
-    a receive buffer takes the tile as it is, with nothing around it (at 8 processes on 2
-    cores each layer of Python costs tens of microseconds: BENCHMARKS 5)."""
+    a receive buffer takes the tile as it is, with nothing around it (each layer of Python
+    costs: BENCHMARKS 5)."""
     c, f = post.call
     if c.typed and c.recv is not None:
         got = [None]
@@ -246,26 +244,20 @@ def run(ctx, nat: Native, posts, req, prob, tiles, dt, tile, deadline, stamp=Non
     return res
 
 
-def _all_ranks(req, ctx):
-    return [[ctx.ownership.rank_of(d) for d in g] for g in groups(req.mesh, req.axes)]
-
-
 def _record(stamp, ctx, prim, req, g, me, prob, dt, tile, t_run):
     from .. import log
     f = log.collective_fields(req.op, len(g), tile, [s for _, s in prob.out_shapes], dt[1])
-    root = req.root if req.op in ("broadcast", "reduce", "gather", "scatter") else None
+    root = req.root if req.op in _ROOTED else None
     sent, recv = wire_bytes(req, len(g), g.index(me), root, f["logical_bytes"])
-    ranks = tuple(sorted({r for rs in _all_ranks(req, ctx) for r in rs}))   # one call: the mesh's ranks
+    ranks = tuple(sorted({ctx.ownership.rank_of(d) for h in groups(req.mesh, req.axes) for d in h}))   # one call
     log.record(stamp, f["op"], ranks, backend=prim.name, dtype=dt[0], shape=f["shape"],
                logical_bytes=f["logical_bytes"], sent_bytes=sent, recv_bytes=recv, t_run=t_run,
                group_size=f["group_size"], algorithm="native")
 
 
 def typed(dtype: np.dtype) -> bool:
-    """Whether a native MPI call moves `dtype` as itself rather than as bytes: integers,
-    float32 and float64 (MPICH's all_to_all and all_gather of float32, persistent or not,
-    ran 1.1-1.3x faster than over the same bytes as MPI_BYTE, 8 processes, 1-16 KiB:
-    BENCHMARKS 5); not bfloat16, float16 or bool."""
+    """Whether a native MPI call moves `dtype` as itself rather than as bytes (faster in
+    MPICH: BENCHMARKS 5): integers, float32 and float64; not bfloat16, float16 or bool."""
     return dtype.kind in "iu" or dtype in (np.float32, np.float64)
 
 
@@ -275,10 +267,6 @@ def _flat(v, wire, typed):
         return v if typed or v.dtype == np.uint8 else v.view(np.uint8)
     return to_wire(v.reshape(-1).contiguous() if arrays.is_torch(v) else np.ascontiguousarray(v).reshape(-1),
                    wire, typed=typed)
-
-
-def _like(x, kind, dt):
-    return x if x is not None else empty_like(kind, dt[0], "cpu")
 
 
 def _copy(x):
@@ -311,7 +299,7 @@ def _ranks(ctx, g) -> tuple:
 
 def _call(ctx, req, g, me, dt, tile, shapes, wire) -> _Call:
     dtype = np.dtype(arrays.numpy_dtype(dt[0]))
-    typ = req.op in _REDUCING or (wire == "numpy" and typed(dtype))
+    typ = req.op in REDUCING or (wire == "numpy" and typed(dtype))
     per = 1 if typ else dtype.itemsize          # units per tile element
     u = dtype.itemsize // per                   # bytes per unit
     k, i, tile = len(g), g.index(me), tuple(tile)
@@ -356,7 +344,7 @@ def poster(ctx, prim, req, g, me, dt, tile, shapes, kind, comm=None):
         return empty_wire(count * itemsize if t else count, wire, like, typed_elems=count if t else None)
 
     def post(x):
-        like = _like(x, kind, dt)
+        like = x if x is not None else empty_like(kind, dt[0], "cpu")
         if c.recv is None:              # in place: a copy of the tile, or the root's
             res = _flat(_copy(x), wire, t) if c.fill else empty(c.send, like)
             w = f(res)
