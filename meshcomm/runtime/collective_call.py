@@ -22,14 +22,14 @@ from ..backends import codec_cost
 from ..backends.base import issued
 
 from ..collectives.layouts import gather_sizes, groups, problem
-from ..planning import plan as make_plan
+from ..layout import normalize_shape
 from ..planning import plan
 from ..validate import check_out_buffer
 from . import native_call
 from .agreement import value
-from .collective_input import (GATHERS, Request, check_declared, local_facts, masked, request,  # noqa: F401
-                               roots_of, tiles_of)
-from .context import init_hint, no_context
+from .collective_input import (GATHERS, ROOTED, Request, check_declared, local_facts, masked,  # noqa: F401
+                               request, roots_of, tiles_of)
+from .context import current, init_hint, no_context
 from .local_program import LocalKernel, fill_out
 from ..handle import Handle
 from .plan_run import PlanRun
@@ -109,7 +109,7 @@ class CollectiveKernel:
             dt = host_dtype(a.dtype[0])
             if mine is not None and dt is not None:
                 self._bare = (self.owned[0], tuple(mine), dt)
-        self._takes_none = (len(self.owned) == 1 and req.op in ("broadcast", "scatter")
+        self._takes_none = (len(self.owned) == 1 and req.op in ROOTED
                             and self.owned[0] not in roots_of(req))
         self.posts = ([], [])       # per run parity (native_call.posters)
         self.plan = None
@@ -126,7 +126,7 @@ class CollectiveKernel:
                 all(hasattr(post, "lean") for _, post in self._one):
             self.lean = (self._bare[1], self._bare[2], tuple(post.lean for _, post in self._one))
         else:
-            self.plan = make_plan(prob.shape, a.dtype[0], prob.src, prob.dst)
+            self.plan = plan(prob.shape, a.dtype[0], prob.src, prob.dst)
             comp = None if req.compression is None else codec_cost.resolve(
                 req.compression, self.plan, backend=be, world=ctx.world_size,
                 devices_per_process=ctx.devices_per_process, strip=coded_dims(req, prob))
@@ -223,12 +223,15 @@ class CollectiveKernel:
             for d, buf in out.items():
                 buf[...] = got[d]
             return out[self.owned[0]] if bare else {d: out.get(d, v) for d, v in got.items()}
-        if kind == "jax":
-            import jax
-            if bare:
-                return None if res is None else jax.device_put(res, arrays.jax_device(self.owned[0]))
-            res = arrays.to_jax_devices(res)
-        return res
+        return _jax_result(res, bare, self.owned) if kind == "jax" else res
+
+
+def _jax_result(res, bare: bool, owned):
+    """Host results as JAX arrays on their devices (a bare one on this process's device)."""
+    if not bare:
+        return arrays.to_jax_devices(res)
+    import jax
+    return None if res is None else jax.device_put(res, arrays.jax_device(owned[0]))
 
 
 def _fields(req, be, dt, kind, devtype, tile) -> tuple:
@@ -263,8 +266,14 @@ def _build(ctx, be, req, kinded=True):
     return make
 
 
+# a Request's params (dim, root, reduce_op, split_dim, concat_dim) as error messages name them
+_PARAMS = {"all_reduce": "op={2}", "reduce": "root={1} op={2}", "reduce_scatter": "dim={0} op={2}",
+           "all_gather": "dim={0}", "gather": "root={1} dim={0}", "scatter": "root={1} dim={0}",
+           "broadcast": "root={1}", "all_to_all": "split_dim={3} concat_dim={4}"}
+
+
 def _describe(req):
-    return {"mesh": lambda v, m: v, "params": lambda v, m: _params_str(req.op, v)}
+    return {"mesh": lambda v, m: v, "params": lambda v, m: _PARAMS[req.op].format(*v)}
 
 
 def run(ctx, req: Request, x, *, backend=None, async_op=False):
@@ -302,7 +311,7 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
     # uneven sizes: never, as it does not see another's size change: `_uneven`)
     complete = bool(owned) and len(tiles) == len(owned)
     sig = ("collective", req, be.name)
-    if err is None and not tiles and not bare_roots(req, owned):
+    if err is None and not tiles and req.op in ROOTED and not any(d in roots_of(req) for d in owned):
         # a broadcast's or scatter's non-root passing None: the Program it ran last, where
         # every process decided alone then (a root that changed its facts constructs, and
         # both sides raise "not in the same call")
@@ -324,12 +333,6 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
     return prog.start_checked(lambda: prog._kernel.check(tiles, bare, None), async_op, stamp)
 
 
-def bare_roots(req, owned) -> bool:
-    """Whether this process owns a device that must pass a tile (not a broadcast's or a
-    scatter's non-root only)."""
-    return req.op not in ("broadcast", "scatter") or any(d in roots_of(req) for d in owned)
-
-
 def _uneven(req):
     """For a gather: whether the agreed tiles' sizes along `dim` differ (then every call of
     the signature agrees first)."""
@@ -345,14 +348,12 @@ def program(req: Request, shape, dtype, backend=None, device="cpu") -> Program:
     """`Program.all_reduce(mesh, axes, shape=, dtype=, ...)` and the others: `shape` is this
     process's tile (None where it owns no device of the mesh, or, for broadcast and scatter,
     is not a root: it learns the root's)."""
-    from ..layout import normalize_shape
-    from . import current
     ctx = current()
     name, itemsize = arrays.normalize_dtype(dtype)
     tile = None if shape is None else normalize_shape(shape)
     if ctx is None:
         no_context(backend, f"Program.{req.op}")
-        return local_collective(req, tile, dtype)
+        return local_collective(req, tile, (name, itemsize))
     be, err = ctx.resolve_backend(backend)
     owned = ctx.ownership.owned(req.mesh)
     try:
@@ -379,33 +380,15 @@ def coded_dims(req: Request, prob) -> int:
     return len(prob.shape) - len(prob.out_shapes[0][1])
 
 
-def _params_str(op: str, v) -> str:
-    dim, root, reduce_op, split_dim, concat_dim = v
-    if op in ("all_reduce",):
-        return f"op={reduce_op}"
-    if op == "reduce":
-        return f"root={root} op={reduce_op}"
-    if op == "reduce_scatter":
-        return f"dim={dim} op={reduce_op}"
-    if op in ("all_gather",):
-        return f"dim={dim}"
-    if op in ("gather", "scatter"):
-        return f"root={root} dim={dim}"
-    if op == "broadcast":
-        return f"root={root}"
-    return f"split_dim={split_dim} concat_dim={concat_dim}"
-
-
 # -- one process (no launcher) ------------------------------------------------------------------
 
-def local_collective(req, tile, dtype) -> Program:
+def local_collective(req, tile, dt) -> Program:
     p = None
     if tile is not None:
         prob = build(req, tile, None)
-        p = plan(prob.shape, arrays.normalize_dtype(dtype)[0], prob.src, prob.dst)
-    declared = (tile, arrays.normalize_dtype(dtype))
+        p = plan(prob.shape, dt[0], prob.src, prob.dst)
     return new(None, 0, f"{req.op} over {req.axes} of {req.mesh}",
-               LocalKernel(lambda x: collective_local(req, x, declared), "plan", req.op, fill_out), p)
+               LocalKernel(lambda x: collective_local(req, x, (tile, dt)), "plan", req.op, fill_out), p)
 
 
 def collective_local(req, x, declared=None):
@@ -428,7 +411,6 @@ def collective_local(req, x, declared=None):
     p = plan(prob.shape, facts["dtype"][0], prob.src, prob.dst)
     comp = None
     if req.compression is not None:
-        from ..backends import codec_cost
         codec_cost.check(req.compression, facts["dtype"][0], facts["devtype"], req.op)
         comp = codec_cost.resolve(req.compression, p, local=True, strip=coded_dims(req, prob))
     if comp is not None:                # the same round trips as under a launcher
@@ -437,9 +419,4 @@ def collective_local(req, x, declared=None):
     else:
         out = LocalBackend().execute(p, shards, like=next(iter(shards.values())))
     res = finish_tiles(req, prob, out, bare, owned)
-    if kind == "jax":
-        import jax
-        if bare:
-            return None if res is None else jax.device_put(res, arrays.jax_device(owned[0]))
-        return arrays.to_jax_devices(res)
-    return res
+    return _jax_result(res, bare, owned) if kind == "jax" else res
