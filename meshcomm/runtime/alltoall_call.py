@@ -18,7 +18,9 @@ from .. import log as _log
 from ..planners.alltoall import plan_alltoall
 from ..backends.base import empty_wire, from_wire, to_wire
 from ..planners import Topology
-from .alltoall_input import assemble, axis_groups, check_rows, local, split_rows, validate_owned  # noqa: F401
+from .agreement import value
+from .alltoall_input import assemble, axis_groups, cat, check_rows, local, split_rows, validate_owned  # noqa: F401
+from .context import current, no_context
 from .local_program import LocalKernel, no_out
 from ..handle import Handle
 from .program import Program, construct, eager, new, outside, participants, tags_of, half
@@ -40,14 +42,14 @@ class DistRun:
         self.sent_bytes = self.recv_bytes = 0
         self.ctl = [0, 0]       # bytes sent / received by the count exchange
         self.stamp = None       # meshcomm.log's, when logging
-        self.args = args
-        self.owned = set(args[0]) if args is not None else set()
+        self.args, self.owned = args, set()
         if args is not None:
-            xs, scs, rcs, like, row_elems, row_bytes = args
-            self.like, self.row_elems, self.row_bytes = like, row_elems, row_bytes
+            xs, scs, _, like, row_elems, row_bytes = args
+            self.owned, self.like, self.row_elems, self.row_bytes = set(xs), like, row_elems, row_bytes
             dev = like.device if arrays.is_torch(like) else None
-            self.prim = _primitives(ctx, be, int(sum(sum(c) for c in scs.values())) * row_bytes,
-                                    "cuda" if dev is not None and dev.type == "cuda" else "cpu")
+            # the concrete backend whose isend/irecv run the exchange ("mixed" picks per size)
+            self.prim = be.choose("send", int(sum(sum(c) for c in scs.values())) * row_bytes, 2,
+                                  "cuda" if dev is not None and dev.type == "cuda" else "cpu")
         # two tags per group (counts, rows), from the Program's own tag space
         self.groups = [g for g in groups if self.owned.intersection(g)]
         self.tags = {g: tags[0] + 2 * i for i, g in enumerate(groups) if g in self.groups}
@@ -170,19 +172,12 @@ class DistRun:
 
 
 def _flat_cat(parts, like):
+    """The blocks of one message as one contiguous flat array."""
     flat = [v.reshape(-1) for v in parts]
     if len(flat) == 1:
         v = flat[0]
         return v.contiguous() if arrays.is_torch(v) else np.ascontiguousarray(v)
-    if arrays.is_torch(like):
-        import torch
-        return torch.cat(flat)
-    return np.concatenate(flat)
-
-
-def _primitives(ctx, be, nbytes=0, device="cpu"):
-    """The concrete backend whose isend/irecv run the exchange ("mixed" picks per size)."""
-    return be.choose("send", nbytes, 2, device)
+    return cat(flat, like)
 
 
 class A2AKernel:
@@ -230,8 +225,6 @@ def _fields(mesh, axis, be, rows, dtype, kind, topo, algorithm):
 
 
 def _build(ctx, be, mesh, axis, groups, topo, algorithm):
-    from .agreement import value
-
     def build(pid, metas, deadline):
         rows, dt = value(metas, "rows"), value(metas, "dtype")
         if rows is None:
@@ -259,14 +252,12 @@ def run(ctx, x, send_counts, recv_counts, mesh, axis, groups, backend, async_op,
     rows = None if like is None else tuple(like.shape[1:])
     dt = None if like is None else arrays.dtype_of(like)
     kind = None if like is None else arrays.kind_of(like)
-    complete = a is not None
     sig = ("all_to_all_v", mesh, axis, be.name, repr(topo), algorithm)
     fields = _fields(mesh, axis, be, rows, dt, kind, topo, algorithm)
 
     def agreed_key(metas):
-        from .agreement import value
         return (value(metas, "rows"), value(metas, "dtype"), value(metas, "kind"))
-    prog = ctx.call(lambda: eager(ctx, sig, (rows, dt, kind) if complete else None, complete, "all_to_all_v",
+    prog = ctx.call(lambda: eager(ctx, sig, (rows, dt, kind) if a is not None else None, a is not None, "all_to_all_v",
                                   fields, err, {}, _build(ctx, be, mesh, axis, groups, topo, algorithm), agreed_key,
                                   None, ranks))
     return prog.start_checked(lambda: prog._kernel.check(a, not isinstance(x, dict)), async_op, stamp)
@@ -274,16 +265,16 @@ def run(ctx, x, send_counts, recv_counts, mesh, axis, groups, backend, async_op,
 
 def program(mesh, axis, rows, dtype, backend, topology, algorithm) -> Program:
     """`Program.all_to_all_v(mesh, axis, rows=, dtype=)`: rows is the trailing shape of a row."""
-    from . import current
     groups = axis_groups(mesh, axis)
     ctx = current()
     name, itemsize = arrays.normalize_dtype(dtype)
     rows = tuple(int(r) for r in rows)
     topo = Topology.coerce(topology)
     if ctx is None:
-        from .context import no_context
         no_context(backend, "Program.all_to_all_v")
-        return local_all_to_all_v(mesh, axis, rows, name, topology, algorithm)
+        return new(None, 0, f"all_to_all_v along {axis!r}", LocalKernel(
+            lambda a: local(a[0], a[1], mesh, axis, a[2], False, topology, algorithm, groups, declared=(rows, name)),
+            "rows", "all_to_all_v"))
     be, err = ctx.resolve_backend(backend)
     ranks = participants(ctx, mesh)
     if ctx.rank not in ranks:
@@ -291,10 +282,3 @@ def program(mesh, axis, rows, dtype, backend, topology, algorithm) -> Program:
     fields = _fields(mesh, axis, be, rows, (name, itemsize), None, topo, algorithm)
     return ctx.call(lambda: construct(ctx, "all_to_all_v", fields, err, {},
                                       _build(ctx, be, mesh, axis, groups, topo, algorithm), None, ranks))
-
-
-def local_all_to_all_v(mesh, axis, rows, dtype, topology, algorithm) -> Program:
-    groups = axis_groups(mesh, axis)
-    return new(None, 0, f"all_to_all_v along {axis!r}", LocalKernel(
-        lambda a: local(a[0], a[1], mesh, axis, a[2], False, topology, algorithm, groups, declared=(rows, dtype)),
-        "rows", "all_to_all_v"))
