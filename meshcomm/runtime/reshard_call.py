@@ -18,11 +18,14 @@ from .. import arrays
 from .. import log as _log
 from ..backends import codec_cost
 from ..layout import normalize_shape
-from ..planning import plan as make_plan
+from ..planning import plan
 from ..validate import (check_keys, check_layouts, check_out_buffer, check_tile_shapes, infer_shape, native_byte_order,
                         normalize_input, resolve_shape_dtype)
 
 from ..handle import Handle
+from .agreement import value
+from .context import current, no_context
+from .local_program import local_reshard
 from .plan_run import PlanRun
 from .program import Program, construct, eager, layouts_fp, lookup, new, outside, participants, tags_of
 from .tiles import common_run, consume, empty_like, facts_of, fences_of, fit_of
@@ -194,7 +197,6 @@ def _fields(src, dst, be, shp, dt, kind, devtype, compression) -> tuple:
 
 def _agreed(metas, src, dpp) -> Agreed:
     """Shape and dtype from every process's facts (a process without tiles learns them)."""
-    from .agreement import value
     shape = value(metas, "shape")
     if shape is None:
         tiles = {}
@@ -213,13 +215,11 @@ def _agreed(metas, src, dpp) -> Agreed:
 
 
 def _build(ctx, be, src, dst, compression, kinded=True):
-    from .agreement import value
-
     def build(pid, metas, deadline):
         a = _agreed(metas, src, ctx.devices_per_process)
         if not kinded:          # a Program: what the constructors said, else each run's tiles
             a = dataclasses.replace(a, kind=value(metas, "kind"), devtype=value(metas, "devtype"))
-        p = make_plan(a.shape, a.dtype, src, dst)
+        p = plan(a.shape, a.dtype, src, dst)
         comp = None if compression is None else codec_cost.resolve(
             compression, p, backend=be, world=ctx.world_size, devices_per_process=ctx.devices_per_process)
         k = ReshardKernel(ctx, be, src, dst, p, a, comp, tags_of(pid, be.tag_ub), deadline)
@@ -227,8 +227,7 @@ def _build(ctx, be, src, dst, compression, kinded=True):
     return build
 
 
-def _describe(src, dst):
-    return {"layouts": lambda v, m: str(m.extra.get("desc", v))}
+_DESCRIBE = {"layouts": lambda v, m: str(m.extra.get("desc", v))}     # the layouts as error messages name them
 
 
 class _Desc:
@@ -281,7 +280,7 @@ def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=
         return (a.shape, a.dtype, a.kind, a.devtype)
     prog = ctx.call(lambda: eager(ctx, sig, local_key, complete, "reshard",
                                   lambda: _fields(src, dst, be, shp, dt, kind, devtype, compression), err, extra,
-                                  _build(ctx, be, src, dst, compression), agreed_key, _describe(src, dst), ranks))
+                                  _build(ctx, be, src, dst, compression), agreed_key, _DESCRIBE, ranks))
     return prog.start_checked(lambda: prog._kernel.check(shards, bare, None), async_op, stamp)
 
 
@@ -290,7 +289,6 @@ def program(src, dst, shape, dtype, backend, compression, device=None) -> Progra
     ("cpu" or "cuda", optional): where the tiles are, so that a process holding no src tile
     gets its results there (else each run's tiles say, and such a process gets host arrays)."""
     from .. import compression as codecs
-    from . import current
     check_layouts(src, dst)
     compression = codecs.coerce(compression)
     if shape is None or dtype is None:
@@ -304,8 +302,6 @@ def program(src, dst, shape, dtype, backend, compression, device=None) -> Progra
         else None
     ctx = current()
     if ctx is None:
-        from .context import no_context
-        from .local_program import local_reshard
         no_context(backend, "Program.reshard")
         return local_reshard(src, dst, shape, dtype, compression)
     be, err = ctx.resolve_backend(backend)
@@ -321,6 +317,5 @@ def program(src, dst, shape, dtype, backend, compression, device=None) -> Progra
     if ctx.rank not in ranks:
         return outside(ctx, f"reshard {src} -> {dst}")
     return ctx.call(lambda: construct(ctx, "reshard", fields, err, extra, _build(ctx, be, src, dst, compression,
-                                                                                   kinded=False), _describe(src, dst),
-                                      ranks))
+                                                                                   kinded=False), _DESCRIBE, ranks))
 
