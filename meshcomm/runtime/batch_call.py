@@ -18,9 +18,12 @@ from .. import arrays
 from .. import log as _log
 from ..backends import batch as batch_exec
 from ..layout import Layout, normalize_shape
+from ..planning import plan_many
 from ..validate import check_layouts, check_tile_shapes, infer_shape, resolve_shape_dtype
 from .agreement import value
 from ..handle import Handle
+from .context import current, no_context
+from .local_program import LocalKernel, fill_out, one_process
 from .program import Program, construct, eager, half, layouts_fp, lookup, new, outside, participants, tags_of
 from .tiles import common_run, empty_like, facts_of, fit_of, numpy_views, torch_results
 from .reshard_call import local_input
@@ -181,15 +184,6 @@ class BatchKernel:
                 for t, tiles, kind in zip(self.tensors, res, kinds)}
 
 
-def _plans(tensors: list[Tensor], bucket_mb):
-    """Every tensor's plan, planned as one batch (`plan_many`: senders balanced over every
-    tensor's bytes at once); each is a complete single-tensor plan, run together."""
-    from ..planning import plan_many
-    bp = plan_many({t.name: t.shape for t in tensors}, {t.name: t.dtype for t in tensors},
-                   {t.name: t.src for t in tensors}, {t.name: t.dst for t in tensors}, bucket_mb=bucket_mb)
-    return [bp.plan_of(t.name) for t in tensors]
-
-
 def batch_input(xs, names) -> Mapping:
     """A batch run's input {name: tiles} checked against the batch's `names` (None: no tiles)."""
     if xs is None:
@@ -202,10 +196,10 @@ def batch_input(xs, names) -> Mapping:
     return xs
 
 
-def _build(ctx, be, names, srcs, dsts, bucket_mb, kinded=True):
+def _build(ctx, be, names, srcs, dsts, bucket_mb):
     def make(pid, metas, deadline):
         tensors = []
-        for i, n in enumerate(names):
+        for n in names:
             shape = value(metas, f"shape:{n}")
             if shape is None:
                 tiles = {}
@@ -220,9 +214,12 @@ def _build(ctx, be, names, srcs, dsts, bucket_mb, kinded=True):
             dt = value(metas, f"dtype:{n}")
             if dt is None:
                 raise ValueError(f"tensor {n!r}: no process holds a src tile, so its dtype is unknown; pass dtypes=")
-            kind = value(metas, f"kind:{n}") if kinded else None
-            tensors.append(Tensor(n, srcs[n], dsts[n], tuple(shape), dt[0], kind, "cpu" if kinded else None))
-        plans = _plans(tensors, bucket_mb)
+            tensors.append(Tensor(n, srcs[n], dsts[n], tuple(shape), dt[0], value(metas, f"kind:{n}"), "cpu"))
+        # planned as one batch (senders balanced over every tensor's bytes at once): each a
+        # complete single-tensor plan, run together
+        bp = plan_many({t.name: t.shape for t in tensors}, {t.name: t.dtype for t in tensors},
+                       {t.name: t.src for t in tensors}, {t.name: t.dst for t in tensors}, bucket_mb=bucket_mb)
+        plans = [bp.plan_of(t.name) for t in tensors]
         bucket = None if bucket_mb is None else int(bucket_mb * (1 << 20))
         k = BatchKernel(ctx, be, tensors, plans, bucket, pid, deadline)
         total = sum(p.bytes_moved for p in plans)
@@ -247,7 +244,6 @@ def _check_compression(compression):
 
 def program(src, dst, shapes, dtypes, backend, bucket_mb, compression) -> Program:
     """`Program.reshard_many(src, dst, shapes=, dtypes=)`: every process constructs it."""
-    from . import current
     _check_compression(compression)
     if shapes is None or dtypes is None:
         raise TypeError("Program.reshard_many needs shapes= and dtypes= (a dict by tensor name; one dtype "
@@ -258,10 +254,7 @@ def program(src, dst, shapes, dtypes, backend, bucket_mb, compression) -> Progra
     dts = {n: arrays.normalize_dtype(d) for n, d in dts.items()}
     ctx = current()
     if ctx is None:
-        from .context import no_context
-        from .local_program import LocalKernel, fill_out
         no_context(backend, "Program.reshard_many")
-        from .local_program import one_process
 
         def run(xs):
             xs = batch_input(xs, names)
