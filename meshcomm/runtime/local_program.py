@@ -142,11 +142,6 @@ def one_process(x, src, dst, shape, dtype, async_op=False, compression=None, com
     return reshard_local(shards, src, dst, shape, dtype, stamp, compression, commit), bare
 
 
-def _on_cpu(shards) -> bool:
-    """Whether every JAX tile lives on a CPU device (host memory JAX adopts without a copy)."""
-    return all(d.platform == "cpu" for v in shards.values() for d in v.devices())
-
-
 def reshard_local(shards, src, dst, shape, dtype, stamp=None, compression=None, commit=True):
     shape, name, itemsize = resolve_shape_dtype(shards, src, shape, dtype)
     if shape is None:
@@ -170,10 +165,11 @@ def reshard_local(shards, src, dst, shape, dtype, stamp=None, compression=None, 
             out = arrays.to_jax_devices(out)
     elif kind == "jax":
         # one copy per piece into 64-byte-aligned NumPy tiles, which jax.device_put adopts
-        # on CPU devices without a copy; replicas share one (JAX arrays are immutable)
+        # on CPU devices without a copy (alias: every tile is on one); replicas share one
+        # (JAX arrays are immutable)
         np_shards = {d: np.asarray(v) for d, v in shards.items()}
         out = LocalBackend().execute(p, np_shards, like=next(iter(np_shards.values())), share=True,
-                                     alias=_on_cpu(shards))
+                                     alias=all(d.platform == "cpu" for v in shards.values() for d in v.devices()))
         if commit:
             out = arrays.to_jax_devices(out)
     else:
