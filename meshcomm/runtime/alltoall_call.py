@@ -29,11 +29,9 @@ __all__ = ["DistRun", "program", "run", "local", "axis_groups"]
 
 
 class DistRun:
-    """One all_to_all_v under a launcher: the agreement check, the counts exchange (if
-    needed), then the plan's stages; messages of a stage are posted (non-blocking) in global
-    order, then waited for."""
+    """One run of an all_to_all_v Program (the module docstring says how)."""
 
-    def __init__(self, ctx, be, groups, args, topo, algorithm, tags):
+    def __init__(self, ctx, be, groups, args, topo, algorithm, tags, stamp):
         self.ctx, self.be = ctx, be
         self.topo, self.algorithm = topo, algorithm
         self.dpp = ctx.devices_per_process
@@ -41,7 +39,7 @@ class DistRun:
         self.keep = []          # send buffers stay alive until their wait
         self.sent_bytes = self.recv_bytes = 0
         self.ctl = [0, 0]       # bytes sent / received by the count exchange
-        self.stamp = None       # meshcomm.log's, when logging
+        self.stamp = stamp      # meshcomm.log's, when logging
         self.args, self.owned = args, set()
         if args is not None:
             xs, scs, _, like, row_elems, row_bytes = args
@@ -210,9 +208,8 @@ class A2AKernel:
 
     def run(self, st, deadline, stamp=None):
         a, bare = st
-        r = DistRun(self.ctx, self.be, self.groups, a, self.topo, self.algorithm, half(self.tags, self.parity))
-        r.stamp = stamp
-        return r.run(bare)
+        return DistRun(self.ctx, self.be, self.groups, a, self.topo, self.algorithm, half(self.tags, self.parity),
+                       stamp).run(bare)
 
     def finish(self, r):
         return r

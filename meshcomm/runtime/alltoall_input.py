@@ -17,7 +17,6 @@ from .context import init_hint
 __all__ = ["axis_groups", "validate_owned", "local", "check_rows", "split_rows", "assemble", "cat"]
 
 
-
 def assemble(holdings, device, devices, like):
     return cat([holdings[(o, device)] for o in devices if (o, device) in holdings], like)
 
@@ -41,6 +40,8 @@ def cat(parts, like):
         import torch
         return torch.cat(parts)
     return np.concatenate(parts)
+
+
 def axis_groups(mesh: Mesh, axis: str) -> list[tuple[int, ...]]:
     """Device tuples along `axis`, one per combination of the other axes' coordinates."""
     if not isinstance(mesh, Mesh):
