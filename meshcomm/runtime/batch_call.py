@@ -52,28 +52,26 @@ def normalize_batch(src, dst, shapes, dtypes, names=None) -> tuple:
                              ("; " if extra and missing else "") +
                              (f"{what} lacks {missing[:4]}" if missing else ""))
 
-    def each(d, what, kind=None):
-        out = {}
-        for n in names:
-            v = d[n] if isinstance(d, Mapping) else d
-            if kind is not None and not isinstance(v, kind):
+    def each(d):            # {name: value}, from a dict or one value for every name
+        return {n: d[n] if isinstance(d, Mapping) else d for n in names}
+    srcs, dsts = each(src), each(dst)
+    for what, layouts in (("src", srcs), ("dst", dsts)):
+        for n, v in layouts.items():
+            if not isinstance(v, Layout):
                 raise TypeError(f"tensor {n!r}: {what} must be a meshcomm.Layout, got {type(v).__name__}")
-            out[n] = v
-        return out
-    srcs, dsts = each(src, "src", Layout), each(dst, "dst", Layout)
     for n in names:
         try:
             check_layouts(srcs[n], dsts[n])
         except (ValueError, TypeError) as e:
             raise type(e)(f"tensor {n!r}: {e}") from None
-    shp = each(shapes, "shapes") if shapes is not None else {n: None for n in names}
+    shp = each(shapes)
     for n in names:
         if shp[n] is not None:
             try:
                 shp[n] = srcs[n].check_shape(normalize_shape(shp[n]))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"tensor {n!r}: {e}") from None
-    dts = each(dtypes, "dtypes") if dtypes is not None else {n: None for n in names}
+    dts = each(dtypes)
     return names, srcs, dsts, shp, dts
 
 
