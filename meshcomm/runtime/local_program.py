@@ -161,8 +161,6 @@ def reshard_local(shards, src, dst, shape, dtype, stamp=None, compression=None, 
         from ..backends.compressed import execute_local
         host = {d: np.asarray(v) for d, v in shards.items()} if kind == "jax" else shards
         out = execute_local(p, host, next(iter(host.values())), comp)
-        if kind == "jax" and commit:
-            out = arrays.to_jax_devices(out)
     elif kind == "jax":
         # one copy per piece into 64-byte-aligned NumPy tiles, which jax.device_put adopts
         # on CPU devices without a copy (alias: every tile is on one); replicas share one
@@ -170,10 +168,10 @@ def reshard_local(shards, src, dst, shape, dtype, stamp=None, compression=None, 
         np_shards = {d: np.asarray(v) for d, v in shards.items()}
         out = LocalBackend().execute(p, np_shards, like=next(iter(np_shards.values())), share=True,
                                      alias=all(d.platform == "cpu" for v in shards.values() for d in v.devices()))
-        if commit:
-            out = arrays.to_jax_devices(out)
     else:
         out = LocalBackend().execute(p, shards, like=first)
+    if kind == "jax" and commit:
+        out = arrays.to_jax_devices(out)
     if stamp is not None:       # one process: nothing on the wire (meshcomm.log)
         _log.record_reshard(stamp, rank=None, dpp=None, backend="local", plan=p, collective_reduce=False,
                             shards=shards, out=out)
