@@ -309,7 +309,7 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
     own_shapes = {d: tuple(v.shape) for d, v in tiles.items()}
     # a process decides alone where it has a tile of every device it owns (a gather of
     # uneven sizes: never, as it does not see another's size change: `_uneven`)
-    complete = bool(owned) and len(tiles) == len(owned)
+    complete = len(tiles) == len(owned)
     sig = ("collective", req, be.name)
     if err is None and not tiles and req.op in ROOTED and not any(d in roots_of(req) for d in owned):
         # a broadcast's or scatter's non-root passing None: the Program it ran last, where
