@@ -22,10 +22,13 @@ case $what in sim|all) run bench_sim .venv/bin/meshcomm bench sim --topology p3.
 case $what in plan|all) run bench_plan .venv/bin/meshcomm bench plan ;; esac
 case $what in run|all) run bench_run .venv/bin/meshcomm bench run --procs 8 --size-mb 16 --repeats 9 \
     --backends mpi,torch,mixed --no-jax --json "$OUT/bench_run.json" ;; esac
-case $what in collectives|all) run collectives $MPI -n 8 $PY benchmarks/collectives.py --sizes 1K,16K,64K,4M,16M --reps 7 ;; esac
-case $what in cpu|all) run program_cpu $MPI -n 2 $PY benchmarks/program_cpu.py
-  run eager_cpu $MPI -n 2 $PY benchmarks/eager_cpu.py ;; esac
-case $what in recorder|all) run recorder_cost $MPI -n 2 $PY benchmarks/recorder_cost.py --calls 2000 --rounds 11 ;; esac
+case $what in collectives|all) run collectives_8 $MPI -n 8 $PY benchmarks/collectives.py --sizes 1K,16K,64K,4M --reps 7 \
+    --impls "mpi4py,program[mpi],eager[mpi]"
+  run persistent_2 $MPI -n 2 $PY benchmarks/persistent.py --sizes 1K,16K,64K ;; esac
+case $what in cpu|all) run program_cpu_2 $MPI -n 2 $PY benchmarks/program_cpu.py
+  run eager_cpu_2 $MPI -n 2 $PY benchmarks/eager_cpu.py
+  run run_path_cost_8 $MPI -n 8 $PY benchmarks/run_path_cost.py ;; esac
+case $what in recorder|all) run recorder_cost_2 $MPI -n 2 $PY benchmarks/recorder_cost.py --calls 2000 --rounds 11 ;; esac
 case $what in refit|all)
   run bench_refit .venv/bin/meshcomm bench refit --json "$OUT/bench_refit.json"
   run rl_refit_8 $MPI -n 8 $PY examples/rl_refit.py --check --d 256 --layers 4 --repeats 5 --steps 2 ;; esac
