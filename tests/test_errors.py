@@ -486,6 +486,13 @@ def test_program_reshard_device_must_be_cpu_or_cuda():
     prog = mc.Program.reshard(mc.Layout(m, ("x",)), mc.Layout(m, (None,)), shape=(4,), dtype="float32", device="cpu")
     out = prog({0: np.arange(2.0, dtype=np.float32), 1: np.arange(2.0, 4.0, dtype=np.float32)})
     assert (out[1] == np.arange(4.0)).all()
+    with raises(ValueError, r"device must be 'cpu' or 'cuda' \(or None: the host\), got 'gpu'"):
+        mc.Program.reshard_many(mc.Layout(m, ("x",)), mc.Layout(m, (None,)), shapes={"w": (4,)},
+                                dtypes="float32", device="gpu")
+    many = mc.Program.reshard_many(mc.Layout(m, ("x",)), mc.Layout(m, (None,)), shapes={"w": (4,)},
+                                   dtypes="float32", device="cpu")
+    out = many({"w": {0: np.arange(2.0, dtype=np.float32), 1: np.arange(2.0, 4.0, dtype=np.float32)}})
+    assert (out["w"][1] == np.arange(4.0)).all()
 
 
 def test_one_process_programs_check_their_runs_like_a_launchers():

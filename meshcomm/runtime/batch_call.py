@@ -101,8 +101,10 @@ class BatchKernel:
             tiling = t.src.tiles(t.shape)
             want = self.want[t.name] = {d: tuple(b - a for a, b in tiling.boxes[d]) for d in own.owned(t.src)}
             self._host.append((t.name, want, fit_of(t.kind, t.devtype, t.dtype), len(own.owned(t.dst)) <= 1))
+        # the agreed device type (the same on every process): mixed's choice per message by it
+        kind = "cuda" if any(t.devtype == "cuda" for t in tensors) else "cpu"
         self.runner = batch_exec.Runner(plans, rank=ctx.rank, devices_per_process=ctx.devices_per_process,
-                                        backend=be, bucket_bytes=bucket_bytes)
+                                        backend=be, bucket_bytes=bucket_bytes, device_kind=kind)
         self.runner.prepare(deadline)
 
     def describe(self) -> str:
@@ -212,7 +214,10 @@ def _build(ctx, be, names, srcs, dsts, bucket_mb):
             dt = value(metas, f"dtype:{n}")
             if dt is None:
                 raise ValueError(f"tensor {n!r}: no process holds a src tile, so its dtype is unknown; pass dtypes=")
-            tensors.append(Tensor(n, srcs[n], dsts[n], tuple(shape), dt[0], value(metas, f"kind:{n}"), "cpu"))
+            # the device type the tiles' holders (or the constructors' device=) gave: where a
+            # process holding no src tile of it gets its results
+            tensors.append(Tensor(n, srcs[n], dsts[n], tuple(shape), dt[0], value(metas, f"kind:{n}"),
+                                  value(metas, f"devtype:{n}") or "cpu"))
         # planned as one batch (senders balanced over every tensor's bytes at once): each a
         # complete single-tensor plan, run together
         bp = plan_many({t.name: t.shape for t in tensors}, {t.name: t.dtype for t in tensors},
@@ -225,12 +230,13 @@ def _build(ctx, be, names, srcs, dsts, bucket_mb):
     return make
 
 
-def _fields(names, srcs, dsts, be, shp, dts, kinds, bucket_mb) -> tuple:
+def _fields(names, srcs, dsts, be, shp, dts, kinds, devtypes, bucket_mb) -> tuple:
     f = [("op", "reshard_many"), ("names", names),
          ("layouts", layouts_fp(tuple(srcs[n] for n in names), tuple(dsts[n] for n in names))),
          ("backend", be.signature), ("bucket", bucket_mb)]
     for n in names:
-        f += [(f"shape:{n}", shp.get(n)), (f"dtype:{n}", dts.get(n)), (f"kind:{n}", kinds.get(n))]
+        f += [(f"shape:{n}", shp.get(n)), (f"dtype:{n}", dts.get(n)), (f"kind:{n}", kinds.get(n)),
+              (f"devtype:{n}", devtypes.get(n))]
     return tuple(f)
 
 
@@ -240,15 +246,20 @@ def _check_compression(compression):
                          "compressed with reshard(..., compression=)")
 
 
-def program(src, dst, shapes, dtypes, backend, bucket_mb, compression) -> Program:
-    """`Program.reshard_many(src, dst, shapes=, dtypes=)`: every process constructs it."""
+def program(src, dst, shapes, dtypes, backend, bucket_mb, compression, device=None) -> Program:
+    """`Program.reshard_many(src, dst, shapes=, dtypes=)`: every process constructs it. `device`
+    ("cpu" or "cuda", optional): where the tiles are, so that a process holding no src tile of
+    a tensor gets its results there (else on the host)."""
     _check_compression(compression)
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda' (or None: the host), got {device!r}")
     if shapes is None or dtypes is None:
         raise TypeError("Program.reshard_many needs shapes= and dtypes= (a dict by tensor name; one dtype "
                         "for all)")
     names, srcs, dsts, shp, dts = normalize_batch(src, dst, shapes, dtypes)
     # a torch dtype names the kind of the tiles a process without src tiles gets back
-    kinds = {n: ("torch" if type(d).__module__.startswith("torch") else None) for n, d in dts.items()}
+    kinds = {n: ("torch" if device == "cuda" or type(d).__module__.startswith("torch") else None)
+             for n, d in dts.items()}
     dts = {n: arrays.normalize_dtype(d) for n, d in dts.items()}
     ctx = current()
     if ctx is None:
@@ -266,7 +277,7 @@ def program(src, dst, shapes, dtypes, backend, bucket_mb, compression) -> Progra
             return {**res, **{n: fill_out(res[n], o, f"{what} {n!r}") for n, o in out.items()}}
         return new(None, 0, f"reshard_many of {len(names)} tensors", LocalKernel(run, "plans", "reshard_many", fill))
     be, err = ctx.resolve_backend(backend)
-    fields = _fields(names, srcs, dsts, be, shp, dts, kinds, bucket_mb)
+    fields = _fields(names, srcs, dsts, be, shp, dts, kinds, dict.fromkeys(names, device), bucket_mb)
     ranks = participants(ctx, *(l.mesh for n in names for l in (srcs[n], dsts[n])))
     if ctx.rank not in ranks:
         return outside(ctx, f"reshard_many of {len(names)} tensors", empty=lambda: {n: {} for n in names})
@@ -312,8 +323,8 @@ def reshard_many(ctx, xs, src, dst, *, shapes=None, dtypes=None, backend=None, a
             except (ValueError, TypeError) as e:
                 raise type(e)(f"tensor {n!r}: {e}") from None
             got[n] = shards
-            kind = facts_of(shards)[1]
-            facts[n] = (s, None if name is None else (name, itemsize), kind)
+            _, kind, devtype = facts_of(shards)
+            facts[n] = (s, None if name is None else (name, itemsize), kind, devtype)
             tiles[n] = {d: tuple(v.shape) for d, v in shards.items()}
     except (ValueError, TypeError) as e:
         err = e
@@ -322,7 +333,8 @@ def reshard_many(ctx, xs, src, dst, *, shapes=None, dtypes=None, backend=None, a
                                                                               for n, t in tiles.items()))) \
         if complete else None
     fields = lambda: _fields(names, srcs, dsts, be, {n: f[0] for n, f in facts.items()},  # noqa: E731
-                             {n: f[1] for n, f in facts.items()}, {n: f[2] for n, f in facts.items()}, bucket_mb)
+                             {n: f[1] for n, f in facts.items()}, {n: f[2] for n, f in facts.items()},
+                             {n: f[3] for n, f in facts.items()}, bucket_mb)
 
     def agreed_key(metas):
         return tuple((n, value(metas, f"shape:{n}"), value(metas, f"dtype:{n}")) for n in names) + \

@@ -23,8 +23,10 @@ class Program(program.Program):
         return reshard_call.program(src, dst, shape, dtype, backend, compression, device)
 
     @classmethod
-    def reshard_many(cls, src, dst, *, shapes, dtypes, backend=None, bucket_mb=None, compression=None):
-        return batch_call.program(src, dst, shapes, dtypes, backend, bucket_mb, compression)
+    def reshard_many(cls, src, dst, *, shapes, dtypes, backend=None, bucket_mb=None, compression=None,
+                     device=None):
+        """`device` ("cpu" or "cuda"): where the tiles live, for a process that holds none."""
+        return batch_call.program(src, dst, shapes, dtypes, backend, bucket_mb, compression, device)
 
     @classmethod
     def all_to_all_v(cls, mesh, axis, *, rows=(), dtype, backend=None, topology=None, algorithm="auto"):

@@ -84,6 +84,29 @@ for step in range(3):
     check(f"Program.reshard run {step}", prog(mine)[rank], want)
     check(f"reshard eager {step}", mc.reshard(mine, src, dst)[rank], want)
 
+# a process holding no src tile gets its results on the tiles' device: the last rank
+# receives a batch (and one tensor) that the others hold (an RL refit from a trainer's
+# processes to a generator's): eager (the holders' device type, agreed) and as Programs
+# (device=, declared)
+last = n - 1
+src1 = mc.Layout(mc.Mesh(list(range(n - 1)), ("s",)), ("s", None))
+dst1 = mc.Layout(mc.Mesh([last], ("g",)), (None, None))
+shapes = {"w": (6 * (n - 1), 5), "b": (3 * (n - 1), 2)}
+progs = (mc.Program.reshard_many(src1, dst1, shapes=shapes, dtypes=torch.float32, device=DEV),
+         mc.Program.reshard(src1, dst1, shape=shapes["w"], dtype=torch.float32, device=DEV))
+for step in range(2):
+    full = {k: np.random.default_rng(10 + step).standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    xs = {k: {d: v.to(DEV) for d, v in mc.shard(torch.from_numpy(a), src1).items() if d == rank}
+          for k, a in full.items()}
+    eager_many, prog_many = mc.reshard_many(xs, src1, dst1), progs[0](xs)
+    eager_one, prog_one = mc.reshard(xs["w"], src1, dst1, shape=shapes["w"]), progs[1](xs["w"])
+    if rank == last:
+        for k, a in full.items():
+            check(f"reshard_many eager to a receiver {k} {step}", eager_many[k][last], a)
+            check(f"Program.reshard_many to a receiver {k} {step}", prog_many[k][last], a)
+        check(f"reshard eager to a receiver {step}", eager_one[last], full["w"])
+        check(f"Program.reshard to a receiver {step}", prog_one[last], full["w"])
+
 mc.finalize()
 if failures:
     sys.exit(1)
