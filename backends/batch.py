@@ -232,6 +232,7 @@ class Runner:
                         v = ready[(id(part), ob.wire)] = self._message(runs, [part], [0], part[1].nbytes,
                                                                         ob.wire, stream)
                     works.append(ob.isend(v, peer, tag))
+                    base.issued[(ob.name, "p2p")] += 1
             for i, t, copies in local:  # while the messages travel
                 run = runs[i]
                 src = (run.shards if t.src_buf == "src" else run.out).get(t.srcs[0])
