@@ -25,7 +25,7 @@ from ..handle import Handle
 from .context import current, no_context
 from .local_program import LocalKernel, fill_out, one_process
 from .program import Program, construct, eager, half, layouts_fp, lookup, new, outside, participants, tags_of
-from .tiles import common_run, empty_like, facts_of, fit_of, numpy_views, torch_results
+from .tiles import bad_device, common_run, empty_like, facts_of, fit_of, numpy_views, torch_results
 from .reshard_call import local_input
 
 __all__ = ["program", "reshard_many", "normalize_batch"]
@@ -251,8 +251,8 @@ def program(src, dst, shapes, dtypes, backend, bucket_mb, compression, device=No
     ("cpu" or "cuda", optional): where the tiles are, so that a process holding no src tile of
     a tensor gets its results there (else on the host)."""
     _check_compression(compression)
-    if device not in (None, "cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda' (or None: the host), got {device!r}")
+    bad = bad_device(device, "the host")
+    device = None if bad is not None else device
     if shapes is None or dtypes is None:
         raise TypeError("Program.reshard_many needs shapes= and dtypes= (a dict by tensor name; one dtype "
                         "for all)")
@@ -263,6 +263,8 @@ def program(src, dst, shapes, dtypes, backend, bucket_mb, compression, device=No
     dts = {n: arrays.normalize_dtype(d) for n, d in dts.items()}
     ctx = current()
     if ctx is None:
+        if bad is not None:
+            raise bad
         no_context(backend, "Program.reshard_many")
 
         def run(xs):
@@ -277,6 +279,7 @@ def program(src, dst, shapes, dtypes, backend, bucket_mb, compression, device=No
             return {**res, **{n: fill_out(res[n], o, f"{what} {n!r}") for n, o in out.items()}}
         return new(None, 0, f"reshard_many of {len(names)} tensors", LocalKernel(run, "plans", "reshard_many", fill))
     be, err = ctx.resolve_backend(backend)
+    err = err or bad
     fields = _fields(names, srcs, dsts, be, shp, dts, kinds, dict.fromkeys(names, device), bucket_mb)
     ranks = participants(ctx, *(l.mesh for n in names for l in (srcs[n], dsts[n])))
     if ctx.rank not in ranks:

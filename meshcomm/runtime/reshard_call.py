@@ -28,7 +28,7 @@ from .context import current, no_context
 from .local_program import local_reshard
 from .plan_run import PlanRun
 from .program import Program, construct, eager, layouts_fp, lookup, new, outside, participants, tags_of
-from .tiles import common_run, consume, empty_like, facts_of, fences_of, fit_of
+from .tiles import bad_device, common_run, consume, empty_like, facts_of, fences_of, fit_of
 
 __all__ = ["reshard", "program"]
 
@@ -295,13 +295,15 @@ def program(src, dst, shape, dtype, backend, compression, device=None) -> Progra
         raise TypeError("Program.reshard needs shape= and dtype= (the global shape and element type)")
     shape = src.check_shape(normalize_shape(shape))
     name, itemsize = arrays.normalize_dtype(dtype)
-    if device not in (None, "cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda' (or None: the tiles say), got {device!r}")
+    bad = bad_device(device, "the tiles say")
+    device = None if bad is not None else device
     # with device=, a CUDA device or a torch dtype says torch tensors (for a process without tiles)
     kind = "torch" if device == "cuda" or (device is not None and type(dtype).__module__.startswith("torch")) \
         else None
     ctx = current()
     if ctx is None:
+        if bad is not None:
+            raise bad
         no_context(backend, "Program.reshard")
         return local_reshard(src, dst, shape, dtype, compression)
     be, err = ctx.resolve_backend(backend)
@@ -311,6 +313,7 @@ def program(src, dst, shape, dtype, backend, compression, device=None) -> Progra
         codec_cost.check(compression, name, device, "reshard")
     except (ValueError, TypeError) as e:
         err = err or e
+    err = err or bad
     fields = _fields(src, dst, be, shape, (name, itemsize), kind, device, compression)
     extra = {"desc": f"src={src!r} dst={dst!r}"}
     ranks = participants(ctx, src.mesh, dst.mesh)

@@ -107,6 +107,20 @@ for step in range(2):
         check(f"reshard eager to a receiver {step}", eager_one[last], full["w"])
         check(f"Program.reshard to a receiver {step}", prog_one[last], full["w"])
 
+# one process's bad device= raises on every process, in that construction
+for make in (lambda d: mc.Program.reshard(src1, dst1, shape=shapes["w"], dtype=torch.float32, device=d),
+             lambda d: mc.Program.reshard_many(src1, dst1, shapes=shapes, dtypes=torch.float32, device=d)):
+    try:
+        make("gpu" if rank == 0 else DEV)
+    except ValueError as e:
+        ok = str(e).startswith("device must be 'cpu' or 'cuda'") if rank == 0 else "rank 0: ValueError" in str(e)
+        if not ok:
+            failures.append(f"bad device= raised {e}")
+            print(f"BAD rank {rank} bad device=: {e}", flush=True)
+    else:
+        failures.append("bad device= did not raise")
+        print(f"BAD rank {rank} bad device= did not raise", flush=True)
+
 mc.finalize()
 if failures:
     sys.exit(1)
