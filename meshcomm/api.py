@@ -162,9 +162,11 @@ def reshard(x, src: Layout, dst: Layout, *, shape=None, dtype=None, backend: str
     once by its sender and decoded where it lands (broadcast chains forward the bytes as
     they are); see meshcomm.compression and planners/compressed.py.
     """
-    check_layouts(src, dst)
     from . import compression as codecs
-    compression = codecs.coerce(compression)
+    from .runtime.program import checking
+    with checking("reshard", lambda: (src.mesh, dst.mesh)):     # every process raises
+        check_layouts(src, dst)
+        compression = codecs.coerce(compression)
     ctx = runtime.current()
     if ctx is not None and backend != "local":
         from .runtime.reshard_call import reshard as dist

@@ -184,14 +184,6 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _raise(ctx, e, op="reshard"):
-    """Raise `e` here; under a launcher every other rank raises too, naming this one."""
-    if ctx is None:
-        raise e
-    from ..runtime.agreement import raise_together
-    raise_together(ctx, op, e)
-
-
 def _world_rank(ctx) -> int:
     import torch.distributed as dist
     if ctx is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -245,13 +237,11 @@ def reshard_dtensor(dt: DTensor, device_mesh, placements: Sequence[Placement], *
     if not isinstance(dt, DTensor):
         raise TypeError(f"reshard_dtensor needs a DTensor, got {type(dt).__name__}")
     from .. import api
+    from ..runtime.program import checking
     ctx, dpp = _ctx_info()
-    rank = 0
-    try:
+    with checking("reshard"):                   # the other ranks raise too, naming this one
         rank = _world_rank(ctx)
         src, dst, x, shape = _prepare(dt, device_mesh, placements, dpp, rank)
-    except (ValueError, TypeError) as e:
-        _raise(ctx, e)
     me = rank * dpp
     # Without meshcomm.init (a one-rank world) this process owns every device.
     res = api.reshard(x, src, dst, shape=shape, dtype=dt.dtype, backend=backend, async_op=async_op)
@@ -292,10 +282,10 @@ def reshard_state_dict(sd: Mapping[str, DTensor], device_mesh, placements: Place
     whose `.wait()` gives it. Every rank calls it with the same names (SPMD); errors name
     the entry."""
     from .. import api
+    from ..runtime.program import checking
     ctx, dpp = _ctx_info()
-    rank = 0
     items = {}
-    try:
+    with checking("reshard_many"):              # the other ranks raise too, naming this one
         rank = _world_rank(ctx)
         if not isinstance(sd, Mapping):
             raise TypeError(f"reshard_state_dict takes a dict {{name: DTensor}}, got {type(sd).__name__}")
@@ -314,8 +304,6 @@ def reshard_state_dict(sd: Mapping[str, DTensor], device_mesh, placements: Place
                 items[n] = _prepare(sd[n], device_mesh, tuple(pl), dpp, rank) + (tuple(pl),)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"state dict entry {n!r}: {e}") from None
-    except (ValueError, TypeError) as e:
-        _raise(ctx, e, "reshard_many")
     me = rank * dpp
     if not items:
         return Handle(result={}) if async_op else {}

@@ -280,16 +280,10 @@ def reshard_jax(x, dst, *, backend: str | None = None, async_op: bool = False):
 
 def _reshard_one(x, dst, backend, async_op):
     """One jax.Array to one NamedSharding or Layout."""
-    try:
-        src, dst_layout, dst_sharding, shards, shape = _prepare(x, dst)
-    except (ValueError, TypeError) as e:
-        from .. import runtime
-        ctx = runtime.current()
-        if ctx is None:
-            raise
-        from ..runtime.agreement import raise_together
-        raise_together(ctx, "reshard", e)       # the other ranks raise too, naming this one
     from .. import api, runtime
+    from ..runtime.program import checking
+    with checking("reshard"):                   # the other ranks raise too, naming this one
+        src, dst_layout, dst_sharding, shards, shape = _prepare(x, dst)
     finish = functools.partial(_assemble, shape=shape, dtype=x.dtype, dst=dst_layout, dst_sharding=dst_sharding)
     if runtime.current() is None:
         runtime.no_context(backend, "reshard_jax")
@@ -398,9 +392,9 @@ def _host_leaf(leaf, dst):
 def _reshard_tree(x, dst, backend, async_op):
     """Every jax.Array leaf of the pytree `x` to its target, as one batch."""
     from .. import api, runtime
-    ctx = runtime.current()
+    from ..runtime.program import checking
     moved = {}          # name -> (leaf index, src, dst layout, dst sharding, shards, shape, dtype)
-    try:
+    with checking("reshard_many"):              # the other ranks raise too, naming this one
         names, leaves, targets, rebuild = _flatten(x, dst)
         out = list(leaves)
         for i, (name, leaf, t) in enumerate(zip(names, leaves, targets)):
@@ -414,11 +408,6 @@ def _reshard_tree(x, dst, backend, async_op):
                                     "refuses it too)")
             except (ValueError, TypeError) as e:
                 raise type(e)(f"leaf {name}: {e}") from None
-    except (ValueError, TypeError) as e:
-        if ctx is None:
-            raise
-        from ..runtime.agreement import raise_together
-        raise_together(ctx, "reshard_many", e)       # the other ranks raise too, naming this one
 
     def finish(results):
         for name, (i, _, lay, sharding, _, shape, dtype) in moved.items():
@@ -428,7 +417,7 @@ def _reshard_tree(x, dst, backend, async_op):
                 raise ValueError(f"leaf {name}: {e}") from None
         return rebuild(out)
 
-    if ctx is None:
+    if runtime.current() is None:
         runtime.no_context(backend, "reshard_jax")
         from ..runtime.local_program import one_process
         results = {}

@@ -8,7 +8,7 @@ import numpy as np
 from .. import runtime
 from ..handle import Handle
 from ..planning import plan
-from ..runtime.collective_call import Request, collective_local, request as _request, run
+from ..runtime.collective_call import Request, collective_local, run, shared_request as _request
 from .layouts import group_axes
 from .p2p import recv, send
 

@@ -13,13 +13,15 @@ ValueError, the others a ValueError naming its rank and cause.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from typing import Any, Callable, Mapping, Sequence
 
+from ..caches import memo
 from ..errors import PeerError
 from . import control
 
-__all__ = ["Meta", "agree", "settle", "error_of", "raise_together", "LABELS"]
+__all__ = ["Meta", "agree", "settle", "error_of", "LABELS"]
 
 LABELS = {
     "program": "the Program's number (every process constructs the same Programs in the same order)",
@@ -50,6 +52,12 @@ class Meta:
 
 def error_of(e: BaseException | None) -> tuple[str, str] | None:
     return None if e is None else (type(e).__name__, str(e))
+
+
+@memo(maxsize=1024)
+def layouts_fp(src, dst) -> str:
+    """A fingerprint of a Program's layouts (a field: equal layouts, equal text)."""
+    return hashlib.sha1(repr((src, dst)).encode()).hexdigest()[:16]
 
 
 def group_key(ranks) -> int:
@@ -157,19 +165,3 @@ def _show(v) -> str:
 def _hashable(v):
     return tuple(v) if isinstance(v, list) else v
 
-
-def raise_together(ctx, op: str, err: BaseException):
-    """A local error found before a call could even be formed (an adapter's bad placement):
-    this process takes part in the agreement the others are in, so every process raises at
-    once (the others a ValueError naming this rank) instead of waiting out the timeout.
-    Raises `err` here."""
-    ch = control.current()
-
-    def go():
-        ranks = tuple(range(ctx.world_size))
-        counter = ctx.counters.get(ranks, 0) + 1
-        ctx.attempts += 1
-        with control.entering(ch, control.Call("construct", group_key((ranks, counter)), op, ctx.attempts)):
-            agree(ctx, ranks, counter, ctx.attempts, Meta(op, (("op", op),), error_of(err)), err)
-    ctx.call(go)
-    raise err

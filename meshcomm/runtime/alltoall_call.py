@@ -23,7 +23,7 @@ from .alltoall_input import assemble, axis_groups, cat, check_rows, local, split
 from .context import current, no_context
 from .local_program import LocalKernel, no_out
 from ..handle import Handle
-from .program import Program, construct, eager, new, outside, participants, tags_of, half
+from .program import Program, checking, construct, eager, new, outside, tags_of, half
 
 __all__ = ["DistRun", "program", "run", "local", "axis_groups"]
 
@@ -235,7 +235,7 @@ def _build(ctx, be, mesh, axis, groups, topo, algorithm):
 def run(ctx, x, send_counts, recv_counts, mesh, axis, groups, backend, async_op, topo, algorithm, stamp):
     """The eager all_to_all_v: the cached Program of its arguments, then one run."""
     be, err = ctx.resolve_backend(backend)
-    ranks = participants(ctx, mesh)
+    ranks = ctx.ownership.participants(mesh)
     if ctx.rank not in ranks:               # no device of the mesh here: nothing to agree or move
         return Handle(result=None) if async_op else None
     a = None
@@ -262,20 +262,20 @@ def run(ctx, x, send_counts, recv_counts, mesh, axis, groups, backend, async_op,
 
 def program(mesh, axis, rows, dtype, backend, topology, algorithm) -> Program:
     """`Program.all_to_all_v(mesh, axis, rows=, dtype=)`: rows is the trailing shape of a row."""
-    groups = axis_groups(mesh, axis)
     ctx = current()
-    name, itemsize = arrays.normalize_dtype(dtype)
-    rows = tuple(int(r) for r in rows)
-    topo = Topology.coerce(topology)
-    if ctx is None:
-        no_context(backend, "Program.all_to_all_v")
-        return new(None, 0, f"all_to_all_v along {axis!r}", LocalKernel(
-            lambda a: local(a[0], a[1], mesh, axis, a[2], False, topology, algorithm, groups, declared=(rows, name)),
-            "rows", "all_to_all_v"))
-    be, err = ctx.resolve_backend(backend)
-    ranks = participants(ctx, mesh)
+    with checking("all_to_all_v", lambda: (mesh,)):
+        groups = axis_groups(mesh, axis)
+        name, itemsize = arrays.normalize_dtype(dtype)
+        rows = tuple(int(r) for r in rows)
+        topo = Topology.coerce(topology)
+        if ctx is None:
+            no_context(backend, "Program.all_to_all_v")
+            return new(None, 0, f"all_to_all_v along {axis!r}", LocalKernel(
+                lambda a: local(a[0], a[1], mesh, axis, a[2], False, topology, algorithm, groups,
+                                declared=(rows, name)), "rows", "all_to_all_v"))
+        be, ranks = ctx.backend_of(backend), ctx.ownership.participants(mesh)
     if ctx.rank not in ranks:
         return outside(ctx, f"all_to_all_v along {axis!r} of {mesh}", empty=lambda: None)
     fields = _fields(mesh, axis, be, rows, (name, itemsize), None, topo, algorithm)
-    return ctx.call(lambda: construct(ctx, "all_to_all_v", fields, err, {},
+    return ctx.call(lambda: construct(ctx, "all_to_all_v", fields, None, {},
                                       _build(ctx, be, mesh, axis, groups, topo, algorithm), None, ranks))

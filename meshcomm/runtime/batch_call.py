@@ -20,12 +20,12 @@ from ..backends import batch as batch_exec
 from ..layout import Layout, normalize_shape
 from ..planning import plan_many
 from ..validate import check_layouts, check_tile_shapes, infer_shape, resolve_shape_dtype
-from .agreement import value
+from .agreement import layouts_fp, value
 from ..handle import Handle
 from .context import current, no_context
 from .local_program import LocalKernel, fill_out, one_process
-from .program import Program, construct, eager, half, layouts_fp, lookup, new, outside, participants, tags_of
-from .tiles import bad_device, common_run, empty_like, facts_of, fit_of, numpy_views, torch_results
+from .program import Program, checking, construct, eager, half, lookup, new, outside, tags_of
+from .tiles import check_device, common_run, empty_like, facts_of, fit_of, numpy_views, torch_results
 from .reshard_call import local_input
 
 __all__ = ["program", "reshard_many", "normalize_batch"]
@@ -250,21 +250,22 @@ def program(src, dst, shapes, dtypes, backend, bucket_mb, compression, device=No
     """`Program.reshard_many(src, dst, shapes=, dtypes=)`: every process constructs it. `device`
     ("cpu" or "cuda", optional): where the tiles are, so that a process holding no src tile of
     a tensor gets its results there (else on the host)."""
-    _check_compression(compression)
-    bad = bad_device(device, "the host")
-    device = None if bad is not None else device
-    if shapes is None or dtypes is None:
-        raise TypeError("Program.reshard_many needs shapes= and dtypes= (a dict by tensor name; one dtype "
-                        "for all)")
-    names, srcs, dsts, shp, dts = normalize_batch(src, dst, shapes, dtypes)
-    # a torch dtype names the kind of the tiles a process without src tiles gets back
-    kinds = {n: ("torch" if device == "cuda" or type(d).__module__.startswith("torch") else None)
-             for n, d in dts.items()}
-    dts = {n: arrays.normalize_dtype(d) for n, d in dts.items()}
-    ctx = current()
+    ctx, meshes = current(), []             # meshes: known once the layouts are checked
+    with checking("reshard_many", lambda: meshes):
+        _check_compression(compression)
+        check_device(device, "the host")
+        if shapes is None or dtypes is None:
+            raise TypeError("Program.reshard_many needs shapes= and dtypes= (a dict by tensor name; one dtype "
+                            "for all)")
+        names, srcs, dsts, shp, dts = normalize_batch(src, dst, shapes, dtypes)
+        meshes = [l.mesh for n in names for l in (srcs[n], dsts[n])]
+        # a torch dtype names the kind of the tiles a process without src tiles gets back
+        kinds = {n: ("torch" if device == "cuda" or type(d).__module__.startswith("torch") else None)
+                 for n, d in dts.items()}
+        dts = {n: arrays.normalize_dtype(d) for n, d in dts.items()}
+        if ctx is not None:
+            be, ranks = ctx.backend_of(backend), ctx.ownership.participants(*meshes)
     if ctx is None:
-        if bad is not None:
-            raise bad
         no_context(backend, "Program.reshard_many")
 
         def run(xs):
@@ -278,26 +279,26 @@ def program(src, dst, shapes, dtypes, backend, bucket_mb, compression, device=No
                 fill_out(res[n], o, f"{what} {n!r}", copy=False)
             return {**res, **{n: fill_out(res[n], o, f"{what} {n!r}") for n, o in out.items()}}
         return new(None, 0, f"reshard_many of {len(names)} tensors", LocalKernel(run, "plans", "reshard_many", fill))
-    be, err = ctx.resolve_backend(backend)
-    err = err or bad
     fields = _fields(names, srcs, dsts, be, shp, dts, kinds, dict.fromkeys(names, device), bucket_mb)
-    ranks = participants(ctx, *(l.mesh for n in names for l in (srcs[n], dsts[n])))
     if ctx.rank not in ranks:
         return outside(ctx, f"reshard_many of {len(names)} tensors", empty=lambda: {n: {} for n in names})
-    return ctx.call(lambda: construct(ctx, "reshard_many", fields, err, {}, _build(ctx, be, names, srcs, dsts,
+    return ctx.call(lambda: construct(ctx, "reshard_many", fields, None, {}, _build(ctx, be, names, srcs, dsts,
                                                                                    bucket_mb), None, ranks))
 
 
 def reshard_many(ctx, xs, src, dst, *, shapes=None, dtypes=None, backend=None, async_op=False, bucket_mb=None,
                  compression=None):
     """The eager batch: the cached Program of these arguments, then one run."""
-    _check_compression(compression)
     stamp = _log.stamp(async_op) if _log.ON else None
-    if not isinstance(xs, Mapping):
-        raise TypeError(f"reshard_many takes {{name: this process's src tiles}}, got {type(xs).__name__}")
-    names = None if any(isinstance(d, Mapping) for d in (src, dst, shapes, dtypes)) else tuple(sorted(xs))
-    names, srcs, dsts, shp, dts = normalize_batch(src, dst, shapes, dtypes, names)
-    ranks = participants(ctx, *(l.mesh for n in names for l in (srcs[n], dsts[n])))
+    meshes = []                             # known once the layouts are checked
+    with checking("reshard_many", lambda: meshes):
+        _check_compression(compression)
+        if not isinstance(xs, Mapping):
+            raise TypeError(f"reshard_many takes {{name: this process's src tiles}}, got {type(xs).__name__}")
+        names = None if any(isinstance(d, Mapping) for d in (src, dst, shapes, dtypes)) else tuple(sorted(xs))
+        names, srcs, dsts, shp, dts = normalize_batch(src, dst, shapes, dtypes, names)
+        meshes = [l.mesh for n in names for l in (srcs[n], dsts[n])]
+        ranks = ctx.ownership.participants(*meshes)
     if ctx.rank not in ranks:               # no device of the batch here: nothing to agree or move
         res = {n: {} for n in names}
         return Handle(result=res) if async_op else res

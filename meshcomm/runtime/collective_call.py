@@ -33,7 +33,7 @@ from .context import current, init_hint, no_context
 from .local_program import LocalKernel, fill_out
 from ..handle import Handle
 from .plan_run import PlanRun
-from .program import Program, construct, eager, lookup, new, outside, participants, tags_of
+from .program import Program, checking, construct, fail_together, eager, lookup, new, outside, tags_of
 from .tiles import consume, empty_like, fences_of, host_dtype
 
 __all__ = ["Request", "run", "program", "tiles_of", "coded_dims", "build", "finish_tiles"]
@@ -98,8 +98,9 @@ class CollectiveKernel:
         self.ctx, self.be, self.req, self.a, self.prob = ctx, be, req, a, prob
         self.owned = ctx.ownership.owned(req.mesh)
         plan_only = req.compression is not None or settings.get("EMULATE_GBPS") is not None
+        counter = ctx.counters.get(ctx.ownership.participants(req.mesh), 0) + 1
         nat = None if plan_only else native_call.choose(ctx, be, req, a.dtype, a.tile, a.shapes, a.devtype,
-                                                        counter=ctx.counters.get(participants(ctx, req.mesh), 0) + 1)
+                                                        counter=counter)
         self.native = nat
         # the common run: a bare NumPy tile of this process's one device, of the agreed shape
         # and a native byte order (checked in prepare without the general validation)
@@ -329,7 +330,7 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
         a = _agreed(req, metas)
         return (a.tile, None if a.shapes is None else tuple(sorted(a.shapes.items())), a.dtype, a.kind, a.devtype)
     prog = ctx.call(lambda: eager(ctx, sig, local_key, complete, req.op, fields, err, extra, _build(ctx, be, req),
-                                  agreed_key, _describe(req), participants(ctx, req.mesh), _uneven(req)))
+                                  agreed_key, _describe(req), ctx.ownership.participants(req.mesh), _uneven(req)))
     return prog.start_checked(lambda: prog._kernel.check(tiles, bare, None), async_op, stamp)
 
 
@@ -344,32 +345,39 @@ def _uneven(req):
     return uneven
 
 
+def shared_request(op: str, mesh, axes, **kw) -> Request:
+    """`request` for a call or constructor: a bad argument raises on every process
+    (`fail_together`)."""
+    try:
+        return request(op, mesh, axes, **kw)
+    except (ValueError, TypeError) as e:
+        fail_together(op, e, lambda: (mesh,))
+
+
 def program(req: Request, shape, dtype, backend=None, device="cpu") -> Program:
     """`Program.all_reduce(mesh, axes, shape=, dtype=, ...)` and the others: `shape` is this
     process's tile (None where it owns no device of the mesh, or, for broadcast and scatter,
     is not a root: it learns the root's)."""
     ctx = current()
-    name, itemsize = arrays.normalize_dtype(dtype)
-    tile = None if shape is None else normalize_shape(shape)
-    if ctx is None:
-        no_context(backend, f"Program.{req.op}")
-        return local_collective(req, tile, (name, itemsize))
-    be, err = ctx.resolve_backend(backend)
-    owned = ctx.ownership.owned(req.mesh)
-    try:
-        ctx.ownership.check_mesh(req.mesh)
+    with checking(req.op, lambda: (req.mesh,)):
+        name, itemsize = arrays.normalize_dtype(dtype)
+        tile = None if shape is None else normalize_shape(shape)
+        if ctx is None:
+            no_context(backend, f"Program.{req.op}")
+            return local_collective(req, tile, (name, itemsize))
+        be = ctx.backend_of(backend)
+        ranks = ctx.ownership.participants(req.mesh)
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         codec_cost.check(req.compression, name, device, req.op)
-    except (ValueError, TypeError) as e:
-        err = err or e
+    owned = ctx.ownership.owned(req.mesh)
     if not owned:
         return outside(ctx, f"{req.op} over {req.axes} of {req.mesh}", empty=lambda: None)
     tiles = {d: tile for d in owned} if tile is not None else {}
     fields = _fields(req, be, (name, itemsize), None, device, masked(req, tile))
     extra = {"tiles": tiles, "tile": tile}
-    return ctx.call(lambda: construct(ctx, req.op, fields, err, extra, _build(ctx, be, req, kinded=False),
-                                      _describe(req), participants(ctx, req.mesh)))
+    return ctx.call(lambda: construct(ctx, req.op, fields, None, extra, _build(ctx, be, req, kinded=False),
+                                      _describe(req), ranks))
 
 
 def coded_dims(req: Request, prob) -> int:

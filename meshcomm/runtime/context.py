@@ -191,7 +191,6 @@ class Context:
         self._last: concurrent.futures.Future | None = None
         self.eager: dict = {}       # eager call signature -> its Programs (runtime/program.py)
         self.quick = BoundedDict(1024)  # a bare NumPy collective's (request, backend=, dtype, shape) -> its lookup's arguments
-        self.participants: dict = {}    # meshes -> the ranks owning their devices (program.participants)
         self.programs = 0           # Programs this process constructed (a count)
         self.counters: dict = {}    # processes (sorted ranks) -> Programs they constructed together
         self.seq: dict = {}         # processes (sorted ranks) -> runs of their Programs (program.Program.start)
@@ -216,15 +215,19 @@ class Context:
                              f"backend={self.backend_name!r}; available: {sorted(self._backends)})")
         return self._backends[name]
 
+    def backend_of(self, name):
+        """The backend a call asked for (ValueError: an unknown or unavailable name)."""
+        check_backend_name(name)
+        if name == "local":
+            raise ValueError("backend='local' runs in one process; under meshcomm.init every "
+                             "process must take part in the same backend")
+        return self.get_backend(name)
+
     def resolve_backend(self, name):
-        """(backend, error): the backend a call asked for, or the context's own one and the
-        error to share through the agreement check (an unknown or unavailable name)."""
+        """(backend, error): `backend_of(name)`, or the context's own backend and the error to
+        share through the agreement."""
         try:
-            check_backend_name(name)
-            if name == "local":
-                raise ValueError("backend='local' runs in one process; under meshcomm.init every "
-                                 "process must take part in the same backend")
-            return self.get_backend(name), None
+            return self.backend_of(name), None
         except ValueError as e:
             return self.backend, e
 

@@ -37,6 +37,18 @@ class Ownership:
                              f"processes and devices_per_process={self.devices_per_process}, device d "
                              f"belongs to rank d // {self.devices_per_process}, so ids must be < {n}")
 
+    def participants(self, *meshes) -> tuple[int, ...]:
+        """The processes owning a device of these meshes (sorted ranks); a device without a
+        process is a ValueError (the same on every process: no agreement needed)."""
+        return _participants(frozenset(meshes), self.world_size, self.devices_per_process)
+
+
+@memo(maxsize=1024)
+def _participants(meshes, world_size: int, dpp: int) -> tuple[int, ...]:
+    for m in meshes:
+        Ownership(0, world_size, dpp).check_mesh(m)
+    return tuple(sorted({d // dpp for m in meshes for d in m.device_ids}))
+
 
 @memo(maxsize=1024)
 def _owned(mesh, rank: int, dpp: int) -> tuple[int, ...]:

@@ -22,6 +22,7 @@ exchange), then runs the Program of the agreed facts.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -31,13 +32,12 @@ import numpy as np
 
 from .. import settings
 from .. import log as _log
-from ..caches import memo
 from ..handle import Handle
 from ..backends import base
-from . import agreement, control
+from . import agreement, context, control
 from .agreement import Meta
 
-__all__ = ["Program", "construct", "eager", "lookup", "tags_of", "half"]
+__all__ = ["Program", "checking", "construct", "fail_together", "eager", "lookup", "tags_of", "half"]
 
 _GENERAL = object()        # the lean run declines: the general run takes it
 
@@ -311,6 +311,34 @@ def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable,
         return prog
 
 
+@contextlib.contextmanager
+def checking(label: str, meshes: Callable[[], tuple] = tuple):
+    """Around the local checks of a call's arguments: an error raises by `fail_together`."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        fail_together(label, e, meshes)
+
+
+def fail_together(label: str, e: Exception, meshes: Callable[[], tuple] = tuple):
+    """Raise `e`, a local error in a call's arguments, after sharing it through the
+    construction the others are in (those owning a device of `meshes()`; all where that
+    fails too): each raises at once, naming this rank, instead of waiting out the timeout."""
+    ctx = context.current()
+    if ctx is not None:
+        try:
+            ranks = ctx.ownership.participants(*meshes()) or None
+        except Exception:               # noqa: BLE001 - bad meshes: every process is told
+            ranks = None
+        if ranks is None or ctx.rank in ranks:
+            try:
+                ctx.call(construct, ctx, label, (("op", label),), e, {}, None, None, ranks)
+            except Exception as other:  # noqa: BLE001 - its own error, or a peer missing
+                if other is not e:
+                    raise e from other
+    raise e
+
+
 def next_seq(ctx, ranks) -> int:
     """The next run's number in the sequence of runs of the group's Programs (on the calling
     thread, in call order): its parity chooses the half of a plan's tags, so two
@@ -323,21 +351,6 @@ def half(tags, parity: int) -> tuple:
     """The half of a Program's tag space (first, span) that runs of this parity use."""
     first, span = tags
     return first + parity * (span // 2), span // 2
-
-
-def participants(ctx, *meshes) -> tuple:
-    """The processes owning a device of these meshes (sorted ranks); a device without a
-    process is a ValueError (the same on every process: no agreement needed)."""
-    key = frozenset(meshes)
-    got = ctx.participants.get(key)
-    if got is None:
-        for m in meshes:
-            ctx.ownership.check_mesh(m)
-        dpp = ctx.devices_per_process
-        got = tuple(sorted({d // dpp for m in meshes for d in m.device_ids}))
-        if len(ctx.participants) < 1024:
-            ctx.participants[key] = got
-    return got
 
 
 def new(ctx, pid: int, label: str, kernel, plan=None) -> Program:
@@ -427,9 +440,4 @@ def eager(ctx, sig, local_key, complete: bool, label: str, fields, err, extra, b
         del ctx.eager[mine[0]]
     return prog
 
-
-@memo(maxsize=1024)
-def layouts_fp(src, dst) -> str:
-    import hashlib
-    return hashlib.sha1(repr((src, dst)).encode()).hexdigest()[:16]
 

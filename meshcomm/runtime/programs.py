@@ -76,4 +76,5 @@ program.CLASS[0] = Program
 
 
 def _collective(op, mesh, axes, shape, dtype, backend, device, **kw):
-    return collective_call.program(collective_call.request(op, mesh, axes, **kw), shape, dtype, backend, device)
+    return collective_call.program(collective_call.shared_request(op, mesh, axes, **kw), shape, dtype, backend,
+                                   device)

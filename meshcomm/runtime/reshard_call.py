@@ -23,12 +23,12 @@ from ..validate import (check_keys, check_layouts, check_out_buffer, check_tile_
                         normalize_input, resolve_shape_dtype)
 
 from ..handle import Handle
-from .agreement import value
+from .agreement import layouts_fp, value
 from .context import current, no_context
 from .local_program import local_reshard
 from .plan_run import PlanRun
-from .program import Program, construct, eager, layouts_fp, lookup, new, outside, participants, tags_of
-from .tiles import bad_device, common_run, consume, empty_like, facts_of, fences_of, fit_of
+from .program import Program, checking, construct, eager, lookup, new, outside, tags_of
+from .tiles import check_device, common_run, consume, empty_like, facts_of, fences_of, fit_of
 
 __all__ = ["reshard", "program"]
 
@@ -246,8 +246,9 @@ class _Desc:
 def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=False, compression=None):
     """The eager reshard: the cached Program of these arguments (constructed on first use)."""
     stamp = _log.stamp(async_op) if _log.ON else None
-    check_layouts(src, dst)
-    ranks = participants(ctx, src.mesh, dst.mesh)
+    with checking("reshard", lambda: (src.mesh, dst.mesh)):
+        check_layouts(src, dst)
+        ranks = ctx.ownership.participants(src.mesh, dst.mesh)
     if ctx.rank not in ranks:               # no device of it here: nothing to agree or move
         local_input(ctx, x, src, dst)
         return Handle(result={}) if async_op else {}
@@ -289,36 +290,30 @@ def program(src, dst, shape, dtype, backend, compression, device=None) -> Progra
     ("cpu" or "cuda", optional): where the tiles are, so that a process holding no src tile
     gets its results there (else each run's tiles say, and such a process gets host arrays)."""
     from .. import compression as codecs
-    check_layouts(src, dst)
-    compression = codecs.coerce(compression)
-    if shape is None or dtype is None:
-        raise TypeError("Program.reshard needs shape= and dtype= (the global shape and element type)")
-    shape = src.check_shape(normalize_shape(shape))
-    name, itemsize = arrays.normalize_dtype(dtype)
-    bad = bad_device(device, "the tiles say")
-    device = None if bad is not None else device
-    # with device=, a CUDA device or a torch dtype says torch tensors (for a process without tiles)
-    kind = "torch" if device == "cuda" or (device is not None and type(dtype).__module__.startswith("torch")) \
-        else None
     ctx = current()
-    if ctx is None:
-        if bad is not None:
-            raise bad
-        no_context(backend, "Program.reshard")
-        return local_reshard(src, dst, shape, dtype, compression)
-    be, err = ctx.resolve_backend(backend)
-    try:
+    with checking("reshard", lambda: (src.mesh, dst.mesh)):
+        check_layouts(src, dst)
+        compression = codecs.coerce(compression)
+        if shape is None or dtype is None:
+            raise TypeError("Program.reshard needs shape= and dtype= (the global shape and element type)")
+        shape = src.check_shape(normalize_shape(shape))
+        name, itemsize = arrays.normalize_dtype(dtype)
+        check_device(device, "the tiles say")
+        if ctx is None:
+            no_context(backend, "Program.reshard")
+            return local_reshard(src, dst, shape, dtype, compression)
+        be = ctx.backend_of(backend)
         ctx.ownership.check_mesh(src.mesh, "src")
         ctx.ownership.check_mesh(dst.mesh, "dst")
         codec_cost.check(compression, name, device, "reshard")
-    except (ValueError, TypeError) as e:
-        err = err or e
-    err = err or bad
+        ranks = ctx.ownership.participants(src.mesh, dst.mesh)
+    # with device=, a CUDA device or a torch dtype says torch tensors (for a process without tiles)
+    kind = "torch" if device == "cuda" or (device is not None and type(dtype).__module__.startswith("torch")) \
+        else None
     fields = _fields(src, dst, be, shape, (name, itemsize), kind, device, compression)
     extra = {"desc": f"src={src!r} dst={dst!r}"}
-    ranks = participants(ctx, src.mesh, dst.mesh)
     if ctx.rank not in ranks:
         return outside(ctx, f"reshard {src} -> {dst}")
-    return ctx.call(lambda: construct(ctx, "reshard", fields, err, extra, _build(ctx, be, src, dst, compression,
+    return ctx.call(lambda: construct(ctx, "reshard", fields, None, extra, _build(ctx, be, src, dst, compression,
                                                                                    kinded=False), _DESCRIBE, ranks))
 

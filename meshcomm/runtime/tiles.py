@@ -10,7 +10,7 @@ import numpy as np
 from .. import arrays
 from ..backends import streams
 
-__all__ = ["bad_device", "empty_like", "fences_of", "fit_of", "common_run", "numpy_views", "torch_results", "host_dtype", "facts_of", "consume"]
+__all__ = ["check_device", "empty_like", "fences_of", "fit_of", "common_run", "numpy_views", "torch_results", "host_dtype", "facts_of", "consume"]
 
 
 def empty_like(kind, name, devtype):
@@ -22,12 +22,10 @@ def empty_like(kind, name, devtype):
     return np.empty(0, dtype=arrays.numpy_dtype(name))
 
 
-def bad_device(device, none_means: str):
-    """The ValueError of a device= other than "cpu", "cuda" or None, else None: a constructor
-    passes it to the construction, so every process of it raises in that call."""
-    if device in (None, "cpu", "cuda"):
-        return None
-    return ValueError(f"device must be 'cpu' or 'cuda' (or None: {none_means}), got {device!r}")
+def check_device(device, none_means: str) -> None:
+    """A constructor's device=: "cpu", "cuda" or None (ValueError otherwise)."""
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda' (or None: {none_means}), got {device!r}")
 
 
 def fences_of(tiles) -> tuple:

@@ -353,13 +353,30 @@ def faults(ctx, backends, stats, limit):
     def bad_backend(b):
         return mc.all_reduce(f32, mesh, "x", backend="nccl" if me else b)
 
+    # a bad argument checked before any agreement (a name, a layout, a constructor's shape=,
+    # dtype=, device=): it goes to the construction the others are in, so they raise at once
+    src, dst = mc.Layout(mesh, ("x",)), mc.Layout(mesh, (None,))
+    arguments = [
+        ("argument:reduce_op", lambda b: mc.all_reduce(f32, mesh, "x", op="bogus" if me else "sum", backend=b)),
+        ("argument:layout", lambda b: mc.reshard(np.ones(2, np.float32), src, "x" if me else dst, backend=b)),
+        ("argument:Program.reshard shape", lambda b: mc.Program.reshard(
+            src, dst, shape=(-2 * n,) if me else (2 * n,), dtype="float32", backend=b)),
+        ("argument:Program.reshard device", lambda b: mc.Program.reshard(
+            src, dst, shape=(2 * n,), dtype="float32", backend=b, device="tpu" if me else None)),
+        ("argument:Program.reshard_many shapes", lambda b: mc.Program.reshard_many(
+            src, dst, shapes=None if me else {"w": (2 * n,)}, dtypes="float32", backend=b)),
+        ("argument:Program.all_reduce op", lambda b: mc.Program.all_reduce(
+            mesh, "x", shape=(3,), dtype="float32", op="bogus" if me else "sum", backend=b)),
+        ("argument:Program.all_to_all_v dtype", lambda b: mc.Program.all_to_all_v(
+            mesh, "x", rows=(2,), dtype="no-such-dtype" if me else "float32", backend=b))]
+
     matrix = [("all_to_all_v:dtype", a2av("dtype")), ("all_to_all_v:width", a2av("width")),
               ("all_to_all_v:counts_len", a2av("counts_len")), ("all_to_all_v:counts_sum", a2av("counts_sum")),
               ("reshard:size", reshard("size")),
               ("all_reduce:dtype", coll("all_reduce", "dtype")), ("all_reduce:shape", coll("all_reduce", "shape")),
               ("all_reduce:op", coll("all_reduce", "op")), ("all_reduce:other_op", coll("all_reduce", "other_op")),
               ("broadcast:shape", coll("broadcast", "shape")), ("reduce_scatter:dtype", coll("reduce_scatter", "dtype")),
-              ("all_gather:dtype", coll("all_gather", "dtype")), ("backend:nccl", bad_backend)]
+              ("all_gather:dtype", coll("all_gather", "dtype")), ("backend:nccl", bad_backend)] + arguments
     for b in backends:
         for name, fn in matrix:
             t0 = time.monotonic()
