@@ -19,6 +19,7 @@ from .mesh import Mesh
 from .planners import Topology
 from .planners.alltoall import AllToAllPlan, plan_alltoall
 from .runtime.alltoall_call import axis_groups, local, run
+from .runtime.program import checking
 
 __all__ = ["all_to_all_v", "axis_groups", "alltoall_plan"]
 
@@ -48,13 +49,14 @@ def all_to_all_v(x, send_counts, mesh: Mesh, axis: str, recv_counts=None, backen
     rows (any trailing shape). Returns the same structure, or a Handle when `async_op`;
     `topology`/`algorithm` steer the planner.
     """
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a meshcomm.Mesh, got {type(mesh).__name__}")
-    groups = axis_groups(mesh, axis)
+    with checking("all_to_all_v", lambda: (mesh,)):      # every process raises
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"mesh must be a meshcomm.Mesh, got {type(mesh).__name__}")
+        groups = axis_groups(mesh, axis)
+        topo = Topology.coerce(topology)
     stamp = _log.stamp(async_op) if _log.ON else None
     ctx = runtime.current()
     if ctx is None or backend == "local":
         runtime.no_context(backend, "all_to_all_v")
         return local(x, send_counts, mesh, axis, recv_counts, async_op, topology, algorithm, groups, stamp)
-    return run(ctx, x, send_counts, recv_counts, mesh, axis, groups, backend, async_op,
-               Topology.coerce(topology), algorithm, stamp)
+    return run(ctx, x, send_counts, recv_counts, mesh, axis, groups, backend, async_op, topo, algorithm, stamp)

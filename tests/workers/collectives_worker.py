@@ -359,6 +359,8 @@ def faults(ctx, backends, stats, limit):
     arguments = [
         ("argument:reduce_op", lambda b: mc.all_reduce(f32, mesh, "x", op="bogus" if me else "sum", backend=b)),
         ("argument:layout", lambda b: mc.reshard(np.ones(2, np.float32), src, "x" if me else dst, backend=b)),
+        ("argument:all_to_all_v axis", lambda b: mc.all_to_all_v(np.ones((n, 2), np.float32), [1] * n, mesh,
+                                                                 "nope" if me else "x", backend=b)),
         ("argument:Program.reshard shape", lambda b: mc.Program.reshard(
             src, dst, shape=(-2 * n,) if me else (2 * n,), dtype="float32", backend=b)),
         ("argument:Program.reshard device", lambda b: mc.Program.reshard(
