@@ -167,6 +167,8 @@ def test_mpiexec_4_every_backend_async_mix_and_faults(tmp_path):
         assert r["ok"] == 90 and r["program_cases"] > 0 and r["exact"] > 0, r
         assert r["fault_raised"] == 21 * 3 and r["fault_next_ok"] == 21 * 3, r
         assert r["fault_max_s"] < 15 and r["endian_ok"] == 3, r
+        # half the processes with a bad layout: they raise at once, alone
+        assert r["unknown_group_next_ok"] == 3 and r.get("unknown_group_s", 0) < 1, r
         assert r["p2p_ok"] == 9 and r.get("p2p_mismatch_ok", 0) == (3 if r["rank"] % 2 else 0), r
         # repeated calls: no Program constructed, nothing agreed where every process decides alone
         assert r["repeat_ok"] == 7 * 3 and r["repeated_ops_ok"] == 3, r

@@ -240,6 +240,11 @@ def _fields(names, srcs, dsts, be, shp, dts, kinds, devtypes, bucket_mb) -> tupl
     return tuple(f)
 
 
+def _meshes(src, dst) -> list:
+    """The meshes of a batch's layouts (one Layout, or {name: Layout}, each)."""
+    return [lay.mesh for v in (src, dst) for lay in (v.values() if isinstance(v, Mapping) else (v,))]
+
+
 def _check_compression(compression):
     if compression is not None:
         raise ValueError("reshard_many does not take compression= yet: reshard the tensors that should be "
@@ -250,21 +255,20 @@ def program(src, dst, shapes, dtypes, backend, bucket_mb, compression, device=No
     """`Program.reshard_many(src, dst, shapes=, dtypes=)`: every process constructs it. `device`
     ("cpu" or "cuda", optional): where the tiles are, so that a process holding no src tile of
     a tensor gets its results there (else on the host)."""
-    ctx, meshes = current(), []             # meshes: known once the layouts are checked
-    with checking("reshard_many", lambda: meshes):
+    ctx = current()
+    with checking("reshard_many", lambda: _meshes(src, dst)):
         _check_compression(compression)
         check_device(device, "the host")
         if shapes is None or dtypes is None:
             raise TypeError("Program.reshard_many needs shapes= and dtypes= (a dict by tensor name; one dtype "
                             "for all)")
         names, srcs, dsts, shp, dts = normalize_batch(src, dst, shapes, dtypes)
-        meshes = [l.mesh for n in names for l in (srcs[n], dsts[n])]
         # a torch dtype names the kind of the tiles a process without src tiles gets back
         kinds = {n: ("torch" if device == "cuda" or type(d).__module__.startswith("torch") else None)
                  for n, d in dts.items()}
         dts = {n: arrays.normalize_dtype(d) for n, d in dts.items()}
         if ctx is not None:
-            be, ranks = ctx.backend_of(backend), ctx.ownership.participants(*meshes)
+            be, ranks = ctx.backend_of(backend), ctx.ownership.participants(*_meshes(srcs, dsts))
     if ctx is None:
         no_context(backend, "Program.reshard_many")
 
@@ -290,15 +294,13 @@ def reshard_many(ctx, xs, src, dst, *, shapes=None, dtypes=None, backend=None, a
                  compression=None):
     """The eager batch: the cached Program of these arguments, then one run."""
     stamp = _log.stamp(async_op) if _log.ON else None
-    meshes = []                             # known once the layouts are checked
-    with checking("reshard_many", lambda: meshes):
+    with checking("reshard_many", lambda: _meshes(src, dst)):
         _check_compression(compression)
         if not isinstance(xs, Mapping):
             raise TypeError(f"reshard_many takes {{name: this process's src tiles}}, got {type(xs).__name__}")
         names = None if any(isinstance(d, Mapping) for d in (src, dst, shapes, dtypes)) else tuple(sorted(xs))
         names, srcs, dsts, shp, dts = normalize_batch(src, dst, shapes, dtypes, names)
-        meshes = [l.mesh for n in names for l in (srcs[n], dsts[n])]
-        ranks = ctx.ownership.participants(*meshes)
+        ranks = ctx.ownership.participants(*_meshes(srcs, dsts))
     if ctx.rank not in ranks:               # no device of the batch here: nothing to agree or move
         res = {n: {} for n in names}
         return Handle(result=res) if async_op else res

@@ -312,7 +312,7 @@ def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable,
 
 
 @contextlib.contextmanager
-def checking(label: str, meshes: Callable[[], tuple] = tuple):
+def checking(label: str, meshes: Callable[[], tuple] | None = None):
     """Around the local checks of a call's arguments: an error raises by `fail_together`."""
     try:
         yield
@@ -320,16 +320,18 @@ def checking(label: str, meshes: Callable[[], tuple] = tuple):
         fail_together(label, e, meshes)
 
 
-def fail_together(label: str, e: Exception, meshes: Callable[[], tuple] = tuple):
+def fail_together(label: str, e: Exception, meshes: Callable[[], tuple] | None = None):
     """Raise `e`, a local error in a call's arguments, after sharing it through the
-    construction the others are in (those owning a device of `meshes()`; all where that
-    fails too): each raises at once, naming this rank, instead of waiting out the timeout."""
+    construction the others are in: those owning a device of `meshes()` (None: every
+    process, an adapter's call), so each raises at once, naming this rank, instead of
+    waiting out the timeout. Where the meshes are bad themselves, the group is unknown: it
+    raises here alone (as on the others, where they passed the same)."""
     ctx = context.current()
     if ctx is not None:
         try:
-            ranks = ctx.ownership.participants(*meshes()) or None
-        except Exception:               # noqa: BLE001 - bad meshes: every process is told
-            ranks = None
+            ranks = None if meshes is None else ctx.ownership.participants(*meshes())
+        except Exception:               # noqa: BLE001 - bad meshes: the group is unknown
+            raise e from None
         if ranks is None or ctx.rank in ranks:
             try:
                 ctx.call(construct, ctx, label, (("op", label),), e, {}, None, None, ranks)

@@ -358,7 +358,8 @@ def faults(ctx, backends, stats, limit):
     src, dst = mc.Layout(mesh, ("x",)), mc.Layout(mesh, (None,))
     arguments = [
         ("argument:reduce_op", lambda b: mc.all_reduce(f32, mesh, "x", op="bogus" if me else "sum", backend=b)),
-        ("argument:layout", lambda b: mc.reshard(np.ones(2, np.float32), src, "x" if me else dst, backend=b)),
+        ("argument:compression", lambda b: mc.reshard(np.ones(2, np.float32), src, dst, backend=b,
+                                                      compression="bogus" if me else None)),
         ("argument:all_to_all_v axis", lambda b: mc.all_to_all_v(np.ones((n, 2), np.float32), [1] * n, mesh,
                                                                  "nope" if me else "x", backend=b)),
         ("argument:Program.reshard shape", lambda b: mc.Program.reshard(
@@ -399,6 +400,20 @@ def faults(ctx, backends, stats, limit):
             y = mc.all_gather(np.full((1, 3), ctx.rank, np.int64), mesh, "x", backend=b)
             assert exact(y, np.arange(ctx.world_size, dtype=np.int64)[:, None].repeat(3, 1)), y
             stats["fault_next_ok"] += 1
+        # a call of half the processes (a pipeline stage) with a bad layout: its group is
+        # unknown, so it raises on each of them alone, at once; the other half is not involved
+        if ctx.rank < ctx.world_size // 2:
+            half = mc.Mesh(np.arange(ctx.world_size // 2), ("x",))
+            t0 = time.monotonic()
+            try:
+                mc.reshard(np.ones(2, np.float32), mc.Layout(half, ("x",)), "not a layout", backend=b)
+            except TypeError:
+                stats["unknown_group_s"] = max(stats.get("unknown_group_s", 0), round(time.monotonic() - t0, 2))
+            else:
+                raise AssertionError(f"rank {ctx.rank}: a bad layout raised nothing")
+        y = mc.all_gather(np.full((1, 3), ctx.rank, np.int64), mesh, "x", backend=b)
+        assert exact(y, np.arange(ctx.world_size, dtype=np.int64)[:, None].repeat(3, 1)), y
+        stats["unknown_group_next_ok"] += 1
         # a byte-swapped tile on one rank: converted, the call is right everywhere
         src, dst = mc.Layout(mesh, ("x",)), mc.Layout(mesh, (None,))
         t = np.full(2, dev, np.float32)
