@@ -33,7 +33,7 @@ from .context import current, init_hint, no_context
 from .local_program import LocalKernel, fill_out
 from ..handle import Handle
 from .plan_run import PlanRun
-from .program import Program, checking, construct, fail_together, eager, lookup, new, outside, tags_of
+from .program import Program, checking, construct, eager, lookup, new, outside, tags_of
 from .tiles import consume, empty_like, fences_of, host_dtype
 
 __all__ = ["Request", "run", "program", "tiles_of", "coded_dims", "build", "finish_tiles"]
@@ -348,10 +348,8 @@ def _uneven(req):
 def shared_request(op: str, mesh, axes, **kw) -> Request:
     """`request` for a call or constructor: a bad argument raises on every process
     (`fail_together`)."""
-    try:
+    with checking(op, lambda: (mesh,)):
         return request(op, mesh, axes, **kw)
-    except (ValueError, TypeError) as e:
-        fail_together(op, e, lambda: (mesh,))
 
 
 def program(req: Request, shape, dtype, backend=None, device="cpu") -> Program:

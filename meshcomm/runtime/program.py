@@ -22,7 +22,6 @@ exchange), then runs the Program of the agreed facts.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
@@ -311,21 +310,27 @@ def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable,
         return prog
 
 
-@contextlib.contextmanager
-def checking(label: str, meshes: Callable[[], tuple] | None = None):
-    """Around the local checks of a call's arguments: an error raises by `fail_together`."""
-    try:
-        yield
-    except (ValueError, TypeError) as e:
-        fail_together(label, e, meshes)
+class checking:
+    """`with checking(label, meshes):` around the local checks of a call's arguments: an error
+    raises by `fail_together` (a class, not a generator: eager calls enter it every time)."""
+
+    def __init__(self, label: str, meshes: Callable[[], tuple] | None = None):
+        self.label, self.meshes = label, meshes
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, et, e, tb):
+        if et is not None and issubclass(et, (ValueError, TypeError)):
+            fail_together(self.label, e, self.meshes)
+        return False
 
 
 def fail_together(label: str, e: Exception, meshes: Callable[[], tuple] | None = None):
     """Raise `e`, a local error in a call's arguments, after sharing it through the
-    construction the others are in: those owning a device of `meshes()` (None: every
-    process, an adapter's call), so each raises at once, naming this rank, instead of
-    waiting out the timeout. Where the meshes are bad themselves, the group is unknown: it
-    raises here alone (as on the others, where they passed the same)."""
+    construction the others are in (those owning a device of `meshes()`; None: every process,
+    an adapter's call), so each raises at once, naming this rank, instead of waiting out the
+    timeout. Bad meshes themselves leave the group unknown: it raises here alone."""
     ctx = context.current()
     if ctx is not None:
         try:
