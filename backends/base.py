@@ -78,6 +78,10 @@ class Work:
     def wait(self, deadline: float | None = None) -> None:
         wait_polling([self], deadline, rank=None)
 
+    def parts(self) -> list:
+        """The works a stalled wait tests one by one (naming the peers it still awaits)."""
+        return [self]
+
 
 SPIN, YIELD, SLEEP_MAX = 2000, 4000, 2e-4
 EVERY = 4           # polls per yield of the core, from SPIN polls on

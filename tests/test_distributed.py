@@ -110,6 +110,7 @@ def test_mpiexec_8_every_backend(tmp_path):
     check_cases(res, 8, cases, ("mpi", "torch", "mixed"))
     for r in res:
         assert r.get("issued_batch_mpi", 0) > 0, r      # host tiles over MPI: the batch executor
+    assert sum(r.get("lean", 0) for r in res) >= 8, res    # Programs' lean runs (backends/lean.py)
 
 
 def test_mpiexec_two_devices_per_process_and_reinit(tmp_path):
@@ -258,7 +259,8 @@ def test_an_allgather_given_up_keeps_what_came_in(tmp_path):
 
 
 FREEZE = [("mpi", st, form) for st in ("agreement", "create", "transfer") for form in ("eager", "program")] + \
-    [("torch", "agreement", "program"), ("torch", "transfer", "program"), ("torch", "transfer", "eager")]
+    [("torch", "agreement", "program"), ("torch", "transfer", "program"), ("torch", "transfer", "eager"),
+     ("mpi", "transfer", "lean")]
 
 
 @pytest.mark.mpi
@@ -266,13 +268,17 @@ FREEZE = [("mpi", st, form) for st in ("agreement", "create", "transfer") for fo
 def test_a_frozen_peer_at_each_stage(tmp_path, init, stage, form):
     """The last of 4 ranks stops (SIGSTOP) before the agreement, inside a communicator's
     creation, or 50 ms into a loop of 16 MiB reshards: every survivor raises within
-    MESHCOMM_TIMEOUT (+ slack), never returning a wrong value (tests/workers/freeze_worker.py)."""
+    MESHCOMM_TIMEOUT (+ slack), never returning a wrong value (tests/workers/freeze_worker.py).
+    "lean": a Program's lean run (backends/lean.py), without the log (which turns it off):
+    the flight recorders go to the folder each error names."""
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
     timeout = 3
     out = tmp_path / "out"
     out.mkdir()
-    env = dict(os.environ, MESHCOMM_TIMEOUT=str(timeout), MESHCOMM_LOG=str(tmp_path / "log"))
+    env = dict(os.environ, MESHCOMM_TIMEOUT=str(timeout))
+    if form != "lean":
+        env["MESHCOMM_LOG"] = str(tmp_path / "log")
     r = subprocess.run([MPIEXEC, "-n", "4", sys.executable, str(ROOT / "tests" / "workers" / "freeze_worker.py"),
                         "--init", init, "--stage", stage, "--form", form, "--out", str(out)],
                        capture_output=True, text=True, timeout=120, env=env)
@@ -285,6 +291,9 @@ def test_a_frozen_peer_at_each_stage(tmp_path, init, stage, form):
     for r in res.values():
         assert r["error"] is not None, r
         assert r["seconds"] < timeout + 10, r
+    if form == "lean":                  # the lagging rank named, the lean run's peers tested one by one
+        assert all("rank(s) [3]" in r["error"] or "rank 3" in r["error"] for r in res.values()), res
+        return
     # the flight recorder of each survivor says what it waited for when it failed
     flights = {p.name for p in (tmp_path / "log").glob("flight_rank*.jsonl")}
     assert {"flight_rank0.jsonl", "flight_rank1.jsonl", "flight_rank2.jsonl"} <= flights, flights

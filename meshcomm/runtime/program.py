@@ -14,11 +14,7 @@ waiting in another call, raises within milliseconds; a missing peer within the t
 run that failed anywhere marks its Program failed on every process (its messages may still
 be in flight): the next run raises; eager calls construct a new Program.
 
-Eager calls (`reshard`, the collectives) are cached Programs: the first call with given
-arguments constructs one (`eager`). A process that can decide its Program alone (it knows
-shape and dtype) looks it up by its own facts on later calls; where some process could not
-(no tile and no shape=/dtype=), every call of that signature agrees first (the metadata
-exchange), then runs the Program of the agreed facts.
+Eager calls are cached Programs (`eager`; docs/runtime.md: when a call agrees again).
 """
 from __future__ import annotations
 
@@ -38,7 +34,7 @@ from .agreement import Meta
 
 __all__ = ["Program", "checking", "construct", "fail_together", "eager", "lookup", "tags_of", "half"]
 
-_GENERAL = object()        # the lean run declines: the general run takes it
+GENERAL = object()        # the lean run declines: the general run takes it
 
 
 def _nothing():
@@ -79,9 +75,9 @@ class Program:
         """Run it on this process's input `x` (all_to_all_v: `prog(x, send_counts,
         recv_counts=None)`: counts are data)."""
         lean = self._lean
-        if lean is not None and type(x) is np.ndarray and out is None and not (more or async_op or _log.ON):
+        if lean is not None and out is None and not (more or async_op or _log.ON):
             r = lean(x)
-            if r is not _GENERAL:
+            if r is not GENERAL:
                 return r
         if more or recv_counts is not None:
             x = (x, more[0] if more else None, more[1] if len(more) > 1 else recv_counts)
@@ -120,23 +116,29 @@ class Program:
             r = self._go(ch, call, st, stamp)
         return k.finish(r)
 
-    def _lean_run(self, shape, dtype, fns):
+    def _lean_run(self, shape, dtype, fns, key=None):
         """The lean run (`__call__`) of a kernel with a `lean`: a bare NumPy tile of `shape`
-        and `dtype` on one native call; `fns`, per run parity: (post, result, primitive, whether
-        the MPI request may be tested bare). Post, poll until the wait's first look at the
+        and `dtype` (a native call's, a reshard's: backends/lean.py; `key`, a reshard's (src
+        device, dst device or None): a dict of that one tile in, a dict out); `fns`, per run
+        parity: (post, result, primitive, whether the MPI request may be tested bare). Post, poll until the wait's first look at the
         control channel (`base.LOOK_S`), take the result; a run not done by then enters the
         control context a stalled wait needs. Anything else (another tile, a peer's failure
-        pending, this Program failed) returns _GENERAL: the general run. Everything it reads
+        pending, this Program failed) returns GENERAL: the general run. Everything it reads
         is bound here once: each microsecond of Python costs several at 8 processes on 2 cores."""
         ctx, pid, label, rec = self.ctx, self.id, self.label, control.RECORDER
         seqs, lock, ring, now, look = ctx.seq, ctx._lock, rec.ring, time.time, base.LOOK_S
         polite, every, yld = not base.SPIN, base.EVERY, os.sched_yield
 
         def lean(x):
+            if type(x) is not np.ndarray:
+                if key is None or type(x) is not dict or len(x) != 1 or key[0] not in x:
+                    return GENERAL
+                r = lean(x[key[0]])
+                return r if r is GENERAL else ({} if key[1] is None else {key[1]: r})
             ch = control._CHANNEL
             if x.shape != shape or x.dtype != dtype or ch is None or ch.errors or self.failed is not None \
                     or pid in ch.failed:
-                return _GENERAL
+                return GENERAL
             last = ctx._last                    # after the asynchronous calls issued before
             if last is not None and not last.done():
                 ctx.call(_nothing)
@@ -177,7 +179,7 @@ class Program:
                 def wait():
                     if failed is not None:
                         raise failed
-                    prim.wait_all([w], time.monotonic() + ctx.timeout)
+                    prim.wait_all(w.parts(), time.monotonic() + ctx.timeout)
                     return result()
                 return self._in_call(ch, control.Call("run", pid, label, runs, seq), wait, check=False)
         return lean
@@ -252,10 +254,7 @@ class Outside:
     returns `empty()`."""
 
     def __init__(self, label, empty):
-        self.label, self.empty = label, empty
-
-    def describe(self) -> str:
-        return "nothing on this process"
+        self.label, self.empty, self.describe = label, empty, lambda: "nothing on this process"
 
     def prepare(self, x, out=None):
         if x is not None and not (isinstance(x, (dict, tuple)) and not any(

@@ -17,6 +17,7 @@ import numpy as np
 from .. import arrays
 from .. import log as _log
 from ..backends import codec_cost
+from ..backends.lean import lean
 from ..layout import normalize_shape
 from ..planning import plan
 from ..validate import (check_keys, check_layouts, check_out_buffer, check_tile_shapes, infer_shape, native_byte_order,
@@ -27,7 +28,7 @@ from .agreement import layouts_fp, value
 from .context import current, no_context
 from .local_program import local_reshard
 from .plan_run import PlanRun
-from .program import Program, checking, construct, eager, lookup, new, outside, tags_of
+from .program import GENERAL, Program, checking, construct, eager, half, lookup, new, outside, tags_of
 from .tiles import check_device, common_run, consume, empty_like, facts_of, fences_of, fit_of
 
 __all__ = ["reshard", "program"]
@@ -66,7 +67,8 @@ def local_input(ctx, x, src, dst) -> tuple[dict, bool]:
 
 
 class ReshardKernel:
-    """What a reshard Program does per run (runtime/program.py: prepare, run, finish)."""
+    """What a reshard Program does per run (runtime/program.py: prepare, run, finish; `lean`:
+    its lean run, where there is one)."""
 
     parity = 0          # the run's (Program.start sets it): which half of the tags it uses
 
@@ -82,6 +84,23 @@ class ReshardKernel:
         # the common run (`quick`): host tiles of the agreed shapes and dtype
         self._fit = fit_of(agreed.kind, agreed.devtype, agreed.dtype)
         self._fences = fences_of({})
+        self.lean = self._lean(p, agreed, tags)
+
+    def _lean(self, p, a, tags):
+        """(tile shape, dtype, per tag parity: post, result, backend, raw, (src device, dst
+        device or None)) of the lean run (Program.__call__, backends/lean.py): one NumPy tile
+        in, bare or in a dict, at most one out; else None."""
+        r = self.runner.runner
+        if r is None or a.kind not in ("numpy", None) or a.devtype not in ("cpu", None) or \
+                len(self.owned_src) != 1 or len(self.owned_dst) > 1:
+            return None
+        try:
+            dtype = np.dtype(arrays.numpy_dtype(a.dtype))
+        except (TypeError, ValueError):
+            return None
+        dev, specs = self.owned_src[0], r.out_shapes[0]
+        fns = lean(r, dev, specs[0] if specs else None, p.fill_op, dtype, [half(tags, q)[0] for q in (0, 1)])
+        return None if fns is None else (self.want[dev], dtype, fns, (dev, specs[0][0] if specs else None))
 
     def describe(self) -> str:
         return "plan"
@@ -264,6 +283,10 @@ def reshard(ctx, x, src, dst, *, shape=None, dtype=None, backend=None, async_op=
         # alone then and x is the common run of it (its tiles' shapes and dtype: the same
         # facts, so the same Program the checks below would find)
         prog = ctx.call(lookup, ctx, sig, None, True)
+        if prog is not None and prog._lean is not None and not async_op and stamp is None:
+            r = prog._lean(x)           # the Program's lean run: x is its one tile, as agreed
+            if r is not GENERAL:
+                return r
         st = None if prog is None else prog._kernel.quick(x)
         if st is not None:
             return prog.start(None, async_op, None, stamp, st)

@@ -36,7 +36,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--init", default="mpi")
     ap.add_argument("--stage", required=True, choices=["agreement", "create", "transfer"])
-    ap.add_argument("--form", required=True, choices=["eager", "program"])
+    ap.add_argument("--form", required=True, choices=["eager", "program", "lean"])
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     # a survivor still here long after its timeout (or one that crashes) prints every
@@ -92,7 +92,8 @@ def main():
             else:
                 mc.Program.all_reduce(grid, "b", shape=(3,), dtype="float64")(tile)
         else:
-            prog = mc.Program.reshard(src, dst, shape=x.shape, dtype=x.dtype) if a.form == "program" else None
+            prog = mc.Program.reshard(src, dst, shape=x.shape, dtype=x.dtype) if a.form != "eager" else None
+            assert a.form != "lean" or prog._lean is not None, "no lean run"
             MPI.COMM_WORLD.Barrier()
             if me == lag:                       # after the barrier: frozen inside it, the last
                 threading.Timer(0.05, freeze).start()   # rank could hold a survivor there

@@ -92,8 +92,33 @@ def run_cases(ctx, args, backends, stats):
             stats[f"ok_{label}{bname}"] += 1
             if not ctx.owned_devices(src):
                 stats["no_src"] += 1
+        if "mpi" in backends and not label and type(x) is np.ndarray:
+            run_lean(ctx, shards, ref, shape, x.dtype, src, dst, f"case {i}: {src} -> {dst}", stats)
     for h, *rest in pending:
         check_result(ctx, h.wait(), *rest)
+
+
+def run_lean(ctx, shards, ref, shape, dtype, src, dst, what, stats):
+    """A Program and a repeated eager call over MPI, run on bare NumPy tiles: their lean run
+    (backends/lean.py) where this process's part allows one. Rank 0 passes a CPU torch tensor
+    to one run (the general run beside its peers' lean ones: the same messages)."""
+    import torch
+    inp, bare = owned_input(ctx, shards, src, dst, True)
+    prog = mc.Program.reshard(src, dst, shape=shape, dtype=dtype, backend="mpi")
+    other = bare and ctx.rank == 0 and str(dtype) != "bfloat16"    # torch takes no ml_dtypes array
+    for k in range(3):
+        y = prog(torch.from_numpy(inp) if k == 1 and other else inp)
+        if k == 1 and other and y is not None:
+            y = y.numpy()
+        check_result(ctx, y, ref, dst, bare, f"lean Program run {k}, {what}")
+    for k in range(3):
+        check_result(ctx, mc.reshard(inp, src, dst, backend="mpi"), ref, dst, bare, f"lean eager {k}, {what}")
+    mine = {ctx.owned_devices(src)[0]: inp} if bare else inp    # the tile in a dict: a dict out
+    for k in range(2):
+        check_result(ctx, prog(mine), ref, dst, False, f"lean Program of a dict {k}, {what}")
+        check_result(ctx, mc.reshard(mine, src, dst, backend="mpi"), ref, dst, False,
+                     f"lean eager of a dict {k}, {what}")
+    stats["lean"] += prog._lean is not None and bare
 
 
 def expect_error(ctx, fn, exc, needle, what, stats):
