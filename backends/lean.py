@@ -1,5 +1,5 @@
 """The lean run of a reshard Program (runtime/program.py `Program._lean_run`): its common run,
-one NumPy tile in and at most one out over MPI, posted from a list worked out once.
+at most one NumPy tile in and at most one out over MPI, posted from a list worked out once.
 
 The executor (backends/batch.py `Runner`) runs any plan: per run it builds a `Run` of the
 tiles, walks its rounds, and tells pieces, collectives and sums apart. Where a plan is one
@@ -35,8 +35,9 @@ class Posted(MPIMultiWork):
 
 def lean(runner, src_dev, spec, fill_op, dtype, tags):
     """(post, result, backend, False) per tag parity for Program._lean_run, or None where this
-    rank's part is not one round of messages and copies over MPI. `spec`: the one dst tile
-    (device, shape, starts as the identity) or None; `tags`: the round's tag per parity."""
+    rank's part is not one round of messages and copies over MPI. `src_dev`: the one src
+    device (None: none here); `spec`: the one dst tile (device, shape, starts as the
+    identity) or None; `tags`: the round's tag per parity."""
     b = runner.b
     if len(runner.rounds) != 1 or runner.mixed or b.name != "mpi" or pacing.pacer(runner.rank) is not None:
         return None
@@ -72,16 +73,16 @@ def lean(runner, src_dev, spec, fill_op, dtype, tags):
     who = [("recv", r[0]) for r in rx] + [("send", t[0]) for t in tx]
     peers = tuple(sorted({q for _, q in who}))
     Isend, Irecv, rank, u8 = b.comm.Isend, b.comm.Irecv, runner.rank, np.uint8
-    counted = ("batch", b.name)
+    counted, none = ("batch", b.name), np.empty(0, dtype)     # none: a process without a src tile
 
     def make(tag):
         state = [None, ()]      # this run's result tile, and its received buffers to unpack
 
         def post(x):
             base.issued[counted] += 1
-            if not x.flags.c_contiguous:
+            if x is not None and not x.flags.c_contiguous:
                 x = np.ascontiguousarray(x)
-            out = None if spec is None else alloc_like(x, spec[1], spec[2], fill_op)
+            out = None if spec is None else alloc_like(none if x is None else x, spec[1], spec[2], fill_op)
             reqs, later = [], []
             for peer, whole, n, into in rx:
                 if whole is not None:

@@ -11,7 +11,10 @@ from .handle import Handle
 from .layout import Layout
 from .planning import plan
 from .reduceops import combine
+from .compression import coerce
 from .runtime.local_program import bare_result, one_process
+from .runtime.program import checking
+from .runtime.reshard_call import reshard as dist_reshard
 from .validate import check_keys, check_layouts, check_tile_shapes, infer_shape
 
 __all__ = ["plan", "reshard", "reshard_many", "shard", "unshard"]
@@ -162,16 +165,13 @@ def reshard(x, src: Layout, dst: Layout, *, shape=None, dtype=None, backend: str
     once by its sender and decoded where it lands (broadcast chains forward the bytes as
     they are); see meshcomm.compression and planners/compressed.py.
     """
-    from . import compression as codecs
-    from .runtime.program import checking
     with checking("reshard", lambda: (src.mesh, dst.mesh)):     # every process raises
         check_layouts(src, dst)
-        compression = codecs.coerce(compression)
+        compression = coerce(compression)
     ctx = runtime.current()
     if ctx is not None and backend != "local":
-        from .runtime.reshard_call import reshard as dist
-        return dist(ctx, x, src, dst, shape=shape, dtype=dtype, backend=backend, async_op=async_op,
-                           compression=compression)
+        return dist_reshard(ctx, x, src, dst, shape=shape, dtype=dtype, backend=backend, async_op=async_op,
+                            compression=compression)
     runtime.no_context(backend, "reshard")
     result = bare_result(one_process(x, src, dst, shape, dtype, async_op, compression), dst)
     return Handle(result=result) if async_op else result

@@ -111,6 +111,7 @@ def test_mpiexec_8_every_backend(tmp_path):
     for r in res:
         assert r.get("issued_batch_mpi", 0) > 0, r      # host tiles over MPI: the batch executor
     assert sum(r.get("lean", 0) for r in res) >= 8, res    # Programs' lean runs (backends/lean.py)
+    assert sum(r.get("lean_receiver", 0) for r in res) >= 8, res
 
 
 def test_mpiexec_two_devices_per_process_and_reinit(tmp_path):

@@ -116,28 +116,33 @@ class Program:
             r = self._go(ch, call, st, stamp)
         return k.finish(r)
 
-    def _lean_run(self, shape, dtype, fns, key=None):
-        """The lean run (`__call__`) of a kernel with a `lean`: a bare NumPy tile of `shape`
-        and `dtype` (a native call's, a reshard's: backends/lean.py; `key`, a reshard's (src
-        device, dst device or None): a dict of that one tile in, a dict out); `fns`, per run
-        parity: (post, result, primitive, whether the MPI request may be tested bare). Post, poll until the wait's first look at the
-        control channel (`base.LOOK_S`), take the result; a run not done by then enters the
-        control context a stalled wait needs. Anything else (another tile, a peer's failure
-        pending, this Program failed) returns GENERAL: the general run. Everything it reads
-        is bound here once: each microsecond of Python costs several at 8 processes on 2 cores."""
+    def _lean_run(self, shape, dtype, fns, unwrap=None):
+        """The lean run (`__call__`) of a kernel's `lean` (native_call.py, backends/lean.py): a
+        bare NumPy tile of `shape` and `dtype` (shape None: no tile; other input by `unwrap(x)`:
+        (tile or None, how the result goes back) or None); `fns`, per parity: (post, result,
+        primitive, whether the request is tested bare). Post, poll until the wait's first look
+        at the control channel (`base.LOOK_S`), take the result; a run not done by then waits
+        in the control context. Anything else (another tile, a peer's failure pending, this
+        Program failed): GENERAL, the general run. All it reads is bound once (BENCHMARKS 3)."""
         ctx, pid, label, rec = self.ctx, self.id, self.label, control.RECORDER
         seqs, lock, ring, now, look = ctx.seq, ctx._lock, rec.ring, time.time, base.LOOK_S
         polite, every, yld = not base.SPIN, base.EVERY, os.sched_yield
 
         def lean(x):
             if type(x) is not np.ndarray:
-                if key is None or type(x) is not dict or len(x) != 1 or key[0] not in x:
+                got = None if unwrap is None else unwrap(x)
+                if got is None:
                     return GENERAL
-                r = lean(x[key[0]])
-                return r if r is GENERAL else ({} if key[1] is None else {key[1]: r})
+                x, wrap = got
+                r = lean(x) if x is not None else run(None) if shape is None else GENERAL
+                return r if r is GENERAL or wrap is None else wrap(r)
+            if x.shape != shape or x.dtype != dtype:
+                return GENERAL
+            return run(x)
+
+        def run(x):
             ch = control._CHANNEL
-            if x.shape != shape or x.dtype != dtype or ch is None or ch.errors or self.failed is not None \
-                    or pid in ch.failed:
+            if ch is None or ch.errors or self.failed is not None or pid in ch.failed:
                 return GENERAL
             last = ctx._last                    # after the asynchronous calls issued before
             if last is not None and not last.done():
@@ -197,9 +202,8 @@ class Program:
         return self._in_call(ch, call, run)
 
     def _in_call(self, ch, call, fn, check=True):
-        """`fn()` in the call's control context (`control.enter`, whose `check` raises what
-        peers reported first): an error fails this Program, unless it concerns this process
-        alone, and every peer is told (`control.leave`)."""
+        """`fn()` in the call's control context (`control.enter`; `check`: raise what peers
+        reported first): an error fails this Program unless `local_only`; peers are told."""
         prev = control.enter(ch, call, check)
         try:
             r = fn()
@@ -212,8 +216,7 @@ class Program:
         return r
 
     def start_checked(self, check, async_op, stamp):
-        """A run of input the caller has validated already: `check()` gives the kernel's
-        prepared input (an error there fails the run here and on every peer)."""
+        """A run of input `check()` prepares (its error fails the run here and on every peer)."""
         try:
             st = check()
         except Exception as e:
@@ -346,17 +349,15 @@ def fail_together(label: str, e: Exception, meshes: Callable[[], tuple] | None =
 
 
 def next_seq(ctx, ranks) -> int:
-    """The next run's number in the sequence of runs of the group's Programs (on the calling
-    thread, in call order): its parity chooses the half of a plan's tags, so two
-    processes at different places in the sequence never match each other's messages."""
+    """The next run's number among the group's Programs' runs (calling thread, call order):
+    its parity picks a half of the tags, so processes at different places never match."""
     ctx.seq[ranks] = n = ctx.seq.get(ranks, 0) + 1
     return n
 
 
 def half(tags, parity: int) -> tuple:
     """The half of a Program's tag space (first, span) that runs of this parity use."""
-    first, span = tags
-    return first + parity * (span // 2), span // 2
+    return tags[0] + parity * (tags[1] // 2), tags[1] // 2
 
 
 def new(ctx, pid: int, label: str, kernel, plan=None) -> Program:

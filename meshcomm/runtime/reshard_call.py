@@ -87,20 +87,30 @@ class ReshardKernel:
         self.lean = self._lean(p, agreed, tags)
 
     def _lean(self, p, a, tags):
-        """(tile shape, dtype, per tag parity: post, result, backend, raw, (src device, dst
-        device or None)) of the lean run (Program.__call__, backends/lean.py): one NumPy tile
-        in, bare or in a dict, at most one out; else None."""
+        """(src tile shape or None, dtype, per tag parity: post, result, backend, raw, unwrap)
+        of the lean run (Program.__call__, backends/lean.py): at most one NumPy tile in, bare
+        or in a dict (a dict out), at most one out; else None."""
         r = self.runner.runner
         if r is None or a.kind not in ("numpy", None) or a.devtype not in ("cpu", None) or \
-                len(self.owned_src) != 1 or len(self.owned_dst) > 1:
+                len(self.owned_src) > 1 or len(self.owned_dst) > 1:
             return None
         try:
             dtype = np.dtype(arrays.numpy_dtype(a.dtype))
         except (TypeError, ValueError):
             return None
-        dev, specs = self.owned_src[0], r.out_shapes[0]
+        dev, specs = (self.owned_src or (None,))[0], r.out_shapes[0]
         fns = lean(r, dev, specs[0] if specs else None, p.fill_op, dtype, [half(tags, q)[0] for q in (0, 1)])
-        return None if fns is None else (self.want[dev], dtype, fns, (dev, specs[0][0] if specs else None))
+        if fns is None:
+            return None
+        to_dict = (lambda y: {}) if not specs else (lambda y, d=specs[0][0]: {d: y})
+
+        def unwrap(x):                  # {src device: tile} ({} or None without one): a dict out
+            if x is None or type(x) is dict and not x:
+                return (None, to_dict) if dev is None else None
+            if type(x) is dict and len(x) == 1 and dev in x:
+                return x[dev], to_dict
+            return None
+        return (None if dev is None else self.want[dev]), dtype, fns, unwrap
 
     def describe(self) -> str:
         return "plan"

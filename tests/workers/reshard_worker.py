@@ -99,15 +99,16 @@ def run_cases(ctx, args, backends, stats):
 
 
 def run_lean(ctx, shards, ref, shape, dtype, src, dst, what, stats):
-    """A Program and a repeated eager call over MPI, run on bare NumPy tiles: their lean run
-    (backends/lean.py) where this process's part allows one. Rank 0 passes a CPU torch tensor
+    """A Program and a repeated eager call over MPI, run on bare NumPy tiles, dicts of them, or
+    nothing: their lean run (backends/lean.py) where this process's part allows one. Rank 0 passes a CPU torch tensor
     to one run (the general run beside its peers' lean ones: the same messages)."""
     import torch
     inp, bare = owned_input(ctx, shards, src, dst, True)
     prog = mc.Program.reshard(src, dst, shape=shape, dtype=dtype, backend="mpi")
     other = bare and ctx.rank == 0 and str(dtype) != "bfloat16"    # torch takes no ml_dtypes array
+    receiver = not ctx.owned_devices(src)       # passes {} or None: a dict out
     for k in range(3):
-        y = prog(torch.from_numpy(inp) if k == 1 and other else inp)
+        y = prog(torch.from_numpy(inp) if k == 1 and other else None if k == 2 and receiver else inp)
         if k == 1 and other and y is not None:
             y = y.numpy()
         check_result(ctx, y, ref, dst, bare, f"lean Program run {k}, {what}")
@@ -119,6 +120,7 @@ def run_lean(ctx, shards, ref, shape, dtype, src, dst, what, stats):
         check_result(ctx, mc.reshard(mine, src, dst, backend="mpi"), ref, dst, False,
                      f"lean eager of a dict {k}, {what}")
     stats["lean"] += prog._lean is not None and bare
+    stats["lean_receiver"] += prog._lean is not None and receiver
 
 
 def expect_error(ctx, fn, exc, needle, what, stats):
