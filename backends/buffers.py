@@ -1,7 +1,7 @@
 """Reused host memory for result tiles: a caching allocator, as torch's and XLA's are.
 
 A tile of at least `MIN_BYTES` is a NumPy array over a block this pool handed out; when the
-last array viewing the block is gone (NumPy keeps the ctypes object over the block as every
+last array viewing the block is gone (the array made over a memoryview of the block is every
 view's base; a finalizer on it), the block comes back here, and the next tile of the same
 size takes it instead of fresh pages. Fresh pages cost a page fault each on first touch
 (and the kernel zeroes them: benchmarks/alloc_reuse.py; where malloc still holds pages freed
@@ -10,7 +10,6 @@ MESHCOMM_BUFFER_POOL_MB of idle blocks, the oldest dropped first.
 """
 from __future__ import annotations
 
-import ctypes
 import threading
 import weakref
 from collections import OrderedDict
@@ -76,24 +75,20 @@ def take(nbytes: int, zero: bool, phase: int = 0, budget: int | None = None) -> 
         stats["taken"] += 1
     if block is None:
         raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
-        block = (raw, raw.ctypes.data)          # (the memory, its address)
+        block = (memoryview(raw), raw.ctypes.data)      # (the memory, its address)
     else:
         stats["reused"] += 1
-    kind = _types.get(nbytes)
-    if kind is None:
-        if len(_types) > 256:
-            _types.clear()
-        kind = _types[nbytes] = ctypes.c_char * nbytes
-    view = kind.from_address(block[1] + (phase - block[1]) % ALIGN)
-    ref = weakref.ref(view, _gone)              # its callback gives the block back
+    off = (phase - block[1]) % ALIGN
+    # an array over a memoryview of the block: every view of it has it as its base (NumPy
+    # collapses a view's base only to an array that owns its memory), so it lives while any does
+    out = np.frombuffer(block[0][off:off + nbytes], dtype=np.uint8)
+    ref = weakref.ref(out, _gone)               # its callback gives the block back
     _live[id(ref)] = (ref, block, nbytes, _budget() if budget is None else budget)
-    out = np.frombuffer(view, dtype=np.uint8)
     if zero:
         out[...] = 0
     return out
 
 
-_types: dict = {}       # nbytes -> the ctypes array type over a block of that size
 _live: dict = {}        # id(weakref) -> (the weakref, its block, nbytes, the budget) while viewed
 
 

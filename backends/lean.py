@@ -11,11 +11,13 @@ Python costs several at 8 processes on 2 cores (BENCHMARKS 3).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import base, buffers, pacing
-from .local import alloc_like
-from .mpi_comm import MPIMultiWork, MPIWork
+from .local import ALIGN, alloc_like
+from .mpi_comm import MPIMultiWork, MPIWork, mpi
 from .pack import pack, unpack
 
 __all__ = ["lean"]
@@ -74,6 +76,11 @@ def lean(runner, src_dev, spec, fill_op, dtype, tags):
     peers = tuple(sorted({q for _, q in who}))
     Isend, Irecv, rank, u8 = b.comm.Isend, b.comm.Irecv, runner.rank, np.uint8
     counted, none = ("batch", b.name), np.empty(0, dtype)     # none: a process without a src tile
+    # the result tile: not from backends/buffers.py's pool, whose `take` and its memory cost more
+    # than malloc's reused chunk at 8 processes (BENCHMARKS 3); MPI's buffer address, not
+    # `ndarray.ctypes` (a few objects per call: about 10x the time here)
+    nout = 0 if spec is None else math.prod(spec[1]) * dtype.itemsize
+    address = mpi().buffer
 
     def make(tag):
         state = [None, ()]      # this run's result tile, and its received buffers to unpack
@@ -82,7 +89,14 @@ def lean(runner, src_dev, spec, fill_op, dtype, tags):
             base.issued[counted] += 1
             if x is not None and not x.flags.c_contiguous:
                 x = np.ascontiguousarray(x)
-            out = None if spec is None else alloc_like(none if x is None else x, spec[1], spec[2], fill_op)
+            if spec is None:
+                out = None
+            elif spec[2]:               # starts as the identity
+                out = alloc_like(none if x is None else x, spec[1], True, fill_op)
+            else:                       # from malloc, at x's phase (backends/local.py aligned_numpy)
+                raw = np.empty(nout + ALIGN, u8)
+                off = ((0 if x is None else address(x).address) - address(raw).address) % ALIGN
+                out = raw[off:off + nout].view(dtype).reshape(spec[1])
             reqs, later = [], []
             for peer, whole, n, into in rx:
                 if whole is not None:

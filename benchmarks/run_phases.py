@@ -4,7 +4,7 @@ run` floor): the time to its first wait (allocation, posting, local copies) and 
     .venv/bin/mpiexec -n 8 .venv/bin/python benchmarks/run_phases.py [--case same-moe-a2a] [--reps 21]
 
 Rows, alternating per repeat, median per process in ms: `program` (a Program of the case over
-MPI), `floor` (the exchange of meshcomm/tools/bench/floor.py, written out here with its
+MPI: its lean run where it has one, its first wait marked when the lean run has posted), `floor` (the exchange of meshcomm/tools/bench/floor.py, written out here with its
 Waitall timed), `floor+poll` (the same, waiting in a Python Testall loop that yields the core
 between tests, as meshcomm's waits do) and `floor+N us` (the same with N microseconds of CPU
 spent between its receives and its sends: Python a Program spends before its first wait).
@@ -71,9 +71,23 @@ def main():
         raise SystemExit(f"{case.name}: a pending sum has no floor exchange")
     g = global_array(case.shape, 1, case.dtype)
     x = {me: np.ascontiguousarray(g[case.src.index_map(case.shape)[me]])} if me in case.src.mesh else {}
-    prog = mc.Program.reshard(case.src, case.dst, shape=case.shape, dtype=case.dtype, backend="mpi")
-    be, fl, dtype = ctx.get_backend("mpi"), floor.floor_program(case.src, case.dst, case.shape, me), np.dtype(case.dtype)
     marks: dict = {}
+    from meshcomm.runtime import reshard_call
+    lean = reshard_call.lean
+
+    def timed_lean(*a, **kw):           # the lean run (backends/lean.py) posted: mark it
+        def timed(post):
+            def posted(x):
+                w = post(x)
+                marks.setdefault("posted", time.perf_counter() - marks["t0"])
+                return w
+            return posted
+        fns = lean(*a, **kw)
+        return None if fns is None else tuple((timed(f[0]),) + tuple(f[1:]) for f in fns)
+    reshard_call.lean = timed_lean
+    prog = mc.Program.reshard(case.src, case.dst, shape=case.shape, dtype=case.dtype, backend="mpi")
+    reshard_call.lean = lean
+    be, fl, dtype = ctx.get_backend("mpi"), floor.floor_program(case.src, case.dst, case.shape, me), np.dtype(case.dtype)
     wait_all = type(be).wait_all
 
     def timed_wait(self, works, deadline):      # the Program's first wait starts: mark it
