@@ -76,11 +76,11 @@ def lean(runner, src_dev, spec, fill_op, dtype, tags):
     peers = tuple(sorted({q for _, q in who}))
     Isend, Irecv, rank, u8 = b.comm.Isend, b.comm.Irecv, runner.rank, np.uint8
     counted, none = ("batch", b.name), np.empty(0, dtype)     # none: a process without a src tile
-    # the result tile: not from backends/buffers.py's pool, whose `take` and its memory cost more
-    # than malloc's reused chunk at 8 processes (BENCHMARKS 3); MPI's buffer address, not
-    # `ndarray.ctypes` (a few objects per call: about 10x the time here)
+    # the result tile as aligned_numpy makes it (the pool from its MIN_BYTES, its budget read
+    # here), its phase from MPI's buffer address, not `ndarray.ctypes` (a few Python objects
+    # per call: with the generic call around it, ~100 us of CPU per run at 8 processes here)
     nout = 0 if spec is None else math.prod(spec[1]) * dtype.itemsize
-    address = mpi().buffer
+    address, budget = mpi().buffer, buffers.pooled(nout)
 
     def make(tag):
         state = [None, ()]      # this run's result tile, and its received buffers to unpack
@@ -93,10 +93,13 @@ def lean(runner, src_dev, spec, fill_op, dtype, tags):
                 out = None
             elif spec[2]:               # starts as the identity
                 out = alloc_like(none if x is None else x, spec[1], True, fill_op)
-            else:                       # from malloc, at x's phase (backends/local.py aligned_numpy)
-                raw = np.empty(nout + ALIGN, u8)
-                off = ((0 if x is None else address(x).address) - address(raw).address) % ALIGN
-                out = raw[off:off + nout].view(dtype).reshape(spec[1])
+            else:                       # at x's phase, as backends/local.py aligned_numpy gives it
+                phase = 0 if x is None else address(x).address % ALIGN
+                if budget:
+                    out = buffers.take(nout, False, phase, budget).view(dtype).reshape(spec[1])
+                else:
+                    raw = np.empty(nout + ALIGN, u8)
+                    out = raw[(phase - address(raw).address) % ALIGN:][:nout].view(dtype).reshape(spec[1])
             reqs, later = [], []
             for peer, whole, n, into in rx:
                 if whole is not None:
