@@ -130,3 +130,92 @@ def test_common_run_takes_exact_host_tiles_only():
         assert common_run({3: torch.nn.Parameter(tt)}, want, f, True) is None
     assert common_run({3: t}, want, fit_of("torch", "cpu", "float32"), True) is None
     assert common_run({3: t}, want, fit_of(None, None, "float32"), True)[2] == "numpy"
+
+
+class _Recorder(Backend):
+    """An MPI-like backend that records what is posted (no communication): the executor's
+    messages through isend/irecv, the lean run's through `comm`."""
+
+    name, wire = "mpi", "numpy"
+
+    def __init__(self):
+        self.log, self.comm = [], self
+
+    def bcast_group(self, ranks, device_kind="cpu"):
+        return False
+
+    def _post(self, op, buf, peer, tag):
+        b = np.asarray(buf).reshape(-1).view(np.uint8)
+        self.log.append((op, peer, tag, b.nbytes, b.tobytes() if op == "send" else None))
+        if op == "recv":                # arrives at once: bytes that depend on the message's place
+            b[...] = np.random.default_rng(len(self.log)).integers(0, 256, b.nbytes, dtype=np.uint8)
+
+        class Done:
+            peers, op_ = (peer,), op
+
+            def test(self):
+                return True
+        return Done()
+
+    def isend(self, buf, peer, tag):
+        return self._post("send", buf, peer, tag)
+
+    def irecv(self, buf, peer, tag):
+        return self._post("recv", buf, peer, tag)
+
+    def Isend(self, buf, dest, tag):
+        return self._post("send", buf, dest, tag)
+
+    def Irecv(self, buf, source, tag):
+        return self._post("recv", buf, source, tag)
+
+    def wait_all(self, works, deadline):
+        pass
+
+
+def test_the_lean_run_posts_the_executors_messages_in_its_order():
+    """backends/lean.py: a process on the lean run and a peer on the general one (the Runner)
+    must match each other's messages, so for every rank of random plans the lean post makes
+    the Runner's messages (peer, tag, bytes, payload) in the Runner's order, and its result
+    tile holds what the Runner's does, byte for byte, once the same bytes are received."""
+    import sys
+    from pathlib import Path
+    pytest.importorskip("mpi4py")
+    from meshcomm.backends.batch import BatchItem
+    from meshcomm.backends.lean import lean
+    sys.path.insert(0, str(Path(__file__).parent / "workers"))
+    from cases import random_case, random_data
+    rng = np.random.default_rng(5)
+    leaned = 0
+    for i in range(300):
+        dpp = 1 + i % 2                 # two devices per process: a piece sent and kept, too
+        shape, src, dst, dtype, _ = random_case(rng, 4 * dpp)
+        if dtype == "bfloat16" or src.is_partial or dst.is_partial:
+            continue
+        x = random_data(rng, shape, dtype, "numpy")
+        shards = mc.shard(x, src)
+        p = mc.plan(shape, dtype, src, dst)
+        for r in range(4):
+            owned = [d for d in src.mesh.device_ids if d // dpp == r]
+            general, quick = _Recorder(), _Recorder()
+            run = Runner([p], rank=r, devices_per_process=dpp, backend=general)
+            specs = run.out_shapes[0]
+            if len(owned) > 1 or len(specs) > 1:
+                continue
+            fns = lean(Runner([p], rank=r, devices_per_process=dpp, backend=quick), owned[0] if owned else None,
+                       specs[0] if specs else None, p.fill_op, x.dtype, (7, 9))
+            if fns is None:
+                continue
+            tile = shards[owned[0]] if owned else None
+            out = run.run([BatchItem(p, {d: shards[d] for d in owned}, tile if owned else np.empty(0, x.dtype))],
+                          (7, 1), None)[0][0]
+            post, result, _, _ = fns[0]
+            post(tile)
+            assert quick.log == general.log, (i, r, src, dst)
+            got = result()
+            if specs:
+                assert got.shape == out[specs[0][0]].shape and got.tobytes() == out[specs[0][0]].tobytes(), (i, r)
+            else:
+                assert got is None and out == {}
+            leaned += 1
+    assert leaned > 50
