@@ -77,8 +77,8 @@ def lean(runner, src_dev, spec, fill_op, dtype, tags):
     Isend, Irecv, rank, u8 = b.comm.Isend, b.comm.Irecv, runner.rank, np.uint8
     counted, none = ("batch", b.name), np.empty(0, dtype)     # none: a process without a src tile
     # the result tile as aligned_numpy makes it (the pool from its MIN_BYTES, its budget read
-    # here), its phase from MPI's buffer address, not `ndarray.ctypes` (a few Python objects
-    # per call: with the generic call around it, ~100 us of CPU per run at 8 processes here)
+    # here), without the generic call around it (`alloc_like`, `phase_of`: with `ndarray.ctypes`
+    # there, ~100 us of CPU per run at 8 processes here)
     nout = 0 if spec is None else math.prod(spec[1]) * dtype.itemsize
     address, budget = mpi().buffer, buffers.pooled(nout)
 

@@ -38,7 +38,7 @@ ALIGN = buffers.ALIGN   # bytes: what XLA's CPU client needs to adopt a NumPy bu
 
 def phase_of(tile) -> int:
     """Where a host tile starts past an ALIGN boundary (0 for anything else)."""
-    return tile.ctypes.data % ALIGN if type(tile) is np.ndarray else 0
+    return buffers.address(tile) % ALIGN if type(tile) is np.ndarray else 0
 
 
 def aligned_numpy(shape, dtype, zero: bool = False, phase: int = 0):
@@ -55,7 +55,7 @@ def aligned_numpy(shape, dtype, zero: bool = False, phase: int = 0):
     if budget:              # memory written before: no page faults
         return buffers.take(n, zero, phase, budget).view(dt).reshape(shape)
     raw = (np.zeros if zero else np.empty)(n + ALIGN, dtype=np.uint8)
-    off = (phase - raw.ctypes.data) % ALIGN
+    off = (phase - buffers.address(raw)) % ALIGN
     return raw[off:off + n].view(dt).reshape(shape)
 
 
