@@ -101,30 +101,34 @@ def lean(runner, src_dev, spec, fill_op, dtype, tags):
                     raw = np.empty(nout + ALIGN, u8)
                     out = raw[(phase - address(raw).address) % ALIGN:][:nout].view(dtype).reshape(spec[1])
             reqs, later = [], []
-            for peer, whole, n, into in rx:
-                if whole is not None:
-                    buf = out[whole].reshape(-1).view(u8)
-                else:
-                    buf = buffers.empty(n)
-                    later.append((buf, into))
-                reqs.append(Irecv(buf, source=peer, tag=tag))
-            made = {}
-            for peer, key, n, parts, whole in tx:
-                buf = made.get(key)
-                if buf is None:
+            try:
+                for peer, whole, n, into in rx:
                     if whole is not None:
-                        buf = x[whole].reshape(-1).view(u8)
-                        _, _, slices, dsls = parts[0]
-                        for sl in dsls:
-                            out[sl[0]] = x[slices[0]]
+                        buf = out[whole].reshape(-1).view(u8)
                     else:
                         buf = buffers.empty(n)
-                        for off, m, slices, dsls in parts:
-                            v = pack(x, slices, out=buf[off:off + m].view(x.dtype))
+                        later.append((buf, into))
+                    reqs.append(Irecv(buf, source=peer, tag=tag))
+                made = {}
+                for peer, key, n, parts, whole in tx:
+                    buf = made.get(key)
+                    if buf is None:
+                        if whole is not None:
+                            buf = x[whole].reshape(-1).view(u8)
+                            _, _, slices, dsls = parts[0]
                             for sl in dsls:
-                                unpack(v, out, sl)
-                    made[key] = buf
-                reqs.append(Isend(buf, dest=peer, tag=tag))
+                                out[sl[0]] = x[slices[0]]
+                        else:
+                            buf = buffers.empty(n)
+                            for off, m, slices, dsls in parts:
+                                v = pack(x, slices, out=buf[off:off + m].view(x.dtype))
+                                for sl in dsls:
+                                    unpack(v, out, sl)
+                        made[key] = buf
+                    reqs.append(Isend(buf, dest=peer, tag=tag))
+            except BaseException:     # what was posted stays referenced until MPI is done with it
+                base.abandon(Posted(reqs, who, peers, rank).parts(), cancel=True)
+                raise
             for ssl, dsl in copies:
                 out[dsl] = x[ssl]
             state[0], state[1] = out, later
