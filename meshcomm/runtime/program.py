@@ -72,8 +72,7 @@ class Program:
 
     # -- running --------------------------------------------------------------------------
     def __call__(self, x=None, *more, async_op: bool = False, out=None, recv_counts=None):
-        """Run it on this process's input `x` (all_to_all_v: `prog(x, send_counts,
-        recv_counts=None)`: counts are data)."""
+        """Run it on this process's input `x` (all_to_all_v: `prog(x, send_counts, recv_counts=None)`)."""
         lean = self._lean
         if lean is not None and out is None and not (more or async_op or _log.ON):
             r = lean(x)
@@ -257,7 +256,10 @@ class Outside:
     returns `empty()`."""
 
     def __init__(self, label, empty):
-        self.label, self.empty, self.describe = label, empty, lambda: "nothing on this process"
+        self.label, self.empty = label, empty
+
+    def describe(self) -> str:
+        return "nothing on this process"
 
     def prepare(self, x, out=None):
         if x is not None and not (isinstance(x, (dict, tuple)) and not any(
@@ -280,10 +282,9 @@ def outside(ctx, label: str, empty=dict) -> "Program":
 # -- construction --------------------------------------------------------------------------
 
 def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable, describe=None, ranks=None):
-    """The one construction path, for the processes `ranks` (the Program's: those owning a
-    device it involves; default all): agree on `fields`, then `build(pid, metas, deadline)`
-    -> Program. Each of them raises together on a mismatch. The Program's number `pid` is
-    the same on each of them: their group and how many Programs it constructed before."""
+    """The one construction path, for the processes `ranks` (those owning a device it
+    involves; default all): agree on `fields`, then `build(pid, metas, deadline)` -> Program;
+    all raise together on a mismatch. `pid`, the same on each: their group and its count."""
     ranks = tuple(range(ctx.world_size)) if ranks is None else tuple(ranks)
     counter = ctx.counters.get(ranks, 0) + 1    # counted once constructed: no gap after a failure
     pid = agreement.group_key((ranks, counter))     # the same on each of them, another for each Program
@@ -297,8 +298,7 @@ def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable,
         extra = dict(extra, seq=ctx.seq.get(ranks, 0))
         metas = agreement.agree(ctx, ranks, counter, ctx.attempts, Meta(label, fields, agreement.error_of(err), extra),
                                 err, describe, deadline)
-        # the group's run sequence, the same on each of them again (after a mismatch, they
-        # may be at different places in it)
+        # the group's run sequence, the same on each again (a mismatch may have left them apart)
         ctx.seq[ranks] = max(m.extra.get("seq", 0) for m in metas)
         prog = build(pid, metas, deadline)
         if not prog.counter:            # new (an eager call that agrees each time finds its own)
