@@ -11,13 +11,11 @@ Python costs several at 8 processes on 2 cores (BENCHMARKS 3).
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from . import base, buffers, pacing
-from .local import ALIGN, alloc_like
-from .mpi_comm import MPIMultiWork, MPIWork, mpi
+from .local import alloc_like
+from .mpi_comm import MPIMultiWork, MPIWork
 from .pack import pack, unpack
 
 __all__ = ["lean"]
@@ -76,11 +74,6 @@ def lean(runner, src_dev, spec, fill_op, dtype, tags):
     peers = tuple(sorted({q for _, q in who}))
     Isend, Irecv, rank, u8 = b.comm.Isend, b.comm.Irecv, runner.rank, np.uint8
     counted, none = ("batch", b.name), np.empty(0, dtype)     # none: a process without a src tile
-    # the result tile as aligned_numpy makes it (the pool from its MIN_BYTES, its budget read
-    # here), without the generic call around it (`alloc_like`, `phase_of`: with `ndarray.ctypes`
-    # there, ~100 us of CPU per run at 8 processes here)
-    nout = 0 if spec is None else math.prod(spec[1]) * dtype.itemsize
-    address, budget = mpi().buffer, buffers.pooled(nout)
 
     def make(tag):
         state = [None, ()]      # this run's result tile, and its received buffers to unpack
@@ -89,17 +82,7 @@ def lean(runner, src_dev, spec, fill_op, dtype, tags):
             base.issued[counted] += 1
             if x is not None and not x.flags.c_contiguous:
                 x = np.ascontiguousarray(x)
-            if spec is None:
-                out = None
-            elif spec[2]:               # starts as the identity
-                out = alloc_like(none if x is None else x, spec[1], True, fill_op)
-            else:                       # at x's phase, as backends/local.py aligned_numpy gives it
-                phase = 0 if x is None else address(x).address % ALIGN
-                if budget:
-                    out = buffers.take(nout, False, phase, budget).view(dtype).reshape(spec[1])
-                else:
-                    raw = np.empty(nout + ALIGN, u8)
-                    out = raw[(phase - address(raw).address) % ALIGN:][:nout].view(dtype).reshape(spec[1])
+            out = None if spec is None else alloc_like(none if x is None else x, spec[1], spec[2], fill_op)
             reqs, later = [], []
             try:
                 for peer, whole, n, into in rx:
