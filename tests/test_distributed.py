@@ -136,6 +136,7 @@ def test_torchrun_and_a_peer_that_dies(tmp_path):
     assert res[2] == {"rank": 2, "exited_early": True}
     for r in res[:2]:
         assert r["ok_torch"] == cases
+        assert r["agreed_then_failed"] == 4     # constructions that agreed, then failed to plan
         assert r["timeout_construct_torch"] < TIMEOUT + 4
 
 

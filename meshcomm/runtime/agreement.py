@@ -118,9 +118,17 @@ def agree(ctx, ranks, counter, nonce: int, meta: Meta, own_error: BaseException 
         settle(metas, me, own_error, describe, ranks=tuple(ranks))
     except Exception as e:
         e.shared = True         # every process of the group raises it now: nothing to tell them
-        ctx.tries[(g, counter[0])] = counter[1] + 1
+        spent(ctx, ranks, counter[0])
         raise
     return metas
+
+
+def spent(ctx, ranks, counter: int) -> None:
+    """The round of Program number `counter` is used up without a Program (its agreement or
+    what followed it failed): the next attempt at that number takes a round of its own. Over
+    the store a round's values stay under its key: read again, they would answer it."""
+    g = group_key(ranks)
+    ctx.tries[(g, counter)] = ctx.tries.get((g, counter), 0) + 1
 
 
 def value(metas: Sequence[Meta], name: str, default=None):

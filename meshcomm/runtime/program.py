@@ -63,8 +63,7 @@ class Program:
         self.ranks, self.counter = (), 0    # its processes, and its number among their Programs
         self.runs, self.failed = 0, None    # failed: why it runs no more (str)
         self.check_every = settings.get("CHECK") == "every"     # read at construction
-        # the lean run (__call__; the kernel's `lean`); not where every run is agreed
-        lean = None if self.check_every or ctx is None else getattr(kernel, "lean", None)
+        lean = None if self.check_every or ctx is None else getattr(kernel, "lean", None)   # __call__
         self._lean = None if lean is None else self._lean_run(*lean)
 
     def __repr__(self) -> str:
@@ -252,8 +251,7 @@ CLASS: list = [Program]      # the class Programs are made of (runtime/programs.
 
 class Outside:
     """The kernel of a Program on a process that owns none of its devices: it takes part in
-    nothing (neither the agreement nor a run); a run checks that nothing was passed and
-    returns `empty()`."""
+    no agreement and no run; a run checks that nothing was passed and returns `empty()`."""
 
     def __init__(self, label, empty):
         self.label, self.empty = label, empty
@@ -300,7 +298,11 @@ def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable,
                                 err, describe, deadline)
         # the group's run sequence, the same on each again (a mismatch may have left them apart)
         ctx.seq[ranks] = max(m.extra.get("seq", 0) for m in metas)
-        prog = build(pid, metas, deadline)
+        try:
+            prog = build(pid, metas, deadline)
+        except BaseException:                   # agreed, not built: its round is used up
+            agreement.spent(ctx, ranks, counter)
+            raise
         if not prog.counter:            # new (an eager call that agrees each time finds its own)
             prog.ranks, prog.counter = ranks, counter
             ctx.programs += 1
@@ -381,9 +383,8 @@ class Entry:
 
 def lookup(ctx, sig, local_key, latest: bool = False) -> Program | None:
     """The cached Program of an eager call that every process decided alone, by this
-    process's own facts `local_key` (`latest`: the one this process ran last, for a process
-    that has no facts of its own, such as a broadcast's non-root passing None); None where it
-    must be constructed (or agreed)."""
+    process's own facts `local_key` (`latest`: the one it ran last, for a process with no facts
+    of its own, such as a broadcast's non-root passing None); None: construct (or agree)."""
     ch = control._CHANNEL
     if ch is not None:
         ch.poll()                   # Programs a peer reported failed are constructed again
@@ -409,9 +410,8 @@ def eager(ctx, sig, local_key, complete: bool, label: str, fields, err, extra, b
           describe=None, ranks=None, agree_always=None) -> Program:
     """The Program of an eager call: found by `local_key` when every process decided alone
     last time, else constructed (or, in exchange mode, looked up after the agreement).
-    `fields` may be a function giving them (called only then); `agree_always(metas)`: the
-    agreed facts are such that no process can decide alone (an uneven gather: a process
-    does not see the others' sizes change), so every later call agrees first."""
+    `fields` may be a function giving them (called only then); `agree_always(metas)`: no
+    process can decide alone (an uneven gather's sizes): every call agrees first."""
     # a local error takes part as on a first call (its Meta carries it): where the others
     # construct, all raise in that agreement; where they run, both sides stall on each other
     # in different calls and raise, failing the run's Program

@@ -123,6 +123,28 @@ def run_lean(ctx, shards, ref, shape, dtype, src, dst, what, stats):
     stats["lean_receiver"] += prog._lean is not None and receiver
 
 
+def run_agreed_then_failed(ctx, stats, times=4):
+    """A construction every process agrees on whose planning then fails (an all_gather along
+    a dimension the tiles lack) raises alike on each, and uses its round up: over the store
+    (torch) the next construction must not read that round's values. It did: a fast process's
+    next Meta replaced its failed one under the same key before a slow one had read it, and
+    from then on every construction disagreed or timed out."""
+    n = ctx.world_size * ctx.devices_per_process
+    mesh = mc.Mesh(np.arange(n), ("x",))
+    mine = ctx.owned_devices(mc.Layout(mesh, ()))
+    for i in range(times):
+        try:
+            mc.Program.all_gather(mesh, "x", shape=(4,), dtype="float32", dim=3)
+        except ValueError as e:
+            assert "dim=3 is out of range" in str(e), f"rank {ctx.rank}, try {i}: {e}"
+        else:
+            raise AssertionError(f"rank {ctx.rank}: an all_gather along dim 3 of 1-d tiles constructed")
+        prog = mc.Program.all_reduce(mesh, "x", shape=(3,), dtype="float32")
+        y = prog({d: np.full(3, d, np.float32) for d in mine})
+        assert all((v == n * (n - 1) // 2).all() for v in y.values()), (ctx.rank, i, y)
+        stats["agreed_then_failed"] += 1
+
+
 def expect_error(ctx, fn, exc, needle, what, stats):
     try:
         fn()
@@ -321,6 +343,7 @@ def main():
         ctx = mc.init(backend=name, devices_per_process=args.dpp)
         backends = args.backends.split(",") if args.backends else [name]
         run_cases(ctx, args, backends, stats)
+        run_agreed_then_failed(ctx, stats)
         if args.checks:
             run_checks(ctx, backends, stats)
             for b in backends:
