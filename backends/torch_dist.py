@@ -51,6 +51,7 @@ def under_mpi_launcher() -> bool:
 
 
 _DERIVED: list = []     # non-empty once we set MASTER_ADDR/PORT from MPI ourselves
+_INITS: list = []       # process groups this process created: each under its own store prefix
 
 
 def _td(seconds):
@@ -65,6 +66,7 @@ def _free_port() -> int:
 
 class _TorchWork(Work):
     __slots__ = ("work", "op", "peers", "buf")
+    lingers = True
 
     def __init__(self, op, peers, buf, work=None):
         self.op, self.peers, self.buf, self.work = op, peers, buf, work
@@ -169,8 +171,12 @@ class TorchBackend(TorchCollectives, Backend):
             torch.cuda.set_device(local % torch.cuda.device_count())
         kw = {} if timeout is None else {"timeout": _td(timeout)}
         try:
-            dist.init_process_group(backend=backend, init_method="env://", rank=rank,
-                                    world_size=world, **kw)
+            # torchrun's store outlives a process group, and a new one's rendezvous would read
+            # the old one's addresses there (re-init after finalize): a prefix per init
+            store = next(dist.rendezvous("env://", rank=rank, world_size=world, **kw))[0]
+            dist.init_process_group(backend=backend, store=dist.PrefixStore(f"meshcomm/{len(_INITS)}", store),
+                                    rank=rank, world_size=world, **kw)
+            _INITS.append(True)
         except Exception as e:
             if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
                 raise
