@@ -56,8 +56,8 @@ from .local import alloc_like
 from .pack import pack, unpack
 
 __all__ = ["Work", "Backend", "Step", "compile_steps", "wire_bytes", "groups_needed", "wait_polling", "poll_peers",
-           "backoff", "abandon", "finish_all", "ABANDONED", "issued", "to_wire", "torch_of", "empty_wire", "from_wire",
-           "TAG_MOD"]
+           "backoff", "abandon", "finish_all", "ABANDONED", "STALE", "stale_error", "issued", "to_wire", "torch_of",
+           "empty_wire", "from_wire", "TAG_MOD"]
 
 TAG_MOD = 32768   # the MPI standard guarantees tags up to 32767
 
@@ -71,6 +71,7 @@ class Work:
 
     op: str = ""
     peers: tuple[int, ...] = ()
+    lingers = False     # given up, it may still match a later call of its backend (STALE)
 
     def test(self) -> bool:
         raise NotImplementedError
@@ -122,6 +123,20 @@ def backoff(spins: int) -> None:
 # to an mpi4py request frees it while active and releases its buffer: MPI would then write
 # into freed memory (heap corruption, seen as a crash in malloc much later).
 ABANDONED: list = []
+# The labels of works given up that may still match a later call of their backend: gloo
+# cancels nothing, and its native collectives match by order on one group, so such a work
+# could complete a later call with this one's data. While any is listed no Program is made
+# (runtime/program.py `construct`): finalize() and init() again (it empties then).
+STALE: list = []
+
+
+def stale_error() -> RuntimeError | None:
+    """The error of a construction while STALE lists works, else None."""
+    if not STALE:
+        return None
+    return RuntimeError(f"work given up in an earlier failure ({', '.join(sorted(set(STALE)))}) may still "
+                        "match a later call over torch.distributed (gloo cancels nothing): call "
+                        "meshcomm.finalize() and meshcomm.init() again")
 
 
 def abandon(works: Sequence, cancel: bool = False) -> None:
@@ -146,6 +161,7 @@ def abandon(works: Sequence, cancel: bool = False) -> None:
             keep.append(w)
     ABANDONED[:] = keep
     ABANDONED.extend(works)
+    STALE.extend(w.op for w in works if getattr(w, "lingers", False))
 
 
 def timeout_error(rank, works: Sequence[Work], timeout: float | None) -> PeerTimeoutError:

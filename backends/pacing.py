@@ -90,6 +90,10 @@ class Paced(Work):
         self.cancelled = False
 
     @property
+    def lingers(self) -> bool:
+        return self.inner is not None and self.inner.lingers
+
+    @property
     def work(self):
         """The backend's own handle once issued (torch waits on it), else None."""
         return getattr(self.inner, "work", None) if self.inner is not None else None
@@ -122,6 +126,10 @@ class AllOf(Work):
 
     def __init__(self, works, op: str, peers: tuple[int, ...]):
         self.works, self.op, self.peers = list(works), op, peers
+
+    @property
+    def lingers(self) -> bool:
+        return any(w.lingers for w in self.works)
 
     def test(self) -> bool:
         self.works = [w for w in self.works if not w.test()]

@@ -44,6 +44,7 @@ class CollWork(Work):
     """A torch work plus an optional `post` run once when it completed (unpadding)."""
 
     __slots__ = ("work", "op", "peers", "buf", "post", "rank")
+    lingers = True
 
     def __init__(self, op, peers, buf, work, rank, post=None):
         self.op, self.peers, self.buf, self.work, self.rank, self.post = op, peers, buf, work, rank, post

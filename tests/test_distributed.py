@@ -137,6 +137,7 @@ def test_torchrun_and_a_peer_that_dies(tmp_path):
     for r in res[:2]:
         assert r["ok_torch"] == cases
         assert r["agreed_then_failed"] == 4     # constructions that agreed, then failed to plan
+        assert r["given_up_over_gloo"] == 1     # refused after gloo work was given up, then re-init
         assert r["timeout_construct_torch"] < TIMEOUT + 4
 
 

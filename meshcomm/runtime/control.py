@@ -35,6 +35,7 @@ import tempfile
 import time
 import typing
 
+from ..backends import base
 from ..errors import PeerError, PeerTimeoutError
 
 __all__ = ["Call", "Channel", "RECORDER", "current", "entering", "dump"]
@@ -140,6 +141,8 @@ class Channel:
         if programs is None:
             programs = [call.program] if call is not None and call.what == "run" else []
         self.failed.update(programs)
+        if base.STALE:                      # work given up may match a run of any Program
+            self.failed.update(self.group_of)
         if call is not None:
             self.mine.add(call.key)
         self.incident = set(programs)
@@ -279,9 +282,9 @@ def current() -> Channel | None:
 def install(ch: Channel | None) -> None:
     """Make `ch` the channel every backend wait polls (None: no context)."""
     global _CHANNEL
-    from ..backends import base
     _CHANNEL = ch
     base.WATCH = ch.watch if ch is not None else None
+    base.STALE.clear()              # a new context: the old one's given-up works are its own
 
 
 @contextlib.contextmanager

@@ -287,6 +287,7 @@ def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable,
     counter = ctx.counters.get(ranks, 0) + 1    # counted once constructed: no gap after a failure
     pid = agreement.group_key((ranks, counter))     # the same on each of them, another for each Program
     ctx.attempts += 1                   # this process's agreements: its Meta's nonce
+    err = err or base.stale_error()
     ch = control.current()
     group = ctx.group_programs.setdefault(ranks, set())
     if ch is not None:
@@ -331,10 +332,9 @@ class checking:
 
 
 def fail_together(label: str, e: Exception, meshes: Callable[[], tuple] | None = None):
-    """Raise `e`, a local error in a call's arguments, after sharing it through the
-    construction the others are in (those owning a device of `meshes()`; None: every process,
-    an adapter's call), so each raises at once, naming this rank, instead of waiting out the
-    timeout. Bad meshes themselves leave the group unknown: it raises here alone."""
+    """Raise `e`, a local error in a call's arguments, after sharing it through the construction
+    the others are in (those owning a device of `meshes()`; None: every process, an adapter's
+    call), so each raises at once, naming this rank (bad meshes: here alone, the group unknown)."""
     ctx = context.current()
     if ctx is not None:
         try:

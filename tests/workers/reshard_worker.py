@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import meshcomm as mc                        # noqa: E402
 from meshcomm.backends import base, streams  # noqa: E402
-from meshcomm.errors import PeerTimeoutError  # noqa: E402
+from meshcomm.errors import PeerError, PeerTimeoutError  # noqa: E402
 from cases import random_case, random_data, random_op_case, same  # noqa: E402
 
 
@@ -143,6 +143,33 @@ def run_agreed_then_failed(ctx, stats, times=4):
         y = prog({d: np.full(3, d, np.float32) for d in mine})
         assert all((v == n * (n - 1) // 2).all() for v in y.values()), (ctx.rank, i, y)
         stats["agreed_then_failed"] += 1
+
+
+def run_given_up_over_gloo(ctx, args, stats):
+    """Over torch (gloo) a wait given up leaves work that may still match a later call (gloo
+    cancels nothing; its collectives match by order on one group): the next construction
+    raises on every process, naming finalize() and init(), never a wrong value; after them
+    calls work again. Returns the context to go on with."""
+    if ctx.backend_name != "torch":
+        return ctx
+    n = ctx.world_size * ctx.devices_per_process
+    mesh = mc.Mesh(np.arange(n), ("x",))
+    src, dst = mc.Layout(mesh, ("x", None)), mc.Layout(mesh, (None, "x"))
+    x = np.arange(2 * n * n, dtype=np.float32).reshape(2 * n, n)
+    mine = {d: t for d, t in mc.shard(x, src).items() if d in ctx.owned_devices(src)}
+    ones = {d: np.ones(3, np.float32) for d in ctx.owned_devices(src)}
+    P = mc.Program.reshard(src, dst, shape=x.shape, dtype=x.dtype)
+    Q = mc.Program.all_reduce(mesh, "x", shape=(3,), dtype="float32")
+    # rank 1 runs Q while the others run P: each raises, and each gave gloo work up
+    expect_error(ctx, lambda: Q(ones) if ctx.rank == 1 else P(mine), PeerError, "rank", "Programs apart", stats)
+    expect_error(ctx, lambda: mc.all_reduce(ones, mesh, "x"), RuntimeError, "meshcomm.init() again",
+                 "a call after gloo work was given up", stats)
+    mc.finalize()
+    ctx = mc.init(backend="torch", devices_per_process=args.dpp)
+    y = mc.all_reduce(ones, mesh, "x")
+    assert all((v == n).all() for v in y.values()), (ctx.rank, y)
+    stats["given_up_over_gloo"] += 1
+    return ctx
 
 
 def expect_error(ctx, fn, exc, needle, what, stats):
@@ -344,6 +371,7 @@ def main():
         backends = args.backends.split(",") if args.backends else [name]
         run_cases(ctx, args, backends, stats)
         run_agreed_then_failed(ctx, stats)
+        ctx = run_given_up_over_gloo(ctx, args, stats)
         if args.checks:
             run_checks(ctx, backends, stats)
             for b in backends:
