@@ -519,6 +519,10 @@ def test_one_process_programs_check_their_runs_like_a_launchers():
     with pytest.raises(TypeError, match="reshard_many takes"):
         pm([sh])
     assert pm({"a": sh})["a"][1].shape == (8, 2)
+    with pytest.raises(TypeError, match=r"rows= is the shape of one row .*got 2"):
+        mc.Program.all_to_all_v(m, "x", rows=2, dtype="float32")
+    with pytest.raises(ValueError, match=r"shape must be non-negative, got \(-2,\)"):
+        mc.Program.all_to_all_v(m, "x", rows=(-2,), dtype="float32")
     a2a = mc.Program.all_to_all_v(m, "x", rows=(2,), dtype="float32")
     counts = {d: np.ones(4, np.int64) for d in range(4)}
     with pytest.raises(ValueError, match=r"rows are \(3,\) float32, the Program's are \(2,\) float32"):

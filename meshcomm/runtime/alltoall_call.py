@@ -23,6 +23,7 @@ from .alltoall_input import assemble, axis_groups, cat, check_rows, local, split
 from .context import current, no_context
 from .local_program import LocalKernel, no_out
 from ..handle import Handle
+from ..layout import normalize_shape
 from .program import Program, checking, construct, eager, new, outside, tags_of, half
 
 __all__ = ["DistRun", "program", "run", "local", "axis_groups"]
@@ -266,7 +267,10 @@ def program(mesh, axis, rows, dtype, backend, topology, algorithm) -> Program:
     with checking("all_to_all_v", lambda: (mesh,)):
         groups = axis_groups(mesh, axis)
         name, itemsize = arrays.normalize_dtype(dtype)
-        rows = tuple(int(r) for r in rows)
+        if not isinstance(rows, (tuple, list)):
+            raise TypeError(f"all_to_all_v: rows= is the shape of one row after the first dimension "
+                            f"(a tuple of ints, () for rows of scalars), got {rows!r}")
+        rows = normalize_shape(rows)
         topo = Topology.coerce(topology)
         if ctx is None:
             no_context(backend, "Program.all_to_all_v")
