@@ -184,6 +184,8 @@ def test_init_rejects_bad_arguments_and_errors_are_both_kinds():
         mc.init(backend="mpi", devices_per_process=0)
     with pytest.raises(ValueError, match="timeout"):
         mc.init(backend="mpi", timeout=-1)
+    with pytest.raises(TypeError, match="timeout must be a number of seconds, got '30'"):
+        mc.init(backend="mpi", timeout="30")
     assert mc.runtime.current() is None
     e = PeerTimeoutError("rank 1: peer rank(s) [3] did not arrive", [3], "metadata")
     assert isinstance(e, TimeoutError) and isinstance(e, RuntimeError) and e.peers == (3,)

@@ -77,6 +77,8 @@ def resolve_timeout(timeout) -> float:
     """`timeout` in seconds, or MESHCOMM_TIMEOUT's."""
     if timeout is None:
         return settings.get("TIMEOUT")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)):
+        raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
     timeout = float(timeout)
     if not timeout > 0:
         raise ValueError(f"timeout must be positive seconds, got {timeout}")
