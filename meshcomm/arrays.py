@@ -10,6 +10,8 @@ __all__ = ["kind_of", "normalize_dtype", "dtype_of", "to_numpy", "is_torch", "is
 
 
 def is_torch(x) -> bool:
+    if type(x) is np.ndarray:           # the common case, on hot paths: no module lookup
+        return False
     t = sys.modules.get("torch")
     return t is not None and isinstance(x, getattr(t, "Tensor", ()))  # torch may be mid-import in another thread
 
