@@ -15,7 +15,7 @@ from . import arrays
 from .layout import Blocks, Layout, normalize_shape
 
 __all__ = ["check_layout", "check_layouts", "check_keys", "check_tile_shapes", "normalize_input",
-           "resolve_shape_dtype", "infer_shape", "native_byte_order", "check_out_buffer"]
+           "resolve_shape_dtype", "infer_shape", "plain_tile", "check_out_buffer"]
 
 
 def check_layout(layout, what: str = "layout") -> None:
@@ -49,11 +49,15 @@ def check_tile_shapes(shapes: Mapping[int, tuple], tiling, what: str, rank: int 
                              f"(global shape {tiling.shape})")
 
 
-def native_byte_order(x):
-    """`x` itself, or a copy in the machine's byte order when a NumPy tile is byte-swapped
-    (a '>f4' tile would otherwise travel as raw bytes and be read as '<f4')."""
-    if isinstance(x, np.ndarray) and not x.dtype.isnative:
-        return x.astype(x.dtype.newbyteorder("="))
+def plain_tile(x):
+    """A tile as meshcomm moves it: a NumPy tile in the machine's byte order (a copy where it
+    is byte-swapped: a '>f4' tile would travel as raw bytes and be read as '<f4'), a torch
+    tensor outside autograd (one that requires grad, a parameter say, detached: the same
+    memory; results are data, as torch.distributed's are), anything else as it is."""
+    if isinstance(x, np.ndarray):
+        return x if x.dtype.isnative else x.astype(x.dtype.newbyteorder("="))
+    if getattr(x, "requires_grad", False):
+        return x.detach()
     return x
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import arrays, runtime
 from ..handle import Handle
-from ..validate import native_byte_order
+from ..validate import plain_tile
 
 __all__ = ["send", "recv"]
 
@@ -79,7 +79,7 @@ def send(x, to_device: int, *, from_device: int | None = None, backend=None, asy
     ctx = runtime.current()
     frm = _default_device(ctx, from_device, "from_device")
     arrays.kind_of(x)
-    x = native_byte_order(x)
+    x = plain_tile(x)
     if ctx is None or backend == "local" or ctx.ownership.rank_of(to_device) == ctx.rank:
         if ctx is None or backend == "local":
             runtime.no_context(backend, "send")
@@ -110,7 +110,7 @@ def recv(from_device: int, like, *, to_device: int | None = None, backend=None, 
         shape, dtype = like
         like = np.empty(tuple(shape), dtype=arrays.numpy_dtype(arrays.normalize_dtype(dtype)[0]))
     arrays.kind_of(like)
-    want = _header(native_byte_order(like) if isinstance(like, np.ndarray) else like)
+    want = _header(plain_tile(like) if isinstance(like, np.ndarray) else like)
 
     def check(h, where):
         if not np.array_equal(np.asarray(h), want):

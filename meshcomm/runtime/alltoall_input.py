@@ -11,7 +11,7 @@ from ..handle import Handle
 from ..mesh import Mesh
 from ..planners import Topology
 from ..planners.alltoall import AllToAllPlan, plan_alltoall
-from ..validate import native_byte_order
+from ..validate import plain_tile
 from .context import init_hint
 
 __all__ = ["axis_groups", "validate_owned", "local", "check_rows", "split_rows", "assemble", "cat"]
@@ -120,7 +120,7 @@ def _validate(x, send_counts, recv_counts, mesh, axis, owned, groups, where):
     kinds = {arrays.kind_of(v) for v in xs.values()}
     if "jax" in kinds or len(kinds) > 1:
         raise TypeError(f"all_to_all_v takes NumPy arrays or torch tensors of one kind, got {sorted(kinds)}")
-    xs = {d: native_byte_order(v) for d, v in xs.items()}
+    xs = {d: plain_tile(v) for d, v in xs.items()}
     scs = {d: _counts(scs[d], d, n, axis) for d in owned}
     like = xs[owned[0]]
     for d in owned:

@@ -11,7 +11,7 @@ import numpy as np
 from .. import arrays
 from ..caches import memo
 from ..collectives.layouts import REDUCE_OPS, group_axes, groups
-from ..validate import native_byte_order
+from ..validate import plain_tile
 
 __all__ = ["Request", "request", "tiles_of", "local_facts", "check_declared"]
 
@@ -129,7 +129,7 @@ def tiles_of(req, x, owned: tuple[int, ...], where: str) -> tuple[dict, bool]:
     if len(kinds) > 1:
         raise TypeError(f"{req.op}: tiles mix array kinds: " +
                         ", ".join(f"device {d}: {k}" for k, d in kinds.items()))
-    tiles = {d: native_byte_order(v) for d, v in tiles.items() if v is not None}
+    tiles = {d: plain_tile(v) for d, v in tiles.items() if v is not None}
     return tiles, bare
 
 

@@ -20,7 +20,7 @@ from ..backends import codec_cost
 from ..backends.lean import lean
 from ..layout import normalize_shape
 from ..planning import plan
-from ..validate import (check_keys, check_layouts, check_out_buffer, check_tile_shapes, infer_shape, native_byte_order,
+from ..validate import (check_keys, check_layouts, check_out_buffer, check_tile_shapes, infer_shape, plain_tile,
                         normalize_input, resolve_shape_dtype)
 
 from ..handle import Handle
@@ -63,7 +63,7 @@ def local_input(ctx, x, src, dst) -> tuple[dict, bool]:
     if bare and len(owned_dst) > 1:
         raise ValueError(f"a bare array in gives a bare array out, but rank {ctx.rank} owns "
                          f"{len(owned_dst)} dst devices {list(owned_dst)}; pass a dict")
-    return {d: native_byte_order(v) for d, v in shards.items()}, bare
+    return {d: plain_tile(v) for d, v in shards.items()}, bare
 
 
 class ReshardKernel:

@@ -145,6 +145,57 @@ def run_agreed_then_failed(ctx, stats, times=4):
         stats["agreed_then_failed"] += 1
 
 
+def run_parameters(ctx, stats):
+    """torch tensors that require grad (parameters) go in like any tile, and what comes back
+    is data outside autograd, as torch.distributed's results are: over MPI a native
+    collective called .numpy() on them and raised, and over gloo the results of an
+    all_reduce, reduce_scatter or all_to_all_v carried the input's grad_fn."""
+    import torch
+    n = ctx.world_size * ctx.devices_per_process
+    mesh = mc.Mesh(np.arange(n), ("x",))
+    mine = ctx.owned_devices(mc.Layout(mesh, ()))
+
+    def param(*shape, d=0):
+        return torch.nn.Parameter(torch.arange(float(np.prod(shape))).reshape(shape) + d)
+
+    def tiles(*shape):
+        return {d: param(*shape, d=d) for d in mine}
+    total = sum(range(n))
+    rows, cols = mc.Layout(mesh, ("x", None)), mc.Layout(mesh, (None, "x"))
+    part = mc.Layout(mesh, (None, None), partial={"x": "max"})
+    x = torch.arange(float(2 * n * n)).reshape(2 * n, n)
+    want = mc.shard(x, cols)
+    checks = {
+        "all_reduce": (lambda: mc.all_reduce(tiles(3), mesh, "x"),
+                       lambda d, v: v.tolist() == [n * k + total for k in range(3)]),
+        "all_reduce avg": (lambda: mc.all_reduce(tiles(3), mesh, "x", op="avg"),
+                           lambda d, v: v.tolist() == [k + total / n for k in range(3)]),
+        "all_gather": (lambda: mc.all_gather(tiles(2), mesh, "x"),
+                       lambda d, v: v.tolist() == [float(k + e) for e in range(n) for k in range(2)]),
+        "reduce_scatter": (lambda: mc.reduce_scatter(tiles(n), mesh, "x"),
+                           lambda d, v: v.tolist() == [float(n * d + total)]),
+        "all_to_all": (lambda: mc.all_to_all(tiles(n), mesh, "x"),
+                       lambda d, v: v.tolist() == [float(d + e) for e in range(n)]),
+        "all_to_all_v": (lambda: mc.all_to_all_v(tiles(n), {d: [1] * n for d in mine}, mesh, "x"),
+                         lambda d, v: v.tolist() == [float(d + e) for e in range(n)]),
+        "reshard": (lambda: mc.reshard({d: torch.nn.Parameter(t) for d, t in mc.shard(x, rows).items()
+                                        if d in mine}, rows, cols),
+                    lambda d, v: torch.equal(v, want[d])),
+        "reshard max": (lambda: mc.reshard({d: torch.nn.Parameter(x - float(d != 0)) for d in mine}, part, cols),
+                        lambda d, v: torch.equal(v, want[d])),
+        "reshard_many": (lambda: mc.reshard_many({"w": {d: torch.nn.Parameter(t) for d, t in mc.shard(x, rows).items()
+                                                        if d in mine}}, rows, cols)["w"],
+                         lambda d, v: torch.equal(v, want[d])),
+    }
+    for name, (call, right) in checks.items():
+        y = call()
+        assert isinstance(y, dict), (name, type(y))
+        for d, v in y.items():
+            assert right(d, v), (ctx.rank, name, d, v)
+            assert not v.requires_grad, (ctx.rank, name, d, "a result requires grad")
+        stats["parameters"] += 1
+
+
 def run_given_up_over_gloo(ctx, args, stats):
     """Over torch (gloo) a wait given up leaves work that may still match a later call (gloo
     cancels nothing; its collectives match by order on one group): the next construction
@@ -371,6 +422,7 @@ def main():
         backends = args.backends.split(",") if args.backends else [name]
         run_cases(ctx, args, backends, stats)
         run_agreed_then_failed(ctx, stats)
+        run_parameters(ctx, stats)
         ctx = run_given_up_over_gloo(ctx, args, stats)
         if args.checks:
             run_checks(ctx, backends, stats)
