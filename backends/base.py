@@ -45,7 +45,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from meshcomm.arrays import is_torch as _is_torch
+from meshcomm.arrays import is_torch as _is_torch, to_numpy
 from meshcomm.caches import memo
 from meshcomm.errors import PeerTimeoutError
 from meshcomm.planners.boxes import box_size, local_slices
@@ -460,8 +460,11 @@ def _as_bytes(a):
 def torch_of(b):
     """A NumPy buffer as a torch tensor over the same memory. A read-only buffer (a
     jax.Array's host view, say) is only ever sent from, so torch's warning about tensors
-    over read-only memory is not shown to the user."""
+    over read-only memory is not shown to the user. bfloat16 (ml_dtypes', JAX's), which
+    torch.from_numpy refuses, goes over as its bits."""
     import torch
+    if b.dtype.name == "bfloat16":
+        return torch_of(b.view(np.int16)).view(torch.bfloat16)
     if b.flags.writeable:
         return torch.from_numpy(b)
     import warnings
@@ -495,7 +498,7 @@ def empty_wire(nbytes: int, wire: str, like, typed_elems: int | None = None):
     import torch
     dev = like.device if _is_torch(like) else "cpu"
     if typed_elems is not None:
-        dt = like.dtype if _is_torch(like) else torch.from_numpy(np.empty(0, like.dtype)).dtype
+        dt = like.dtype if _is_torch(like) else torch_of(np.empty(0, like.dtype)).dtype
         return torch.empty(typed_elems, dtype=dt, device=dev)
     return torch.empty(nbytes, dtype=torch.uint8, device=dev)
 
@@ -512,7 +515,7 @@ def from_wire(b, like, typed: bool = False):
     if _is_torch(like):
         import torch
         if not _is_torch(b):
-            b = torch.from_numpy(b)
+            b = torch_of(b)
         if b.device != like.device:
             b = b.to(like.device)
         if typed:
@@ -521,7 +524,7 @@ def from_wire(b, like, typed: bool = False):
             return torch.empty(0, dtype=like.dtype, device=like.device)
         return b.view(like.dtype)
     if _is_torch(b):
-        b = b.numpy()
+        b = to_numpy(b)
     return b if typed else b.view(like.dtype)
 
 

@@ -196,6 +196,33 @@ def run_parameters(ctx, stats):
         stats["parameters"] += 1
 
 
+def run_bfloat16(ctx, stats):
+    """NumPy bfloat16 tiles (ml_dtypes', as JAX's host arrays are) on every backend: over
+    torch.distributed a reduction's buffer went through torch.from_numpy, which refuses them
+    (TypeError); they now go over as their bits. Values are small integers: exact in bf16."""
+    import ml_dtypes
+    n = ctx.world_size * ctx.devices_per_process
+    mesh = mc.Mesh(np.arange(n), ("x",))
+    mine = ctx.owned_devices(mc.Layout(mesh, ()))
+    total = float(sum(range(1, n + 1)))
+
+    def tiles(f):
+        return {d: np.asarray(f(d), ml_dtypes.bfloat16) for d in mine}
+    checks = [
+        (lambda: mc.all_reduce(tiles(lambda d: np.full(3, d + 1.0)), mesh, "x"), lambda d: np.full(3, total)),
+        (lambda: mc.all_reduce(tiles(lambda d: np.full(3, d + 1.0)), mesh, "x", op="max"), lambda d: np.full(3, n)),
+        (lambda: mc.reduce_scatter(tiles(lambda d: np.arange(float(n))), mesh, "x"), lambda d: np.array([n * d])),
+        (lambda: mc.all_gather(tiles(lambda d: np.full(2, d + 1.0)), mesh, "x"),
+         lambda d: np.repeat(np.arange(1.0, n + 1), 2)),
+        (lambda: mc.reshard(tiles(lambda d: np.ones((2, n))), mc.Layout(mesh, (None, None), partial=("x",)),
+                            mc.Layout(mesh, (None, "x"))), lambda d: np.full((2, 1), n)),
+    ]
+    for call, want in checks:
+        for d, v in call().items():
+            assert v.dtype == ml_dtypes.bfloat16 and np.array_equal(v.astype(np.float32), want(d)), (ctx.rank, d, v)
+        stats["bfloat16"] += 1
+
+
 def run_given_up_over_gloo(ctx, args, stats):
     """Over torch (gloo) a wait given up leaves work that may still match a later call (gloo
     cancels nothing; its collectives match by order on one group): the next construction
@@ -423,6 +450,7 @@ def main():
         run_cases(ctx, args, backends, stats)
         run_agreed_then_failed(ctx, stats)
         run_parameters(ctx, stats)
+        run_bfloat16(ctx, stats)
         ctx = run_given_up_over_gloo(ctx, args, stats)
         if args.checks:
             run_checks(ctx, backends, stats)
