@@ -250,7 +250,7 @@ def reshard_dtensor(dt: DTensor, device_mesh, placements: Sequence[Placement], *
     def finish(out):
         return _wrap(out, me, like, device_mesh, placements, shape, dt.dtype)
     if async_op:
-        return Handle(lambda: finish(res.wait()))
+        return Handle(lambda: finish(res.wait()), future=res)
     return finish(res)
 
 
@@ -318,5 +318,5 @@ def reshard_state_dict(sd: Mapping[str, DTensor], device_mesh, placements: Place
         return {n: _wrap(out.get(n), me, sd[n].to_local(), device_mesh, items[n][4], items[n][3], sd[n].dtype)
                 for n in items}
     if async_op:
-        return Handle(lambda: finish(res.wait()))
+        return Handle(lambda: finish(res.wait()), future=res)
     return finish(res)

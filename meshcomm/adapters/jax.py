@@ -296,7 +296,7 @@ def _reshard_one(x, dst, backend, async_op):
     res = api.reshard(np_shards, src, dst_layout, shape=shape, dtype=x.dtype, backend=backend,
                       async_op=async_op)
     if async_op:
-        return api.Handle(lambda: finish(res.wait()))
+        return api.Handle(lambda: finish(res.wait()), future=res)
     return finish(res)
 
 
@@ -433,4 +433,4 @@ def _reshard_tree(x, dst, backend, async_op):
                            {n: m[1] for n, m in moved.items()}, {n: m[2] for n, m in moved.items()},
                            shapes={n: m[5] for n, m in moved.items()}, dtypes={n: m[6] for n, m in moved.items()},
                            backend=backend, async_op=async_op)
-    return api.Handle(lambda: finish(res.wait())) if async_op else finish(res)
+    return api.Handle(lambda: finish(res.wait()), future=res) if async_op else finish(res)

@@ -95,7 +95,7 @@ def barrier(mesh, axes=None, *, backend=None, async_op: bool = False):
     x: Any = {d: np.zeros(1, dtype=np.int32) for d in devs}
     h = all_reduce(x, mesh, axes, backend=backend, async_op=async_op)
     if async_op:
-        return Handle(lambda: (h.wait(), None)[1])
+        return Handle(lambda: (h.wait(), None)[1], future=h)
     return None
 
 

@@ -95,8 +95,8 @@ def send(x, to_device: int, *, from_device: int | None = None, backend=None, asy
     def go():
         works = [prim.isend(hdr, peer, _HDR), prim.isend(data, peer, _DATA)]
         prim.wait_all(works, time.monotonic() + ctx.timeout)
-    wait = ctx.run(go, async_op)
-    return Handle(lambda: (wait(), None)[1]) if async_op else None
+    fut = ctx.run(go, async_op)
+    return Handle(lambda: (fut.result(), None)[1], future=fut) if async_op else None
 
 
 def recv(from_device: int, like, *, to_device: int | None = None, backend=None, async_op: bool = False):
@@ -142,9 +142,9 @@ def recv(from_device: int, like, *, to_device: int | None = None, backend=None, 
         prim.wait_all([prim.irecv(buf, peer, _DATA)], deadline)     # drained even on a mismatch
         check(h, "; the data was received and dropped")
         return from_wire(buf, like_np).reshape(tuple(like.shape))
-    wait = ctx.run(go, async_op)
+    fut = ctx.run(go, async_op)
     if arrays.is_jax(like):
         import jax
-        return Handle(lambda: jax.device_put(wait(), arrays.jax_device(to))) if async_op else \
-            jax.device_put(wait(), arrays.jax_device(to))
-    return Handle(wait) if async_op else wait()
+        return Handle(lambda: jax.device_put(fut.result(), arrays.jax_device(to)), future=fut) if async_op else \
+            jax.device_put(fut.result(), arrays.jax_device(to))
+    return Handle(fut.result, future=fut) if async_op else fut.result()

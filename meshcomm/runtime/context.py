@@ -265,12 +265,13 @@ class Context:
         with self._lock:
             return fn(*args, **kwargs)
 
-    def run(self, fn, async_op: bool):
-        """`fn()` through the queue: its result now, or a callable that waits for it."""
+    def run(self, fn, async_op: bool) -> concurrent.futures.Future:
+        """`fn()` through the queue: the Future of its result (done already unless `async_op`)."""
         if async_op:
-            return self.submit(fn).result
-        res = self.call(fn)
-        return lambda: res
+            return self.submit(fn)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_result(self.call(fn))
+        return fut
 
     def close(self):
         self._pool.shutdown(wait=True)

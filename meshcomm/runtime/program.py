@@ -105,8 +105,8 @@ class Program:
             self._fail(ch, call, e)
             raise
         if async_op:
-            result = ctx.submit(self._go, ch, call, st, stamp).result
-            return Handle(lambda: k.finish(result()))
+            fut = ctx.submit(self._go, ch, call, st, stamp)
+            return Handle(lambda: k.finish(fut.result()), future=fut)
         last = ctx._last                        # after the asynchronous calls issued before
         if last is not None and not last.done():
             ctx.call(_nothing)

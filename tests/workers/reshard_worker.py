@@ -357,6 +357,13 @@ def run_program_checks(ctx, b, stats):
     assert all(got[d] is bufs[d] for d in bufs), f"rank {r}: out= buffers were not used"
     check_result(ctx, got, ref, dst, False, f"Program out= [{b}]")
     hs = [P(mine, async_op=True) for _ in range(3)]
+    called = []
+    hs[0].add_done_callback(called.append)
+    t0 = time.monotonic()
+    while not hs[-1].is_completed():    # completes on the context's queue, with no wait()
+        assert time.monotonic() - t0 < ctx.timeout, f"rank {r}: an async run never completed without wait()"
+        time.sleep(0.001)
+    assert all(h.is_completed() for h in hs) and called == [hs[0]], (r, called)
     for h in hs:
         check_result(ctx, h.wait(), ref, dst, False, f"Program async [{b}]")
     if not errors:
