@@ -20,8 +20,8 @@ from ..backends import codec_cost
 from ..backends.lean import lean
 from ..layout import normalize_shape
 from ..planning import plan
-from ..validate import (check_keys, check_layouts, check_out_buffer, check_tile_shapes, infer_shape, plain_tile,
-                        normalize_input, resolve_shape_dtype)
+from ..validate import (check_keys, check_layouts, check_out_buffer, check_tile_shapes, infer_shape, normalize_input,
+                        plain_tile, resolve_shape_dtype)
 
 from ..handle import Handle
 from .agreement import layouts_fp, value
