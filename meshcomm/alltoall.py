@@ -45,7 +45,7 @@ def all_to_all_v(x, send_counts, mesh: Mesh, axis: str, recv_counts=None, backen
     row per device (mesh order). Under a launcher recv_counts are checked against the
     senders' counts (the counts travel with every run: they are data), and a mismatch raises
     ValueError on the receiving process after the exchange (run with the senders' counts, so
-    no peer hangs). `Program.all_to_all_v` agrees on everything else once. NumPy or torch
+    no peer hangs). `Program.all_to_all_v` agrees on everything else once. NumPy, torch or JAX
     rows (any trailing shape). Returns the same structure, or a Handle when `async_op`;
     `topology`/`algorithm` steer the planner.
     """

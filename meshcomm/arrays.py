@@ -144,6 +144,15 @@ def jax_device(device_id: int):
     return jax.devices()[0]
 
 
+def as_jax(res, bare: bool, owned):
+    """Host results as JAX arrays on their devices: {device id: array} on each device's JAX
+    device, a bare one (`bare`) on the device of `owned[0]`, None as None."""
+    if not bare:
+        return to_jax_devices(res)
+    import jax
+    return None if res is None else jax.device_put(res, jax_device(owned[0]))
+
+
 def to_jax_devices(tiles: dict) -> dict:
     """{device id: host array} -> {device id: jax.Array committed to that JAX device}, in one
     batched `jax.device_put` (on CPU, 64-byte-aligned NumPy arrays are adopted, not copied)."""

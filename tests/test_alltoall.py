@@ -129,6 +129,23 @@ def test_local_torch_keeps_kind_and_grad_free_values():
         np.testing.assert_array_equal(y[d].numpy(), ref[d])
 
 
+def test_local_jax_rows_come_back_as_jax_arrays_on_their_devices():
+    jax = pytest.importorskip("jax")
+    mesh = MESHES[1]
+    rng = np.random.default_rng(11)
+    counts, xs = random_case(rng, mesh, "ep", 3, dtype=np.float32)
+    ref = reference(xs, counts, axis_groups(mesh, "ep"))
+    devs = {d.id: d for d in jax.devices()}
+    x = {d: jax.device_put(v, devs[d]) for d, v in xs.items()}
+    prog = mc.Program.all_to_all_v(mesh, "ep", rows=(3,), dtype=np.float32)
+    for y in (mc.all_to_all_v(x, counts, mesh, "ep"), prog(x, counts)):
+        for d in y:
+            assert isinstance(y[d], jax.Array) and y[d].devices() == {devs[d]}, (d, y[d])
+            np.testing.assert_array_equal(np.asarray(y[d]), ref[d])
+    with pytest.raises(TypeError, match=r"one kind .*\['jax', 'numpy'\]"):
+        mc.all_to_all_v({**x, 0: xs[0]}, counts, mesh, "ep")
+
+
 def test_local_counts_as_matrix_and_bare_single_device():
     mesh = MESHES[0]
     rng = np.random.default_rng(3)

@@ -19,7 +19,7 @@ from ..planners.alltoall import plan_alltoall
 from ..backends.base import empty_wire, from_wire, to_wire
 from ..planners import Topology
 from .agreement import value
-from .alltoall_input import assemble, axis_groups, cat, check_rows, local, split_rows, validate_owned  # noqa: F401
+from .alltoall_input import assemble, axis_groups, cat, check_rows, given, local, split_rows, validate_owned  # noqa: F401
 from .context import current, no_context
 from .local_program import LocalKernel, no_out
 from ..handle import Handle
@@ -200,17 +200,18 @@ class A2AKernel:
             raise TypeError(no_out("all_to_all_v"))
         x, send_counts, recv_counts = args
         st = validate_owned(self.ctx, x, send_counts, recv_counts, self.mesh, self.axis, self.groups)
-        return self.check(st, not isinstance(x, dict))
+        return self.check(st, x)
 
-    def check(self, a, bare):
+    def check(self, a, x):
         if a is not None:
             check_rows(a[3], (self.rows, self.dtype), f"rank {self.ctx.rank}'s ")
-        return a, bare
+        return a, x
 
     def run(self, st, deadline, stamp=None):
-        a, bare = st
-        return DistRun(self.ctx, self.be, self.groups, a, self.topo, self.algorithm, half(self.tags, self.parity),
-                       stamp).run(bare)
+        a, x = st
+        r = DistRun(self.ctx, self.be, self.groups, a, self.topo, self.algorithm, half(self.tags, self.parity),
+                    stamp).run(not isinstance(x, dict))
+        return r if a is None else given(r, x, sorted(a[0]))
 
     def finish(self, r):
         return r
@@ -258,7 +259,7 @@ def run(ctx, x, send_counts, recv_counts, mesh, axis, groups, backend, async_op,
     prog = ctx.call(lambda: eager(ctx, sig, (rows, dt, kind) if a is not None else None, a is not None, "all_to_all_v",
                                   fields, err, {}, _build(ctx, be, mesh, axis, groups, topo, algorithm), agreed_key,
                                   None, ranks))
-    return prog.start_checked(lambda: prog._kernel.check(a, not isinstance(x, dict)), async_op, stamp)
+    return prog.start_checked(lambda: prog._kernel.check(a, x), async_op, stamp)
 
 
 def program(mesh, axis, rows, dtype, backend, topology, algorithm) -> Program:

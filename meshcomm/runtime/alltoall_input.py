@@ -14,7 +14,7 @@ from ..planners.alltoall import AllToAllPlan, plan_alltoall
 from ..validate import plain_tile
 from .context import init_hint
 
-__all__ = ["axis_groups", "validate_owned", "local", "check_rows", "split_rows", "assemble", "cat"]
+__all__ = ["axis_groups", "validate_owned", "local", "check_rows", "given", "split_rows", "assemble", "cat"]
 
 
 def assemble(holdings, device, devices, like):
@@ -118,9 +118,10 @@ def _validate(x, send_counts, recv_counts, mesh, axis, owned, groups, where):
     if missing:
         raise ValueError(f"x and send_counts need an entry for device(s) {missing[:8]} ({where})")
     kinds = {arrays.kind_of(v) for v in xs.values()}
-    if "jax" in kinds or len(kinds) > 1:
-        raise TypeError(f"all_to_all_v takes NumPy arrays or torch tensors of one kind, got {sorted(kinds)}")
-    xs = {d: plain_tile(v) for d, v in xs.items()}
+    if len(kinds) > 1:
+        raise TypeError(f"all_to_all_v takes rows of one kind (NumPy, torch or JAX), got {sorted(kinds)}")
+    host = kinds == {"jax"}         # JAX rows travel as host arrays; `given` puts results back
+    xs = {d: plain_tile(arrays.to_numpy(v) if host else v) for d, v in xs.items()}
     scs = {d: _counts(scs[d], d, n, axis) for d in owned}
     like = xs[owned[0]]
     for d in owned:
@@ -143,6 +144,17 @@ def _validate(x, send_counts, recv_counts, mesh, axis, owned, groups, where):
     row_elems = int(np.prod(like.shape[1:], dtype=np.int64))
     row_bytes = row_elems * arrays.dtype_of(like)[1]
     return xs, scs, rcs, like, row_elems, row_bytes
+
+
+def is_jax_input(x) -> bool:
+    """Whether the caller's rows are JAX arrays (then results go back as JAX arrays)."""
+    v = next(iter(x.values()), None) if isinstance(x, Mapping) else x
+    return arrays.is_jax(v)
+
+
+def given(result, x, owned):
+    """A result in the kind of the caller's rows `x`: JAX arrays on their devices for JAX rows."""
+    return arrays.as_jax(result, not isinstance(result, dict), owned) if is_jax_input(x) else result
 
 
 def check_rows(like, declared, who: str = "") -> None:
@@ -180,7 +192,7 @@ def local(x, send_counts, mesh, axis, recv_counts, async_op, topology, algorithm
         out.update(_run_local(p, xs))
     if stamp is not None:           # one process: nothing on the wire (meshcomm.log)
         _log.record_rows(stamp, "all_to_all_v", group=None, backend="local", xs=xs, out=out, like=like)
-    result = out[owned[0]] if bare and len(owned) == 1 else out
+    result = given(out[owned[0]] if bare and len(owned) == 1 else out, x, owned)
     return Handle(result=result) if async_op else result
 
 

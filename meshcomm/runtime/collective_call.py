@@ -224,15 +224,7 @@ class CollectiveKernel:
             for d, buf in out.items():
                 buf[...] = got[d]
             return out[self.owned[0]] if bare else {d: out.get(d, v) for d, v in got.items()}
-        return _jax_result(res, bare, self.owned) if kind == "jax" else res
-
-
-def _jax_result(res, bare: bool, owned):
-    """Host results as JAX arrays on their devices (a bare one on this process's device)."""
-    if not bare:
-        return arrays.to_jax_devices(res)
-    import jax
-    return None if res is None else jax.device_put(res, arrays.jax_device(owned[0]))
+        return arrays.as_jax(res, bare, self.owned) if kind == "jax" else res
 
 
 def _fields(req, be, dt, kind, devtype, tile) -> tuple:
@@ -425,4 +417,4 @@ def collective_local(req, x, declared=None):
     else:
         out = LocalBackend().execute(p, shards, like=next(iter(shards.values())))
     res = finish_tiles(req, prob, out, bare, owned)
-    return _jax_result(res, bare, owned) if kind == "jax" else res
+    return arrays.as_jax(res, bare, owned) if kind == "jax" else res

@@ -94,6 +94,25 @@ def main():
         want = np.repeat(np.arange(world), [sc[rank]] * world).astype(np.float32)
         np.testing.assert_array_equal(y[:, 0], want)
         ncases += 1
+    # JAX rows (bfloat16), eager and as a Program: results come back as jax.Arrays, exact
+    import jax
+    import jax.numpy as jnp
+    mesh = mc.Mesh(np.arange(world * dpp), ("ep",))
+    mine = [d for d in mesh.device_ids if d // dpp == rank]
+    counts = {d: (np.arange(mesh.size) + d) % 3 for d in mesh.device_ids}
+    xs = {d: (np.arange(int(counts[d].sum()) * 2).reshape(-1, 2) + 100 * d).astype(jnp.bfloat16)
+          for d in mesh.device_ids}
+    ref = reference(xs, counts, axis_groups(mesh, "ep"))
+    bare = dpp == 1
+    x = jnp.asarray(xs[mine[0]]) if bare else {d: jnp.asarray(xs[d]) for d in mine}
+    sc = counts[mine[0]] if bare else {d: counts[d] for d in mine}
+    prog = mc.Program.all_to_all_v(mesh, "ep", rows=(2,), dtype=jnp.bfloat16)
+    for y in (mc.all_to_all_v(x, sc, mesh, "ep"), prog(x, sc), prog(x, sc, async_op=True).wait()):
+        got = {mine[0]: y} if bare else y
+        for d in mine:
+            assert isinstance(got[d], jax.Array) and got[d].dtype == jnp.bfloat16, (d, type(got[d]))
+            np.testing.assert_array_equal(np.asarray(got[d]), ref[d], err_msg=f"JAX rows device {d}")
+        ncases += 1
     # a mesh on some processes only: the others get None and take no part
     sub = mc.Mesh([0, world * dpp - 1], ("ep",))
     mine = [d for d in sub.device_ids if d // dpp == rank]
