@@ -4,7 +4,7 @@ and a flight recorder keeps the last calls of this process.
 Runs send only data (meshcomm.runtime.program), so a failure in one process must reach the
 others some other way. Every backend carries small control messages beside its data
 (`Backend.ctl_send` / `ctl_poll`: a communicator of their own over MPI, the rendezvous store
-over torch.distributed). Three kinds travel:
+over torch.distributed). These travel:
 
 * ERROR (rank, call, text, error type): a process whose run or construction failed tells
   every other process. A process waiting in any call raises `PeerError` naming the sender
@@ -13,7 +13,9 @@ over torch.distributed). Three kinds travel:
 * STATUS (rank, call, peers it waits for): a wait that made no progress for `stall_after()`
   seconds tells the peers it waits for what it is in. A process that waits for a peer which
   waits for it in another call (another Program, another run of it, or a construction)
-  raises `PeerError`: the two are not in the same call, and neither can go on.
+  raises `PeerError`: the two are not in the same call, and neither can go on. When that
+  call is over, CLEAR (rank, call) takes the STATUS back: a peer that reads the channel
+  only later (a long compressed run reads it when idle) must not take it for the present.
 * Timeouts stay local: a wait past its deadline raises `PeerTimeoutError` and sends ERROR.
 
 Every backend wait polls `watch` (installed in backends.base.WATCH at init): at most every
@@ -116,6 +118,7 @@ class Channel:
         self.incident: set = set()           # Programs of its last failure, until a call of its succeeds
         self._next = 0.0
         self._stall_sent: float | None = None
+        self._stall_peers: set = set()       # the peers told this call's STATUS (CLEAR at its end)
         self._wait_start: float | None = None
 
     # -- sending ---------------------------------------------------------------------------
@@ -187,6 +190,8 @@ class Channel:
                     self.failed.update(msg[6])
             elif msg[0] == "STATUS":
                 self.status[msg[1]] = (msg[2], tuple(msg[3]), time.monotonic())
+            elif msg[0] == "CLEAR" and msg[1] in self.status and self.status[msg[1]][0] == msg[2]:
+                del self.status[msg[1]]         # that peer is past the call it reported
 
     def _known(self, who, call, programs) -> bool:
         """Whether a peer's report is known here already (one incident, several reports): its
@@ -264,6 +269,7 @@ class Channel:
                 raise e
         if self._stall_sent is None or now - self._stall_sent > 1.0:
             self._stall_sent = now
+            self._stall_peers.update(peers)
             self._send(peers, ("STATUS", self.rank, call, list(peers)))
 
 
@@ -308,10 +314,11 @@ def enter(ch: Channel | None, call: Call, check: bool = True):
         return None
     if check and ch.errors:
         ch.raise_pending()
-    prev = (ch.call, ch.entry, ch._wait_start, ch._stall_sent)
+    prev = (ch.call, ch.entry, ch._wait_start, ch._stall_sent, ch._stall_peers)
     ch.call = call
     ch.entry = RECORDER.start(call)
     ch._wait_start = ch._stall_sent = None
+    ch._stall_peers = set()
     return prev
 
 
@@ -321,6 +328,8 @@ def leave(ch: Channel | None, prev, ev=None) -> None:
     if ch is None:
         return
     try:
+        if ch._stall_peers:             # the STATUS it sent in this call holds no more
+            ch._send(ch._stall_peers, ("CLEAR", ch.rank, ch.call))
         if isinstance(ev, Exception):
             ch.fail(ev)
             path = dump(ch.rank)
@@ -332,7 +341,7 @@ def leave(ch: Channel | None, prev, ev=None) -> None:
             if ch.incident:
                 ch.incident = set()         # a call succeeded: a later report is news
     finally:
-        ch.call, ch.entry, ch._wait_start, ch._stall_sent = prev
+        ch.call, ch.entry, ch._wait_start, ch._stall_sent, ch._stall_peers = prev
 
 
 def dump(rank: int) -> str | None:
