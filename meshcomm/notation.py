@@ -24,13 +24,15 @@ _MESH = re.compile(r"^\s*(\d+(?:x\d+)*)\s*(?:\(([^)]*)\))?\s*(?:@\s*(\d+))?\s*$"
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(t) for t in re.split(r"[x,]", text.strip()) if t)
-    except ValueError:
-        raise ValueError(f"bad shape {text!r}: use e.g. 1024,1024 or 1024x1024") from None
+    parts = re.split(r"[x,]", text.strip())
+    if not all(re.fullmatch(r"\s*\d+\s*", t) for t in parts):    # "8,x" and "8,,6" too
+        raise ValueError(f"bad shape {text!r}: use e.g. 1024,1024 or 1024x1024")
+    return tuple(int(t) for t in parts)
 
 
-def parse_layout(text: str) -> Layout:
+def parse_layout(text: str, ndim: int | None = None) -> Layout:
+    """`MESH:SPEC[;partial=AXES]` as a Layout; `ndim`: the tensor's, which the spec may not
+    exceed (one entry per dimension)."""
     if ":" not in text:
         raise ValueError(f"bad layout {text!r}: expected MESH:SPEC, e.g. '2x4:x,-'")
     mesh_part, rest = text.split(":", 1)
@@ -65,6 +67,9 @@ def parse_layout(text: str) -> Layout:
                 raise ValueError(f"bad spec entry {entry!r} in {text!r}")
             axes = tuple(entry.split("."))
             spec.append(axes if len(axes) > 1 else axes[0])
+    if ndim is not None and len(spec) > ndim:
+        raise ValueError(f"layout {text!r} has {len(spec)} spec entries but the tensor has {ndim} "
+                         "dimension(s): one entry per dimension")
     return Layout(mesh, tuple(spec), partial=partial)
 
 

@@ -178,6 +178,22 @@ def test_errors_name_the_problem():
     x = jax.device_put(np.zeros((4,)), NamedSharding(JMesh(np.array(devs[:2], dtype=object), ("k",)), P("k")))
     with pytest.raises(ValueError, match="not JAX devices"):
         reshard_jax(x, mc.Layout(mc.Mesh([0, 99999], "x"), ("x",)))
+    # a spec longer than the array (JAX refuses it too), and a tracer inside jax.jit
+    with pytest.raises(ValueError, match=r"has 2 entries but the tensor has 1 dimension"):
+        reshard_jax(x, NamedSharding(JMesh(np.array(devs[4:8], dtype=object), ("a",)), P("a", None)))
+    with pytest.raises(TypeError, match="outside jax.jit"):
+        jax.jit(lambda a: reshard_jax(a, x.sharding))(x)
+
+
+@needs_devices
+def test_an_explicit_mesh_source_with_unreduced_axes_is_a_pending_sum():
+    devs = jax.devices()[:NDEV]
+    m = JMesh(np.array(devs[:4], dtype=object), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    s = NamedSharding(m, P(None, None, unreduced={"x"}))
+    x = jax.make_array_from_single_device_arrays(
+        (8, 6), s, [jax.device_put(np.full((8, 6), i + 1, np.float32), devs[i]) for i in range(4)])
+    y = reshard_jax(x, NamedSharding(JMesh(np.array(devs[4:8], dtype=object), ("a",)), P("a")))
+    np.testing.assert_array_equal(np.asarray(y), np.full((8, 6), 10, np.float32))
 
 
 @needs_devices

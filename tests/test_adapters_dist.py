@@ -82,8 +82,8 @@ def test_dtensor_adapter_multiprocess():
     assert r.returncode == 0, _tail(r)
     ok = _oks("DTENSOR", r.stdout)
     assert sorted(ok) == [0, 1, 2, 3], _tail(r)
-    # 45 cases + the refused placement + 6 state dicts, one async, 3 refused, a plain tensor
-    assert all(n == 46 + 6 + 1 + 3 + 1 for n in ok.values()), _tail(r)
+    # 45 cases + 3 refused inputs + a 0-d + 6 state dicts, one async, 3 refused, a plain tensor
+    assert all(n == 48 + 1 + 6 + 1 + 3 + 1 for n in ok.values()), _tail(r)
 
 
 def test_dtensor_layout_follows_torch_coordinate_rule():

@@ -87,6 +87,8 @@ def test_plan_draw(tmp_path):
     (["--src", "2x2:x", "--dst", "4@4:x", "--topology", "p9"], "unknown topology preset 'p9'"),
     (["--src", "2x2:x", "--dst", "4@4:x", "--dtype", "float17"], "unknown dtype 'float17'"),
     (["--src", "2x2:x{1/2}", "--dst", "4@4:x"], "sum to 3"),
+    (["--src", "2x2:x,-,-", "--dst", "4@4:x"], "has 3 spec entries but the tensor has 2 dimension(s)"),
+    (["--src", "2x2:x", "--dst", "4@4:x", "--limit", "-1"], "--limit must be 0 (all rows) or more"),
 ])
 def test_plan_bad_input(args, msg):
     r = run("plan", "--shape", "8,6", *args)
@@ -133,8 +135,9 @@ def test_demo_subcommand_help():
         assert word in r.stdout, word
 
 
-def test_plan_bad_shape():
-    r = run("plan", "--shape", "8,six", "--src", "2x2:x", "--dst", "4@4:x")
+@pytest.mark.parametrize("shape", ["8,six", "8,x", "8,,6", "8,"])
+def test_plan_bad_shape(shape):
+    r = run("plan", "--shape", shape, "--src", "2x2:x", "--dst", "4@4:x")
     assert r.returncode == 2 and "bad shape" in r.stderr
 
 

@@ -223,8 +223,9 @@ def _wrap(out, me, like, device_mesh, placements, shape, dtype):
     if out is None:
         out = {}
     local = out.get(me) if isinstance(out, dict) else out
-    if local is None:
-        local = torch.empty(0, dtype=dtype, device=like.device)
+    if local is None:               # from_local takes shape=() for "not given": a 0-d local says it
+        local = torch.empty(0, dtype=dtype, device=like.device) if shape else torch.zeros((), dtype=dtype,
+                                                                                          device=like.device)
     return DTensor.from_local(local, device_mesh, tuple(placements), run_check=False,
                               shape=torch.Size(shape), stride=_contiguous_stride(shape))
 
@@ -234,12 +235,13 @@ def reshard_dtensor(dt: DTensor, device_mesh, placements: Sequence[Placement], *
     """Move `dt` to `device_mesh` (any DeviceMesh of the same world, overlapping or not)
     with `placements`. Every rank calls it; see the module docstring for the conventions.
     With `async_op=True` it returns a `meshcomm.Handle` whose `.wait()` gives the DTensor."""
-    if not isinstance(dt, DTensor):
-        raise TypeError(f"reshard_dtensor needs a DTensor, got {type(dt).__name__}")
     from .. import api
     from ..runtime.program import checking
     ctx, dpp = _ctx_info()
     with checking("reshard"):                   # the other ranks raise too, naming this one
+        if not isinstance(dt, DTensor):
+            raise TypeError(f"reshard_dtensor needs a DTensor, got {type(dt).__name__}")
+        _check_placements(placements)
         rank = _world_rank(ctx)
         src, dst, x, shape = _prepare(dt, device_mesh, placements, dpp, rank)
     me = rank * dpp
@@ -252,6 +254,11 @@ def reshard_dtensor(dt: DTensor, device_mesh, placements: Sequence[Placement], *
     if async_op:
         return Handle(lambda: finish(res.wait()), future=res)
     return finish(res)
+
+
+def _check_placements(pl) -> None:
+    if isinstance(pl, Placement) or not isinstance(pl, Sequence):
+        raise TypeError(f"placements must be a list of Placements (one per mesh dimension), got {pl!r}")
 
 
 def _placements_of(placements: PlacementsArg, names) -> dict:
@@ -299,8 +306,7 @@ def reshard_state_dict(sd: Mapping[str, DTensor], device_mesh, placements: Place
                 if not isinstance(sd[n], DTensor):
                     raise TypeError(f"need a DTensor, got {type(sd[n]).__name__}")
                 pl = per[n]
-                if isinstance(pl, Placement) or not isinstance(pl, Sequence):
-                    raise TypeError(f"placements must be a list of Placements, got {pl!r}")
+                _check_placements(pl)
                 items[n] = _prepare(sd[n], device_mesh, tuple(pl), dpp, rank) + (tuple(pl),)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"state dict entry {n!r}: {e}") from None

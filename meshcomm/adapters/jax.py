@@ -77,7 +77,11 @@ def _layout_of(sharding, shape, devices) -> Layout:
     """layout_from_sharding's work, cached (`devices`: the JAX devices it was read under)."""
     mesh = _mesh_from_jax(sharding.mesh)
     spec = []
-    for dim, e in enumerate(tuple(sharding.spec)):
+    entries = tuple(getattr(sharding.spec, "partitions", sharding.spec))   # without unreduced/reduced
+    if shape is not None and len(entries) > len(shape):
+        raise ValueError(f"sharding {sharding.spec} has {len(entries)} entries but the tensor has "
+                         f"{len(shape)} dimension(s) (shape {shape})")
+    for dim, e in enumerate(entries):
         if e is PartitionSpec.UNCONSTRAINED:
             raise ValueError(f"dimension {dim} of {sharding.spec} is UNCONSTRAINED; meshcomm needs "
                              "a concrete sharding")
@@ -219,6 +223,9 @@ def _prepare(x, dst):
     """(src layout, dst layout, dst sharding, this process's shards, shape), validated."""
     if not isinstance(x, jax.Array):
         raise TypeError(f"reshard_jax needs a jax.Array, got {type(x).__name__}")
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError("reshard_jax moves concrete arrays between processes and cannot be traced: "
+                        "call it outside jax.jit (inside, jax.lax.with_sharding_constraint)")
     src_sharding = x.sharding
     if isinstance(src_sharding, jax.sharding.SingleDeviceSharding):
         (d,) = tuple(src_sharding.device_set)
@@ -274,7 +281,9 @@ def reshard_jax(x, dst, *, backend: str | None = None, async_op: bool = False):
     if isinstance(x, jax.Array) and isinstance(dst, _TARGETS):
         return _reshard_one(x, dst, backend, async_op)
     if isinstance(x, _HOST):        # a bare host value is not resharded (jax.device_put places it)
-        raise TypeError(f"reshard_jax needs a jax.Array or a pytree of them, got {type(x).__name__}")
+        from ..runtime.program import checking
+        with checking("reshard"):               # the other ranks raise too, naming this one
+            raise TypeError(f"reshard_jax needs a jax.Array or a pytree of them, got {type(x).__name__}")
     return _reshard_tree(x, dst, backend, async_op)
 
 

@@ -42,8 +42,10 @@ def run(args) -> int:
         require("matplotlib", "--draw")
     try:
         shape = notation.parse_shape(args.shape)
-        src = notation.parse_layout(args.src)
-        dst = notation.parse_layout(args.dst)
+        src = notation.parse_layout(args.src, len(shape))
+        dst = notation.parse_layout(args.dst, len(shape))
+        if args.limit < 0:
+            raise ValueError(f"--limit must be 0 (all rows) or more, got {args.limit}")
         p = mc.plan(shape, args.dtype, src, dst, topology=args.topology)
     except (ValueError, TypeError) as e:
         print(f"meshcomm plan: error: {e}", file=sys.stderr)

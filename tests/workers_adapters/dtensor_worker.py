@@ -284,16 +284,29 @@ def main():
     bad = dist.get_world_size() - 1
     g = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     dt, _ = make_dtensor(g, MESHES["lo"], [Shard(0)], 0)
-    t0 = time.monotonic()
-    try:
-        reshard_dtensor(dt, MESHES["hi"], [Shard(5)] if rank == bad else [Shard(1)])
-    except (ValueError, TypeError) as e:
-        assert rank == bad or f"rank {bad}" in str(e), str(e)
-        assert time.monotonic() - t0 < 15, time.monotonic() - t0
-    else:
-        raise AssertionError("an invalid placement on one rank was not refused")
-    y = reshard_dtensor(dt, MESHES["hi"], [Shard(1)])       # the next call works
-    check(y, g, MESHES["hi"], [Shard(1)], "after a refused placement")
+    # (a plain tensor and a bare placement too: they were checked before the call's shared
+    # error path, so the other ranks waited out MESHCOMM_TIMEOUT)
+    # (each a call not made before: the others construct, and all raise in that agreement)
+    for k, (plain, pl) in enumerate(((False, [Shard(5)]), (True, [Shard(1)]), (False, Shard(1)))):
+        g = torch.arange(6 * (4 + k), dtype=torch.float32).reshape(4 + k, 6)
+        dt, _ = make_dtensor(g, MESHES["lo"], [Shard(0)], 0)
+        x = dt.to_local() if plain else dt
+        t0 = time.monotonic()
+        try:
+            reshard_dtensor(x if rank == bad else dt, MESHES["hi"], pl if rank == bad else [Shard(1)])
+        except (ValueError, TypeError) as e:
+            assert rank == bad or f"rank {bad}" in str(e), str(e)
+            assert time.monotonic() - t0 < 15, time.monotonic() - t0
+        else:
+            raise AssertionError(f"rank {rank}: an invalid input on rank {bad} was not refused: "
+                                 f"{type(x).__name__} {pl}")
+        y = reshard_dtensor(dt, MESHES["hi"], [Shard(1)])       # the next call works
+        check(y, g, MESHES["hi"], [Shard(1)], "after a refused input")
+        done += 1
+    # a 0-d DTensor onto a mesh without this rank keeps its global shape (), as torch's does
+    z = reshard_dtensor(distribute_tensor(torch.tensor(3.25), MESHES["lo"], [Replicate()]), MESHES["hi"],
+                        [Replicate()])
+    assert tuple(z.shape) == () and (rank not in MESHES["hi"].mesh.tolist() or z.to_local().item() == 3.25), z
     done += 1
     done += state_dict_errors()
     dist.barrier()
