@@ -192,9 +192,6 @@ class A2AKernel:
     def describe(self) -> str:
         return "count exchange, then the planned row exchange"
 
-    def facts(self, st):
-        return None if st[0] is None else tuple(sorted((d, tuple(v.shape)) for d, v in st[0][0].items()))
-
     def prepare(self, args, out=None):
         if out is not None:
             raise TypeError(no_out("all_to_all_v"))

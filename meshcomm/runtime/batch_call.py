@@ -110,9 +110,6 @@ class BatchKernel:
     def describe(self) -> str:
         return f"{len(self.tensors)} tensors, one message per pair of processes per stage"
 
-    def facts(self, st) -> tuple:
-        return tuple((n, tuple(sorted((d, tuple(v.shape)) for d, v in sh.items()))) for n, (sh, _) in st[0].items())
-
     def quick(self, xs):
         """{name: (tiles, kind)} where every tensor's tiles are a common run
         (`tiles.common_run`): `prepare` without the general validation (the eager call's

@@ -138,9 +138,6 @@ class CollectiveKernel:
     def describe(self) -> str:
         return f"{self.native.prim.name} native" if self.native is not None else "plan"
 
-    def facts(self, st) -> tuple:
-        return tuple(sorted((d, tuple(v.shape)) for d, v in st[0].items()))
-
     def prepare(self, x, out):
         f = self._bare
         if f is not None and out is None and type(x) is np.ndarray and x.shape == f[1] and x.dtype == f[2]:

@@ -194,7 +194,7 @@ class Program:
                 ctx = self.ctx
                 ctx.attempts += 1
                 agreement.agree(ctx, self.ranks, (self.counter, self.runs), ctx.attempts, Meta(
-                    self.label, (("program", self.id), ("run", self.runs), ("input", self._kernel.facts(st)))))
+                    self.label, (("program", self.id), ("run", self.runs))))
             self._kernel.parity = call.seq & 1      # runs one at a time, in call order (ctx._lock)
             return self._kernel.run(st, time.monotonic() + self.ctx.timeout, stamp)
         return self._in_call(ch, call, run)

@@ -115,9 +115,6 @@ class ReshardKernel:
     def describe(self) -> str:
         return "plan"
 
-    def facts(self, st) -> tuple:
-        return tuple(sorted((d, tuple(v.shape)) for d, v in st[0].items())), facts_of(st[0])
-
     def quick(self, x):
         """The prepared input of a common run (`tiles.common_run`: NumPy arrays or CPU torch
         tensors of the agreed shapes and dtype, one per owned src device), else None. What

@@ -223,6 +223,35 @@ def run_bfloat16(ctx, stats):
         stats["bfloat16"] += 1
 
 
+def run_check_every(ctx, stats):
+    """MESHCOMM_CHECK=every (read when a Program is constructed): every run agrees first. It
+    compared each process's own device ids, so every run of every call raised "processes
+    disagree on input"."""
+    n = ctx.world_size * ctx.devices_per_process
+    mesh = mc.Mesh(np.arange(n), ("x",))
+    mine = ctx.owned_devices(mc.Layout(mesh, ()))
+    os.environ["MESHCOMM_CHECK"] = "every"
+    try:
+        prog = mc.Program.all_reduce(mesh, "x", shape=(5,), dtype="int64")    # shapes no earlier call used
+        src, dst = mc.Layout(mesh, ("x", None)), mc.Layout(mesh, (None, "x"))
+        g = np.arange(n * n * 3, dtype=np.float64).reshape(n, 3 * n)
+        rows = {d: np.full((d % 3, 2), d, np.int32) for d in mine}
+        counts = {d: [d % 3 if j == d else 0 for j in range(n)] for d in mine}
+        for _ in range(2):
+            for d, v in prog({d: np.full(5, d, np.int64) for d in mine}).items():
+                assert (v == sum(range(n))).all(), (ctx.rank, d, v)
+            for d, v in mc.all_gather({d: np.full(7, d) for d in mine}, mesh, "x").items():
+                assert np.array_equal(v, np.repeat(np.arange(n), 7)), (ctx.rank, d, v)
+            out = mc.reshard({d: t for d, t in mc.shard(g, src).items() if d in mine}, src, dst)
+            for d, v in out.items():
+                assert np.array_equal(v, g[dst.index_map(g.shape)[d]]), (ctx.rank, d)
+            for d, v in mc.all_to_all_v(rows, counts, mesh, "x").items():
+                assert np.array_equal(v, rows[d]), (ctx.rank, d, v)
+            stats["check_every"] += 4
+    finally:
+        os.environ.pop("MESHCOMM_CHECK")
+
+
 def run_given_up_over_gloo(ctx, args, stats):
     """Over torch (gloo) a wait given up leaves work that may still match a later call (gloo
     cancels nothing; its collectives match by order on one group): the next construction
@@ -458,6 +487,7 @@ def main():
         run_agreed_then_failed(ctx, stats)
         run_parameters(ctx, stats)
         run_bfloat16(ctx, stats)
+        run_check_every(ctx, stats)
         ctx = run_given_up_over_gloo(ctx, args, stats)
         if args.checks:
             run_checks(ctx, backends, stats)
