@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Retake the figures of BENCHMARKS.md on this machine, one run each, into benchmarks/results/:
-#   bash benchmarks/retake.sh [sim|plan|run|collectives|cpu|refit|recorder|all]
+#   bash benchmarks/retake.sh [sim|plan|run|collectives|cpu|refit|recorder|compression|all]
 # Each command is printed before its output; the files are what BENCHMARKS.md quotes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,3 +33,7 @@ case $what in recorder|all) run recorder_cost_2 $MPI -n 2 $PY benchmarks/recorde
 case $what in refit|all)
   run bench_refit .venv/bin/meshcomm bench refit --json "$OUT/bench_refit.json"
   run rl_refit_8 $MPI -n 8 $PY examples/rl_refit.py --check --d 256 --layers 4 --repeats 5 --steps 2 ;; esac
+case $what in compression|all)      # ~9 minutes: ZFP collectives on emulated links, then the error
+  run compression_sizes_8 $MPI -n 8 $PY benchmarks/compression.py sizes
+  run compression_crossover_8 $MPI -n 8 $PY benchmarks/compression.py crossover --reps 5
+  run compression_error $PY benchmarks/compression.py error ;; esac
