@@ -215,6 +215,14 @@ def _unique_chunk_total(sizes: Mapping[int, int], k: int) -> int | None:
     return int(cand[0]) if len(cand) == 1 else None
 
 
+def overlaps(a, b) -> bool:
+    """Whether two arrays may share memory (NumPy: by their bounds; torch: one storage)."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return np.may_share_memory(a, b)
+    return (arrays.is_torch(a) and arrays.is_torch(b)
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+
+
 def check_out_buffer(v, shape, dtype: str, where: str, kind: str | None = None, of: str = "the result is") -> None:
     """An `out=` buffer against the result it takes (`where` names it in the errors): its shape
     and dtype; with `kind` (the tiles' or the result's: "numpy", "torch" or "jax", whose

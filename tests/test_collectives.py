@@ -170,6 +170,7 @@ def test_mpiexec_4_every_backend_async_mix_and_faults(tmp_path):
         # half the processes with a bad layout: they raise at once, alone
         assert r["unknown_group_next_ok"] == 3 and r.get("unknown_group_s", 0) < 1, r
         assert r["p2p_ok"] == 9 and r.get("p2p_mismatch_ok", 0) == (3 if r["rank"] % 2 else 0), r
+        assert r["p2p_refused"] == 3 and r.get("p2p_late_ok", 0) == (1 if r["rank"] % 2 else 0), r
         # repeated calls: no Program constructed, nothing agreed where every process decides alone
         assert r["repeat_ok"] == 7 * 3 and r["repeated_ops_ok"] == 3, r
         # Programs of every op and all_to_all_v, run many times, out= buffers used
@@ -226,6 +227,8 @@ def test_mpiexec_8_every_element_type_and_torch_tiles(tmp_path):
     # a process whose part ended at once makes a call the others do not make: its next call
     # must not join their pending run (the per-group call sequence: docs/runtime.md)
     pytest.param("skipped-call", "skipped_call_raised", 3, id="skipped-call"),
+    # fixed: a read-only out= (checked after the data moved) and an out= that is the input tile
+    pytest.param("bad-out-buffer", "bad_out_ok", 1, id="bad-out-buffer"),
 ])
 def test_mismatch_and_fault_cases(tmp_path, case, stat, count):
     """4 processes, one case each (collectives_worker.py KNOWN_BUGS): what the semantics say

@@ -3,7 +3,12 @@
 The sender sends a small header (dtype, shape) and then the data; the receiver checks the
 header against `like` before taking the data, so a shape or dtype mismatch raises a
 ValueError naming both devices on the receiving process instead of reinterpreting bytes.
-Messages between two devices arrive in the order they were sent. Without a launcher both
+Messages between two devices arrive in the order they were sent: the k-th message of a pair
+goes on tags of its own (`_tags`), so a receive given up (timed out) leaves no header or data
+that a later receive of the pair could take for its own. Sends and receives run in call order
+on the context's queue, asynchronous ones too (as every call does): a receive waits there
+until its message comes, so two processes exchanging both ways order the calls (one sends
+first), as with blocking MPI calls; `all_to_all_v` or a reshard moves data both ways at once. Without a launcher both
 devices live in this process: `send` leaves a copy in a mailbox that `recv` takes.
 """
 from __future__ import annotations
@@ -15,11 +20,12 @@ import numpy as np
 
 from .. import arrays, runtime
 from ..handle import Handle
+from ..layout import normalize_shape
 from ..validate import plain_tile
 
 __all__ = ["send", "recv"]
 
-_HDR, _DATA = 30001, 30002          # tags of the header and the data (below MPI's 32767)
+_TAG0, _SPAN = 256, 512             # the k-th message's (header, data) tags: in the tag slot Programs leave
 _MAILBOX: dict = collections.defaultdict(collections.deque)     # (from, to) -> tiles (one process)
 _HDR_LEN = 16
 
@@ -38,6 +44,14 @@ def _header(x) -> np.ndarray:
     code = np.frombuffer(name.encode()[:16].ljust(16, b"\0"), dtype=np.int64)
     return np.array(list(code) + [itemsize, len(shape)] + list(shape) + [0] * (_HDR_LEN - 4 - len(shape)),
                     dtype=np.int64)
+
+
+def _tags(ctx, way: str, frm: int, to: int) -> tuple[int, int]:
+    """(header tag, data tag) of the pair's next message this way (sender and receiver count alike)."""
+    k = ctx.p2p.get((way, frm, to), 0)
+    ctx.p2p[(way, frm, to)] = k + 1
+    t = _TAG0 + 2 * (k % _SPAN)
+    return t, t + 1
 
 
 def _describe(h) -> str:
@@ -63,7 +77,10 @@ def _own(ctx, device, what):
 
 def _default_device(ctx, given, what):
     if given is not None:
-        return _device(given, what)
+        d = _device(given, what)
+        if ctx is not None:
+            ctx.ownership.check_devices([d], what)
+        return d
     if ctx is None:
         raise ValueError(f"{what} is needed without meshcomm.init (this process owns every device)")
     dpp = ctx.devices_per_process
@@ -75,8 +92,8 @@ def _default_device(ctx, given, what):
 def send(x, to_device: int, *, from_device: int | None = None, backend=None, async_op: bool = False):
     """Send tile `x` from `from_device` (default: the one device this process owns) to
     `to_device`, whose process calls `recv(from_device, like)`."""
-    to_device = _device(to_device, "to_device")
     ctx = runtime.current()
+    to_device = _default_device(ctx, to_device, "to_device")
     frm = _default_device(ctx, from_device, "from_device")
     arrays.kind_of(x)
     x = plain_tile(x)
@@ -92,8 +109,10 @@ def send(x, to_device: int, *, from_device: int | None = None, backend=None, asy
     hdr = to_wire(_header(x), prim.wire)
     data = to_wire(np.asarray(x) if arrays.kind_of(x) == "jax" else x.reshape(-1), prim.wire)
 
+    t_hdr, t_data = _tags(ctx, "send", frm, to_device)
+
     def go():
-        works = [prim.isend(hdr, peer, _HDR), prim.isend(data, peer, _DATA)]
+        works = [prim.isend(hdr, peer, t_hdr), prim.isend(data, peer, t_data)]
         prim.wait_all(works, time.monotonic() + ctx.timeout)
     fut = ctx.run(go, async_op)
     return Handle(lambda: (fut.result(), None)[1], future=fut) if async_op else None
@@ -103,12 +122,14 @@ def recv(from_device: int, like, *, to_device: int | None = None, backend=None, 
     """Receive the tile `from_device` sends to `to_device` (default: the one device this
     process owns). `like` (an array, or a (shape, dtype) pair) gives the shape, dtype and
     kind expected; a different header raises ValueError naming both devices."""
-    from_device = _device(from_device, "from_device")
     ctx = runtime.current()
+    from_device = _default_device(ctx, from_device, "from_device")
     to = _default_device(ctx, to_device, "to_device")
     if isinstance(like, tuple) and len(like) == 2 and not hasattr(like, "shape"):
         shape, dtype = like
-        like = np.empty(tuple(shape), dtype=arrays.numpy_dtype(arrays.normalize_dtype(dtype)[0]))
+        if not isinstance(shape, (tuple, list)):
+            raise TypeError(f"recv: like=(shape, dtype) needs the shape as a tuple of ints, got {shape!r}")
+        like = np.empty(normalize_shape(shape), dtype=arrays.numpy_dtype(arrays.normalize_dtype(dtype)[0]))
     arrays.kind_of(like)
     want = _header(plain_tile(like) if isinstance(like, np.ndarray) else like)
 
@@ -131,15 +152,16 @@ def recv(from_device: int, like, *, to_device: int | None = None, backend=None, 
     peer = ctx.ownership.rank_of(from_device)
     prim = _primitives(ctx, backend, like)
     like_np = like if not arrays.is_jax(like) else np.asarray(like)
+    t_hdr, t_data = _tags(ctx, "recv", from_device, to)
 
     def go():
         deadline = time.monotonic() + ctx.timeout
         hbuf = empty_wire(_HDR_LEN * 8, prim.wire, np.empty(0, np.int64))
-        prim.wait_all([prim.irecv(hbuf, peer, _HDR)], deadline)
+        prim.wait_all([prim.irecv(hbuf, peer, t_hdr)], deadline)
         h = from_wire(hbuf, np.empty(0, np.int64))
         got = int(np.prod(h[4:4 + int(h[3])], dtype=np.int64)) * int(h[2])
         buf = empty_wire(got, prim.wire, like_np)
-        prim.wait_all([prim.irecv(buf, peer, _DATA)], deadline)     # drained even on a mismatch
+        prim.wait_all([prim.irecv(buf, peer, t_data)], deadline)    # drained even on a mismatch
         check(h, "; the data was received and dropped")
         return from_wire(buf, like_np).reshape(tuple(like.shape))
     fut = ctx.run(go, async_op)

@@ -164,11 +164,12 @@ class CollectiveKernel:
         kind = f["kind"] or a.kind or "numpy"
         if kind == "jax":
             tiles = {d: np.asarray(v) for d, v in tiles.items()}
-        return tiles, bare, kind, fences_of(tiles), self._check_out(out, bare)
+        return tiles, bare, kind, fences_of(tiles), self._check_out(out, bare, f["kind"])
 
-    def _check_out(self, out, bare):
+    def _check_out(self, out, bare, kind):
         """out= buffers ({device: buffer}, or one buffer where x was bare), checked against
-        the result tiles' shapes and dtype; the results are copied into them."""
+        the result tiles' shapes and dtype (and, with the tiles' `kind`, writable arrays of it);
+        the results are copied into them."""
         if out is None:
             return None
         req, prob = self.req, self.prob
@@ -181,7 +182,7 @@ class CollectiveKernel:
             if d not in self.owned or d not in shapes:
                 raise ValueError(f"{req.op}: out= holds a buffer for device {d}, which gets no result on "
                                  f"rank {self.ctx.rank}")
-            check_out_buffer(v, shapes[d], self.a.dtype[0], f"{req.op}: out= buffer of device {d}")
+            check_out_buffer(v, shapes[d], self.a.dtype[0], f"{req.op}: out= buffer of device {d}", kind)
         return dict(out)
 
     def run(self, st, deadline, stamp=None):

@@ -199,6 +199,7 @@ class Context:
         self.group_programs: dict = {}  # processes (sorted ranks) -> their Programs' numbers (control.Channel.watch)
         self.tries: dict = {}       # (group key, counter) -> attempts that failed together (agreement)
         self.attempts = 0           # agreements this process took part in (their nonces)
+        self.p2p: dict = {}         # ("send" | "recv", from device, to device) -> messages so far (collectives/p2p.py)
         self.channel = control.Channel(self.backend, self.rank, self.world_size, timeout)
 
     def __repr__(self) -> str:

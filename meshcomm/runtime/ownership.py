@@ -30,10 +30,13 @@ class Ownership:
 
     def check_mesh(self, mesh: Mesh, what: str = "the") -> None:
         """Every device of `mesh` must have a process."""
+        self.check_devices(mesh.device_ids, f"{what} mesh device(s)")
+
+    def check_devices(self, devices, what: str = "device(s)") -> None:
         n = self.world_size * self.devices_per_process
-        bad = [d for d in mesh.device_ids if d >= n]
+        bad = [d for d in devices if d >= n]
         if bad:
-            raise ValueError(f"{what} mesh device(s) {bad[:8]} have no process: with {self.world_size} "
+            raise ValueError(f"{what} {bad[:8]} have no process: with {self.world_size} "
                              f"processes and devices_per_process={self.devices_per_process}, device d "
                              f"belongs to rank d // {self.devices_per_process}, so ids must be < {n}")
 

@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import meshcomm as mc                        # noqa: E402
 import wide_dtypes                            # noqa: E402
 from cases import random_mesh                 # noqa: E402
-from meshcomm.errors import PeerError         # noqa: E402
+from meshcomm.errors import PeerError, PeerTimeoutError  # noqa: E402
 from meshcomm.runtime import control, native_call  # noqa: E402
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather", "scatter")
@@ -458,6 +458,39 @@ def p2p(ctx, backends, stats):
             mc.send(np.array([7, 8]), peer, backend=b)
             y = np.array([7, 8])
         assert y.tolist() == [7, 8]
+        # a device without a process, and like=(shape, dtype) with a bare int: named, nothing sent
+        nodev = ctx.world_size * ctx.devices_per_process + 3
+        for call in (lambda: mc.send(x, nodev, backend=b), lambda: mc.recv(nodev, like, backend=b)):
+            try:
+                call()
+                raise AssertionError("a device without a process was taken")
+            except ValueError as e:
+                assert f"[{nodev}] have no process" in str(e), str(e)
+        try:
+            mc.recv(peer, (3, "float32"), backend=b)
+            raise AssertionError("like=(3, 'float32') was taken")
+        except TypeError as e:
+            assert "shape as a tuple" in str(e), str(e)
+        stats["p2p_refused"] += 1
+        if b == "mpi":
+            # a recv given up at its deadline: the pair's next recv gets its own message, not
+            # the late one's bytes under its header (the k-th message has tags of its own)
+            if me % 2 == 0:
+                time.sleep(2.0)
+                mc.send(np.arange(6, dtype=np.float64), peer, backend=b)       # too late
+                mc.send(np.full((3, 4), 7.0, np.float32), peer, backend=b)
+            else:
+                old, ctx.timeout = ctx.timeout, 0.3
+                try:
+                    mc.recv(peer, np.empty(6), backend=b)
+                    raise AssertionError("a recv past its deadline returned")
+                except PeerTimeoutError:
+                    pass
+                finally:
+                    ctx.timeout = old
+                y = mc.recv(peer, np.empty((3, 4), np.float32), backend=b)
+                assert (y == 7).all(), y
+                stats["p2p_late_ok"] += 1
 
 
 def runs_since(seq: int) -> list[int]:
@@ -735,9 +768,35 @@ def skipped_call(ctx, stats):
         stats["skipped_call_ok"] += 1
 
 
+def bad_out_buffer(ctx, stats):
+    """One process's out= is read-only (a collective Program) or its own input tile (a reshard
+    Program): it raises naming the buffer before posting, the others a PeerError naming it;
+    new Programs work after. (The first wrote after the data moved, telling no one; the second
+    returned wrong values.)"""
+    from mpi4py import MPI
+    ws, me, bad, k = ctx.world_size, ctx.rank, ctx.world_size - 1, 2
+    mesh = mc.Mesh(np.arange(ws), ("x",))
+    out = np.empty(4, np.float32)
+    out.flags.writeable = me != bad
+    A = mc.Program.all_reduce(mesh, "x", shape=(4,), dtype="float32", backend="mpi")
+    e = expect_raise(ctx, lambda: A(np.ones(4, np.float32), out=out), bad, "a read-only out=", stats)
+    assert me != bad or "writable" in str(e), e
+    src, dst = mc.Layout(mesh, ("x", None)), mc.Layout(mesh, (None, "x"))    # every device needs every other
+    g = np.arange(ws * k * ws * k, dtype=np.float64).reshape(ws * k, ws * k)
+    x = mc.shard(g, src)[me].copy()
+    R = mc.Program.reshard(src, dst, shape=g.shape, dtype=g.dtype, backend="mpi")
+    mine = x.reshape(ws * k, k) if me == bad else np.empty((ws * k, k))       # the input's memory
+    e = expect_raise(ctx, lambda: R({me: x}, out={me: mine}), bad, "out= the input tile", stats)
+    assert me != bad or "shares memory" in str(e), e
+    MPI.COMM_WORLD.Barrier()            # (the test's own channel) every process has raised
+    R2 = mc.Program.reshard(src, dst, shape=g.shape, dtype=g.dtype, backend="mpi")
+    assert np.array_equal(R2({me: x})[me], mc.shard(g, dst)[me]), me
+    stats["bad_out_ok"] += 1
+
+
 KNOWN_BUGS = {"cached-bad-argument": cached_bad_argument, "none-after-tiles": none_after_tiles,
               "gather-size-one": gather_size_one, "stale-broadcast": stale_broadcast,
-              "relayed-error": relayed_error, "skipped-call": skipped_call}
+              "relayed-error": relayed_error, "skipped-call": skipped_call, "bad-out-buffer": bad_out_buffer}
 
 
 def repeated_ops(ctx, backends, stats):
