@@ -95,9 +95,17 @@ def agree(ctx, ranks, counter, nonce: int, meta: Meta, own_error: BaseException 
     try:
         got = ctx.backend.allgather_obj((g, counter, nonce, meta), deadline, tag=(g,) + counter, accept=accept,
                                         ranks=tuple(ranks))
-    except BaseException:
+    except BaseException as e:
         # this attempt's Meta may wait at the others: take it back, behind it on its channel
         ctx.backend.retract(("RETRACT", nonce), tag=(g,) + counter, ranks=tuple(ranks))
+        if isinstance(e, PeerError) and isinstance(own_error, (ValueError, TypeError)):
+            # the others are in another call (a run of this call's cached Program, say): this
+            # process raises its own bad input, which is why it is here (they name it), as the
+            # same incident to the control channel (the Programs it fails, the Metas to drop)
+            for k in ("programs", "retracts", "relayed", "origin", "shared"):
+                if hasattr(e, k):
+                    setattr(own_error, k, getattr(e, k))
+            raise own_error from e
         raise
     if ch is not None:
         ch.poll()
