@@ -46,9 +46,10 @@ class DistRun:
             xs, scs, _, like, row_elems, row_bytes = args
             self.owned, self.like, self.row_elems, self.row_bytes = set(xs), like, row_elems, row_bytes
             dev = like.device if arrays.is_torch(like) else None
-            # the concrete backend whose isend/irecv run the exchange ("mixed" picks per size)
-            self.prim = be.choose("send", int(sum(sum(c) for c in scs.values())) * row_bytes, 2,
-                                  "cuda" if dev is not None and dev.type == "cuda" else "cpu")
+            self.devtype = "cuda" if dev is not None and dev.type == "cuda" else "cpu"
+            # the concrete backend of the count exchange ("mixed" picks by size): from what
+            # every process knows alike (a group's size), as a peer's must be the same
+            self.prim = be.choose("send", 8 * max(len(g) for g in groups), 2, self.devtype)
         # two tags per group (counts, rows), from the Program's own tag space
         self.groups = [g for g in groups if self.owned.intersection(g)]
         self.tags = {g: tags[0] + 2 * i for i, g in enumerate(groups) if g in self.groups}
@@ -68,8 +69,10 @@ class DistRun:
             p = plan_alltoall(g, counts, row_bytes, topo, algorithm)
             if rcs is not None:
                 wrong.extend((f, rcs[f], p.recv_counts(f)) for f in mine if p.recv_counts(f) != rcs[f])
-            self.plans.append((p, tag + 1))
-        self.hold = {d: split_rows(xs[d], scs[d], d, p.devices) for p, _ in self.plans
+            # the rows' backend: by the group's largest message, which its members all know now
+            big = max(c for row in counts for c in row) * row_bytes
+            self.plans.append((p, tag + 1, self.be.choose("send", big, 2, self.devtype)))
+        self.hold = {d: split_rows(xs[d], scs[d], d, p.devices) for p, _, _ in self.plans
                      for d in p.devices if d in self.owned}
         out = self.finish(bare)
         if self.stamp is not None:
@@ -91,7 +94,7 @@ class DistRun:
         return d // self.dpp
 
     def _wait(self, works):
-        self.prim.wait_all(works, time.monotonic() + self.timeout)
+        self.be.wait_all(works, time.monotonic() + self.timeout)     # "mixed": both backends' works
         self.keep.clear()
 
     def _exchange_counts(self, g, mine, scs, tag):
@@ -124,8 +127,8 @@ class DistRun:
 
     def _post(self, k):
         works, recvs = [], []
-        wire = self.prim.wire
-        for p, tag in self.plans:
+        for p, tag, prim in self.plans:
+            wire = prim.wire
             for msg in p.stage(k):
                 so, to = msg.src in self.owned, msg.dst in self.owned
                 if so and to:
@@ -135,13 +138,13 @@ class DistRun:
                     buf = _flat_cat([self.hold[msg.src].pop((o, f)) for o, f, _ in msg.blocks], self.like)
                     self.sent_bytes += msg.rows * self.row_bytes
                     self.keep.append(to_wire(buf, wire))
-                    works.append(self.prim.isend(self.keep[-1], self._owner(msg.dst), tag))
+                    works.append(prim.isend(self.keep[-1], self._owner(msg.dst), tag))
                 elif to:
                     self.recv_bytes += msg.rows * self.row_bytes
                     buf = empty_wire(msg.rows * self.row_bytes, wire, self.like)
-                    works.append(self.prim.irecv(buf, self._owner(msg.src), tag))
+                    works.append(prim.irecv(buf, self._owner(msg.src), tag))
                     recvs.append((msg, buf))
-        self.prim.flush()
+        self.be.flush()
         return works, recvs
 
     def _complete(self, pending):
@@ -157,11 +160,11 @@ class DistRun:
                 off += k
 
     def finish(self, bare):
-        nstages = max((p.num_stages for p, _ in self.plans), default=1)
+        nstages = max((p.num_stages for p, _, _ in self.plans), default=1)
         for k in range(nstages):
             self._complete(self._post(k))
         out = {}
-        for p, _ in self.plans:
+        for p, _, _ in self.plans:
             for d in p.devices:
                 if d in self.owned:
                     out[d] = assemble(self.hold[d], d, p.devices, self.like)
