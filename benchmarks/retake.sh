@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Retake the figures of BENCHMARKS.md on this machine, one run each, into benchmarks/results/:
-#   bash benchmarks/retake.sh [sim|plan|run|collectives|cpu|refit|recorder|compression|all]
+#   bash benchmarks/retake.sh [sim|plan|run|collectives|cpu|refit|recorder|compression|logs|all]
 # Each command is printed before its output; the files are what BENCHMARKS.md quotes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,3 +37,9 @@ case $what in compression|all)      # ~9 minutes: ZFP collectives on emulated li
   run compression_sizes_8 $MPI -n 8 $PY benchmarks/compression.py sizes
   run compression_crossover_8 $MPI -n 8 $PY benchmarks/compression.py crossover --reps 5
   run compression_error $PY benchmarks/compression.py error ;; esac
+case $what in logs|all)             # the examples' communication logs against meshcomm.model
+  for ex in pipelined_gpt dlrm moe; do
+    rm -rf "out/logs/$ex"
+    run "log_$ex" $MPI -n 4 $PY examples/$ex.py --log "out/logs/$ex" --steps 5
+    run "log_summary_$ex" .venv/bin/meshcomm log summary "out/logs/$ex" --by tag
+  done ;; esac
