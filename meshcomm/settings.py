@@ -90,6 +90,7 @@ _ALL = (
 )
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}
+AGREED = ("CHECK", "EMULATE_GBPS", "EMULATE_NODE_SIZE", "COMPRESSION_CHUNK")   # a Program's: the same everywhere
 
 
 def get(name: str):
@@ -123,3 +124,10 @@ def markdown_table() -> str:
         default = s.shown_default or str(s.default)
         lines.append(f"| `{s.var}` | {default} | {s.doc} |")
     return "\n".join(lines)
+
+
+def agreed() -> tuple:
+    """The settings that shape a Program (`AGREED`: how runs agree, native call or paced plan,
+    chunks), as (name, value): every construction agrees on them, so a process launched with
+    another value raises there, naming it, instead of running another Program."""
+    return tuple((n, get(n)) for n in AGREED)

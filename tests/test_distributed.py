@@ -91,7 +91,7 @@ def test_mpiexec_4_every_backend_mismatch_and_timeout(tmp_path):
         assert r["mismatch_ok"] == 4 * 3 + 4, r
         assert r["program_ok"] == 3 and r["no_src_ok"] == 4 * 3, r
         assert r["parameters"] == 9 and r["bfloat16"] == 5, r    # parameters in, data out; bfloat16 tiles
-        assert r["check_every"] == 8, r         # MESHCOMM_CHECK=every: each run agrees first
+        assert r["check_every"] == 8 and r["settings_refused"] == 1, r    # MESHCOMM_CHECK=every; one rank's setting
     lag = 3
     phases = ["construct_mpi", "construct_torch", "construct_mixed", "run_mpi", "run_torch"]
     for r in res[:lag]:
@@ -141,7 +141,7 @@ def test_torchrun_and_a_peer_that_dies(tmp_path):
         assert r["agreed_then_failed"] == 4     # constructions that agreed, then failed to plan
         assert r["parameters"] == 9             # tensors that require grad in, data out
         assert r["bfloat16"] == 5               # NumPy bfloat16 tiles over gloo
-        assert r["check_every"] == 8            # MESHCOMM_CHECK=every
+        assert r["check_every"] == 8 and r["settings_refused"] == 1    # MESHCOMM_CHECK=every; one rank's setting
         assert r["given_up_over_gloo"] == 1     # refused after gloo work was given up, then re-init
         assert r["timeout_construct_torch"] < TIMEOUT + 4
 

@@ -60,12 +60,12 @@ def _describe(h) -> str:
     return f"{name} {tuple(int(v) for v in h[4:4 + ndim])}"
 
 
-def _primitives(ctx, backend, x):
-    """The concrete backend for one message of x's size ("mixed" picks by size)."""
+def _primitives(ctx, backend, nbytes: int):
+    """The concrete backend for one message of `nbytes` ("mixed" picks by size: the header's
+    by its fixed size, the data's by the size the header gives, so both ends pick alike)."""
     be, err = ctx.resolve_backend(backend)
     if err is not None:
         raise err
-    nbytes = int(np.prod(x.shape, dtype=np.int64)) * arrays.dtype_of(x)[1]
     return be.choose("send", nbytes, 2, "cpu")
 
 
@@ -105,15 +105,17 @@ def send(x, to_device: int, *, from_device: int | None = None, backend=None, asy
     _own(ctx, frm, "send")
     from meshcomm.backends.base import to_wire
     peer = ctx.ownership.rank_of(to_device)
-    prim = _primitives(ctx, backend, x)
-    hdr = to_wire(_header(x), prim.wire)
+    prim_h = _primitives(ctx, backend, _HDR_LEN * 8)
+    prim = _primitives(ctx, backend, int(np.prod(x.shape, dtype=np.int64)) * arrays.dtype_of(x)[1])
+    hdr = to_wire(_header(x), prim_h.wire)
     data = to_wire(np.asarray(x) if arrays.kind_of(x) == "jax" else x.reshape(-1), prim.wire)
 
     t_hdr, t_data = _tags(ctx, "send", frm, to_device)
 
     def go():
-        works = [prim.isend(hdr, peer, t_hdr), prim.isend(data, peer, t_data)]
-        prim.wait_all(works, time.monotonic() + ctx.timeout)
+        deadline = time.monotonic() + ctx.timeout
+        prim_h.wait_all([prim_h.isend(hdr, peer, t_hdr)], deadline)
+        prim.wait_all([prim.isend(data, peer, t_data)], deadline)
     fut = ctx.run(go, async_op)
     return Handle(lambda: (fut.result(), None)[1], future=fut) if async_op else None
 
@@ -150,16 +152,17 @@ def recv(from_device: int, like, *, to_device: int | None = None, backend=None, 
     _own(ctx, to, "recv")
     from meshcomm.backends.base import empty_wire, from_wire
     peer = ctx.ownership.rank_of(from_device)
-    prim = _primitives(ctx, backend, like)
+    prim_h = _primitives(ctx, backend, _HDR_LEN * 8)
     like_np = like if not arrays.is_jax(like) else np.asarray(like)
     t_hdr, t_data = _tags(ctx, "recv", from_device, to)
 
     def go():
         deadline = time.monotonic() + ctx.timeout
-        hbuf = empty_wire(_HDR_LEN * 8, prim.wire, np.empty(0, np.int64))
-        prim.wait_all([prim.irecv(hbuf, peer, t_hdr)], deadline)
+        hbuf = empty_wire(_HDR_LEN * 8, prim_h.wire, np.empty(0, np.int64))
+        prim_h.wait_all([prim_h.irecv(hbuf, peer, t_hdr)], deadline)
         h = from_wire(hbuf, np.empty(0, np.int64))
         got = int(np.prod(h[4:4 + int(h[3])], dtype=np.int64)) * int(h[2])
+        prim = _primitives(ctx, backend, got)
         buf = empty_wire(got, prim.wire, like_np)
         prim.wait_all([prim.irecv(buf, peer, t_data)], deadline)    # drained even on a mismatch
         check(h, "; the data was received and dropped")

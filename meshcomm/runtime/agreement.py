@@ -17,6 +17,7 @@ import hashlib
 import time
 from typing import Any, Callable, Mapping, Sequence
 
+from .. import settings
 from ..caches import memo
 from ..errors import PeerError
 from . import control
@@ -31,6 +32,7 @@ LABELS = {
     "reduce_op": "the reduction op", "root": "the root", "dim": "the dimension", "codec": "the compression",
     "tile": "the tile shape", "algorithm": "the algorithm", "counts": "the counts", "params": "the parameters",
     "names": "the tensor names", "run": "the run's number",
+    "settings": "the MESHCOMM_* settings that shape a Program (settings.AGREED)",
 }
 
 
@@ -76,6 +78,7 @@ def agree(ctx, ranks, counter, nonce: int, meta: Meta, own_error: BaseException 
     behind by a failure never answers a later agreement."""
     if deadline is None:
         deadline = time.monotonic() + ctx.timeout
+    meta = dataclasses.replace(meta, fields=meta.fields + (("settings", settings.agreed()),))
     ch = control.current()
     retracted = ch.retracted if ch is not None else set()
     g = group_key(ranks)

@@ -250,6 +250,19 @@ def run_check_every(ctx, stats):
             stats["check_every"] += 4
     finally:
         os.environ.pop("MESHCOMM_CHECK")
+    # a setting that shapes Programs set on one process only: every process raises in the
+    # construction, naming it (MESHCOMM_EMULATE_GBPS made that one run a paced plan while the
+    # others created a native call's communicator: all waited out the timeout)
+    if ctx.rank == 0:
+        os.environ["MESHCOMM_EMULATE_GBPS"] = "100"
+    try:
+        mc.Program.all_reduce(mesh, "x", shape=(9,), dtype="float32")
+        raise AssertionError("a setting that differs on one process was not refused")
+    except ValueError as e:
+        assert "MESHCOMM_* settings" in str(e) and "rank(s) [0]" in str(e), e
+        stats["settings_refused"] += 1
+    finally:
+        os.environ.pop("MESHCOMM_EMULATE_GBPS", None)
 
 
 def run_given_up_over_gloo(ctx, args, stats):
