@@ -57,14 +57,15 @@ RELAY, START, FINAL = (0, 0), (1, 0), (2, 0)
 
 
 def execute(plan, shards, like, *, rank: int, devices_per_process: int, backend, device_kind: str,
-            compression: Compression, deadline, out=None):
+            compression: Compression, deadline, out=None, tags=(0, TAG_MOD)):
     """This rank's part of `plan` compressed: ({dst device: tile} this rank owns, a fence the
-    consumer waits on before using them)."""
+    consumer waits on before using them). `tags`: (first, span) of the run's own tags (a
+    Program's), so no other call's message can match its messages."""
     dpp = devices_per_process
     res = result_tiles(plan, out_specs(plan, rank, dpp), like, out)
     b = backend.choose("send", compression.chunk_bytes, 2, device_kind)
     _Program(plan, compression, shards, res, rank, lambda d: d // dpp, b, deadline,
-             plan.src.tiles(plan.shape), plan.dst.tiles(plan.shape)).run()
+             plan.src.tiles(plan.shape), plan.dst.tiles(plan.shape), tags).run()
     return res, streams.record(streams.comm_stream("local", streams.device_of(like)))
 
 
@@ -81,8 +82,9 @@ def execute_local(plan, shards, like, comp: Compression) -> dict:
 class _Program:
     """This process's part of a compressed plan, stage by stage."""
 
-    def __init__(self, plan, comp: Compression, shards, out, rank, rank_of, backend, deadline, st, dt):
-        self.plan, self.comp, self.codec = plan, comp, comp.codec
+    def __init__(self, plan, comp: Compression, shards, out, rank, rank_of, backend, deadline, st, dt,
+                 tags=(0, TAG_MOD)):
+        self.plan, self.comp, self.codec, self.first, self.span = plan, comp, comp.codec, tags[0], tags[1]
         self.rank, self.rank_of, self.backend, self.deadline = rank, rank_of, backend, deadline
         self.st, self.dt = st, dt
         self.dtype = numpy_dtype(plan.dtype)
@@ -118,7 +120,7 @@ class _Program:
                 continue
             for u, v in hops(t, self.comp):
                 if self.rank_of(u) != self.rank_of(v):
-                    tags[(i, u, v)] = (2 * n) % TAG_MOD
+                    tags[(i, u, v)] = self.first + (2 * n) % self.span    # and + 1: a message's tails
                     n += 1
         return tags
 

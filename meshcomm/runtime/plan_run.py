@@ -31,7 +31,8 @@ class PlanRun:
         if r is None:
             return compressed.execute(self.plan, shards, like, rank=self.ctx.rank,
                                       devices_per_process=self.ctx.devices_per_process, backend=self.be,
-                                      device_kind=self.device_kind, compression=self.comp, deadline=deadline, out=out)
+                                      device_kind=self.device_kind, compression=self.comp, deadline=deadline, out=out,
+                                      tags=tags)
         host = None
         if type(like) is not np.ndarray and r.b.wire == "numpy":
             host = numpy_views(shards, like, out)       # CPU torch tiles: no copy (None: on a device, bfloat16)
