@@ -19,7 +19,7 @@ from .. import log as _log
 from ..backends import batch as batch_exec
 from ..layout import Layout, normalize_shape
 from ..planning import plan_many
-from ..validate import check_layouts, check_tile_shapes, infer_shape, resolve_shape_dtype
+from ..validate import check_layouts, check_out_buffer, check_tile_shapes, infer_shape, overlaps, resolve_shape_dtype
 from .agreement import layouts_fp, value
 from ..handle import Handle
 from .context import current, no_context
@@ -126,14 +126,36 @@ class BatchKernel:
 
     def prepare(self, xs, out):
         got = self.quick(xs)
-        if got is not None:
-            return got, out
-        xs = batch_input(xs, {t.name for t in self.tensors})
-        got = {}
+        if got is None:
+            xs = batch_input(xs, {t.name for t in self.tensors})
+            got = {}
+            for t in self.tensors:
+                shards, _ = local_input(self.ctx, xs.get(t.name, {}), t.src, t.dst)
+                got[t.name] = (self._check(t, shards), None)
+        return got, self._check_out(out, got)
+
+    def _check_out(self, out, got):
+        """out= ({name: {device: buffer}}) against every tensor's result tiles here, before
+        anything is posted: shape, dtype, a writable array of the tiles' kind, not the input."""
+        if out is None:
+            return None
+        out = batch_input(out, self.want)
         for t in self.tensors:
-            shards, _ = local_input(self.ctx, xs.get(t.name, {}), t.src, t.dst)
-            got[t.name] = (self._check(t, shards), None)
-        return got, out
+            o, shards = out.get(t.name), got[t.name][0]
+            if o is None:
+                continue
+            if not isinstance(o, Mapping):
+                raise TypeError(f"tensor {t.name!r}: out= takes {{device: buffer}}, got {type(o).__name__}")
+            boxes, owned = t.dst.tiles(t.shape).boxes, self.ctx.ownership.owned(t.dst)
+            kind = facts_of(shards)[1] or t.kind or "numpy"
+            for d, v in o.items():
+                where = f"tensor {t.name!r}: out= buffer of device {d}"
+                if d not in owned:
+                    raise ValueError(f"{where}: rank {self.ctx.rank} owns no such dst device ({list(owned)})")
+                check_out_buffer(v, tuple(b - a for a, b in boxes[d]), t.dtype, where, kind, "the tiles are")
+                if any(overlaps(v, x) for x in shards.values()):
+                    raise ValueError(f"{where} shares memory with a src tile; pass a separate buffer")
+        return out
 
     def _check(self, t: Tensor, shards):
         want = self.want[t.name]
@@ -142,6 +164,9 @@ class BatchKernel:
                 raise ValueError(f"tensor {t.name!r}: rank {self.ctx.rank}'s src tile of device {d} has shape "
                                  f"{tuple(v.shape)}, the Program's layout gives it {want[d]} (shape {t.shape})")
         dt, kind, _ = facts_of(shards)
+        if len({arrays.dtype_of(v)[0] for v in shards.values()}) > 1:
+            raise TypeError(f"tensor {t.name!r}: rank {self.ctx.rank}'s tiles have different dtypes "
+                            f"{sorted({arrays.dtype_of(v)[0] for v in shards.values()})}")
         if dt is not None and dt[0] != t.dtype:
             raise TypeError(f"tensor {t.name!r}: rank {self.ctx.rank}'s tiles have dtype {dt[0]}, "
                             f"the Program's is {t.dtype}")
@@ -230,7 +255,7 @@ def _build(ctx, be, names, srcs, dsts, bucket_mb):
 def _fields(names, srcs, dsts, be, shp, dts, kinds, devtypes, bucket_mb) -> tuple:
     f = [("op", "reshard_many"), ("names", names),
          ("layouts", layouts_fp(tuple(srcs[n] for n in names), tuple(dsts[n] for n in names))),
-         ("backend", be.signature), ("bucket", bucket_mb)]
+         ("backend", be.signature), ("bucket", "default" if bucket_mb is None else bucket_mb)]
     for n in names:
         f += [(f"shape:{n}", shp.get(n)), (f"dtype:{n}", dts.get(n)), (f"kind:{n}", kinds.get(n)),
               (f"devtype:{n}", devtypes.get(n))]
@@ -297,7 +322,8 @@ def reshard_many(ctx, xs, src, dst, *, shapes=None, dtypes=None, backend=None, a
             raise TypeError(f"reshard_many takes {{name: this process's src tiles}}, got {type(xs).__name__}")
         names = None if any(isinstance(d, Mapping) for d in (src, dst, shapes, dtypes)) else tuple(sorted(xs))
         names, srcs, dsts, shp, dts = normalize_batch(src, dst, shapes, dtypes, names)
-        ranks = ctx.ownership.participants(*_meshes(srcs, dsts))
+        # the layouts as given: a process holding no tile (no names of its own) takes part too
+        ranks = ctx.ownership.participants(*_meshes(src, dst))
     if ctx.rank not in ranks:               # no device of the batch here: nothing to agree or move
         res = {n: {} for n in names}
         return Handle(result=res) if async_op else res
@@ -327,11 +353,16 @@ def reshard_many(ctx, xs, src, dst, *, shapes=None, dtypes=None, backend=None, a
                 raise type(e)(f"tensor {n!r}: {e}") from None
             got[n] = shards
             _, kind, devtype = facts_of(shards)
+            if kind is None and type(dts[n]).__module__.startswith("torch"):
+                kind = "torch"          # a torch dtype names the kind, as Program.reshard_many's
             facts[n] = (s, None if name is None else (name, itemsize), kind, devtype)
             tiles[n] = {d: tuple(v.shape) for d, v in shards.items()}
     except (ValueError, TypeError) as e:
         err = e
-    complete = err is None and all(f[0] is not None and f[1] is not None for f in facts.values())
+    # a process decides alone where it knows every tensor's shape and dtype, and the kind of the
+    # results it gets (a receiver without tiles learns the senders' from the agreement)
+    complete = err is None and all(f[0] is not None and f[1] is not None and (
+        f[2] is not None or not ctx.ownership.owned(dsts[n])) for n, f in facts.items())
     local_key = (tuple(sorted((n, f) for n, f in facts.items())), tuple(sorted((n, tuple(sorted(t.items())))
                                                                               for n, t in tiles.items()))) \
         if complete else None
@@ -340,7 +371,8 @@ def reshard_many(ctx, xs, src, dst, *, shapes=None, dtypes=None, backend=None, a
                              {n: f[3] for n, f in facts.items()}, bucket_mb)
 
     def agreed_key(metas):
-        return tuple((n, value(metas, f"shape:{n}"), value(metas, f"dtype:{n}")) for n in names) + \
+        return tuple((n, value(metas, f"shape:{n}"), value(metas, f"dtype:{n}"), value(metas, f"kind:{n}"))
+                     for n in names) + \
             tuple(sorted((n, tuple(sorted(m.extra.get("tiles", {}).get(n, {}).items())))
                          for m in metas for n in names))
     prog = ctx.call(lambda: eager(ctx, sig, local_key, complete, "reshard_many", fields, err, {"tiles": tiles},

@@ -167,7 +167,7 @@ class ReshardKernel:
                 raise ValueError(f"out= holds a buffer for device {d}, which rank {self.ctx.rank} does not "
                                  f"own in the dst layout (it owns {list(self.owned_dst)})")
             check_out_buffer(v, self.out_shapes[d], self.agreed.dtype, f"out= buffer of device {d}",
-                             arrays.kind_of(next(iter(shards.values()))) if shards else None, "the tiles are")
+                             arrays.kind_of(next(iter(shards.values()))) if shards else self.agreed.kind, "the tiles are")
             for s, t in shards.items():
                 if overlaps(v, t):
                     raise ValueError(f"out= buffer of device {d} shares memory with the tile of device {s}: a "
