@@ -134,10 +134,15 @@ def agree(ctx, ranks, counter, nonce: int, meta: Meta, own_error: BaseException 
     return metas
 
 
-def spent(ctx, ranks, counter: int) -> None:
+def spent(ctx, ranks, counter: int, after: BaseException | None = None) -> None:
     """The round of Program number `counter` is used up without a Program (its agreement or
     what followed it failed): the next attempt at that number takes a round of its own. Over
-    the store a round's values stay under its key: read again, they would answer it."""
+    the store a round's values stay under its key: read again, they would answer it. `after`:
+    the error of what followed an agreement; a ValueError/TypeError there (planning the agreed
+    Metas) is every process's own, so it is not reported (a report would cut a slower peer's
+    agreement short, and that peer would not use the round up)."""
+    if isinstance(after, (ValueError, TypeError)) and not isinstance(after, PeerError):
+        after.shared = True
     g = group_key(ranks)
     ctx.tries[(g, counter)] = ctx.tries.get((g, counter), 0) + 1
 

@@ -301,8 +301,8 @@ def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable,
         ctx.seq[ranks] = max(m.extra.get("seq", 0) for m in metas)
         try:
             prog = build(pid, metas, deadline)
-        except BaseException:                   # agreed, not built: its round is used up
-            agreement.spent(ctx, ranks, counter)
+        except BaseException as e:              # agreed, not built: its round is used up
+            agreement.spent(ctx, ranks, counter, e)
             raise
         if not prog.counter:            # new (an eager call that agrees each time finds its own)
             prog.ranks, prog.counter = ranks, counter
