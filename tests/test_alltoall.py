@@ -239,3 +239,55 @@ def test_missing_peer_raises_within_timeout():
     m = re.search(r"TIMEOUT after ([\d.]+)s peers=\((\d+),\)", r.stdout)
     assert m, r.stdout[-2000:] + r.stderr[-2000:]
     assert float(m.group(1)) < 5.5 and m.group(2) == "0"
+
+
+SPLIT_TABLE = {"format": "meshcomm-tuning-v1", "rules": [
+    {"op": op, "min_bytes": 0, "max_bytes": 4096, "backend": "torch"} for op in ("send", "alltoall")]}
+
+MIXED_SPLIT = """
+import numpy as np, meshcomm as mc
+ctx = mc.init(backend="mixed")      # MESHCOMM_TUNING: messages up to 4 KiB on gloo, larger on MPI
+r = ctx.rank
+mesh = mc.Mesh([0, 1], ("ep",))
+# rows of very different volumes per process: each end of a pair must pick the same backend
+for big in (0, 1, 600):
+    n = [big, 3][r]
+    x = np.arange(n * 2, dtype=np.float64).reshape(n, 2) + 1000 * r
+    y = mc.all_to_all_v(x, [n // 2, n - n // 2], mesh, "ep")
+    other = [big, 3][1 - r]
+    want = np.concatenate([(np.arange(other * 2, dtype=np.float64).reshape(other, 2) + 1000 * (1 - r))[
+        (other // 2 if r else 0):(other if r else other // 2)] if s != r else x[(n // 2 if r else 0):(n if r else n // 2)]
+        for s in (0, 1)])
+    assert np.array_equal(y, want), (r, big, y.shape, want.shape)
+# a receiver expecting fewer bytes than sent: a ValueError naming both devices, not a wait
+if r == 0:
+    mc.send(np.arange(1000, dtype=np.float64), 1)       # 8000 B: MPI
+else:
+    try:
+        mc.recv(0, like=((100,), "float64"))            # 800 B, which alone would pick gloo
+        raise AssertionError("a recv of the wrong size returned")
+    except ValueError as e:
+        assert "device 0 sent float64 (1000,)" in str(e), e
+print("MIXED SPLIT OK", r, flush=True)
+mc.finalize()
+"""
+
+
+@pytest.mark.mpi
+def test_mixed_picks_one_backend_per_message_on_both_ends(tmp_path):
+    """Under "mixed" with a table that splits messages by size, both ends of every message
+    pick alike: all_to_all_v chose by each process's own volume, recv by its like=, so a pair
+    could post on MPI and on gloo and wait out the timeout."""
+    why = _launcher_ready()
+    if why:
+        pytest.skip(why)
+    import json
+    table = tmp_path / "split.json"
+    table.write_text(json.dumps(SPLIT_TABLE))
+    script = tmp_path / "mixed_split.py"
+    script.write_text(MIXED_SPLIT)
+    env = dict(os.environ, MESHCOMM_TIMEOUT="20", MESHCOMM_TUNING=str(table), OMP_NUM_THREADS="1")
+    r = subprocess.run([str(VENV_BIN / "mpiexec"), "-n", "2", sys.executable, str(script)], capture_output=True,
+                       text=True, timeout=120, env=env, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.count("MIXED SPLIT OK") == 2, r.stdout[-3000:] + r.stderr[-3000:]
+
