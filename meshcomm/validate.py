@@ -223,10 +223,12 @@ def overlaps(a, b) -> bool:
             and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
 
 
-def check_out_buffer(v, shape, dtype: str, where: str, kind: str | None = None, of: str = "the result is") -> None:
+def check_out_buffer(v, shape, dtype: str, where: str, kind: str | None = None, of: str = "the result is",
+                     inputs=()) -> None:
     """An `out=` buffer against the result it takes (`where` names it in the errors): its shape
     and dtype; with `kind` (the tiles' or the result's: "numpy", "torch" or "jax", whose
-    results land in NumPy buffers) also a writable C-ordered array of that kind."""
+    results land in NumPy buffers) also a writable C-ordered array of that kind; and sharing
+    no memory with the call's `inputs` (a reshard reads them while it writes its results)."""
     got = arrays.dtype_of(v)[0]
     if tuple(v.shape) != tuple(shape) or got != dtype:
         raise ValueError(f"{where} is {tuple(v.shape)} {got}, the result is {tuple(shape)} {dtype}")
@@ -237,3 +239,6 @@ def check_out_buffer(v, shape, dtype: str, where: str, kind: str | None = None, 
         raise ValueError(f"{where} must be a writable C-contiguous array")
     if arrays.kind_of(v) != ("numpy" if kind == "jax" else kind):
         raise TypeError(f"{where} is {arrays.kind_of(v)}, {of} {kind}")
+    if any(overlaps(v, x) for x in inputs):
+        raise ValueError(f"{where} shares memory with an input tile: a reshard reads its input while it "
+                         "writes results; pass a separate buffer")

@@ -8,8 +8,9 @@ goes on tags of its own (`_tags`), so a receive given up (timed out) leaves no h
 that a later receive of the pair could take for its own. Sends and receives run in call order
 on the context's queue, asynchronous ones too (as every call does): a receive waits there
 until its message comes, so two processes exchanging both ways order the calls (one sends
-first), as with blocking MPI calls; `all_to_all_v` or a reshard moves data both ways at once. Without a launcher both
-devices live in this process: `send` leaves a copy in a mailbox that `recv` takes.
+first), as with blocking MPI calls; `all_to_all_v` or a reshard moves data both ways at once.
+Without a launcher both devices live in this process: `send` leaves a copy in a mailbox that
+`recv` takes.
 """
 from __future__ import annotations
 
@@ -60,13 +61,14 @@ def _describe(h) -> str:
     return f"{name} {tuple(int(v) for v in h[4:4 + ndim])}"
 
 
-def _primitives(ctx, backend, nbytes: int):
-    """The concrete backend for one message of `nbytes` ("mixed" picks by size: the header's
-    by its fixed size, the data's by the size the header gives, so both ends pick alike)."""
+def _backend(ctx, backend):
+    """The call's backend; `.choose("send", nbytes, 2, "cpu")` is the concrete one of a message
+    ("mixed" picks by size: the header's by its fixed size, the data's by the size the header
+    gives, so both ends pick alike)."""
     be, err = ctx.resolve_backend(backend)
     if err is not None:
         raise err
-    return be.choose("send", nbytes, 2, "cpu")
+    return be
 
 
 def _own(ctx, device, what):
@@ -105,8 +107,9 @@ def send(x, to_device: int, *, from_device: int | None = None, backend=None, asy
     _own(ctx, frm, "send")
     from meshcomm.backends.base import to_wire
     peer = ctx.ownership.rank_of(to_device)
-    prim_h = _primitives(ctx, backend, _HDR_LEN * 8)
-    prim = _primitives(ctx, backend, int(np.prod(x.shape, dtype=np.int64)) * arrays.dtype_of(x)[1])
+    be = _backend(ctx, backend)
+    prim_h = be.choose("send", _HDR_LEN * 8, 2, "cpu")
+    prim = be.choose("send", int(np.prod(x.shape, dtype=np.int64)) * arrays.dtype_of(x)[1], 2, "cpu")
     hdr = to_wire(_header(x), prim_h.wire)
     data = to_wire(np.asarray(x) if arrays.kind_of(x) == "jax" else x.reshape(-1), prim.wire)
 
@@ -152,7 +155,8 @@ def recv(from_device: int, like, *, to_device: int | None = None, backend=None, 
     _own(ctx, to, "recv")
     from meshcomm.backends.base import empty_wire, from_wire
     peer = ctx.ownership.rank_of(from_device)
-    prim_h = _primitives(ctx, backend, _HDR_LEN * 8)
+    be = _backend(ctx, backend)
+    prim_h = be.choose("send", _HDR_LEN * 8, 2, "cpu")
     like_np = like if not arrays.is_jax(like) else np.asarray(like)
     t_hdr, t_data = _tags(ctx, "recv", from_device, to)
 
@@ -162,7 +166,7 @@ def recv(from_device: int, like, *, to_device: int | None = None, backend=None, 
         prim_h.wait_all([prim_h.irecv(hbuf, peer, t_hdr)], deadline)
         h = from_wire(hbuf, np.empty(0, np.int64))
         got = int(np.prod(h[4:4 + int(h[3])], dtype=np.int64)) * int(h[2])
-        prim = _primitives(ctx, backend, got)
+        prim = be.choose("send", got, 2, "cpu")
         buf = empty_wire(got, prim.wire, like_np)
         prim.wait_all([prim.irecv(buf, peer, t_data)], deadline)    # drained even on a mismatch
         check(h, "; the data was received and dropped")

@@ -31,7 +31,8 @@ LABELS = {
     "devtype": "the device type", "plan": "the plan (Plan.fingerprint)", "rows": "the row shape",
     "reduce_op": "the reduction op", "root": "the root", "dim": "the dimension", "codec": "the compression",
     "tile": "the tile shape", "algorithm": "the algorithm", "counts": "the counts", "params": "the parameters",
-    "bucket": "bucket_mb=", "names": "the tensor names (a process holding no tile of a tensor knows its name from dicts by name: shapes=, dtypes=)", "run": "the run's number",
+    "bucket": "bucket_mb=", "run": "the run's number",
+    "names": "the tensor names (a process holding no tile of a tensor knows its name from dicts by name: shapes=, dtypes=)",
     "settings": "the MESHCOMM_* settings that shape a Program (settings.AGREED)",
 }
 

@@ -19,7 +19,8 @@ from ..planners.alltoall import plan_alltoall
 from ..backends.base import empty_wire, from_wire, to_wire
 from ..planners import Topology
 from .agreement import value
-from .alltoall_input import assemble, axis_groups, cat, check_rows, given, local, split_rows, validate_owned  # noqa: F401
+from .alltoall_input import (assemble, axis_groups, cat, check_rows, given, local, split_rows,  # noqa: F401
+                             validate_owned)
 from .context import current, no_context
 from .local_program import LocalKernel, no_out
 from ..handle import Handle

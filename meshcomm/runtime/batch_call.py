@@ -19,7 +19,7 @@ from .. import log as _log
 from ..backends import batch as batch_exec
 from ..layout import Layout, normalize_shape
 from ..planning import plan_many
-from ..validate import check_layouts, check_out_buffer, check_tile_shapes, infer_shape, overlaps, resolve_shape_dtype
+from ..validate import check_layouts, check_out_buffer, check_tile_shapes, infer_shape, resolve_shape_dtype
 from .agreement import layouts_fp, value
 from ..handle import Handle
 from .context import current, no_context
@@ -136,7 +136,8 @@ class BatchKernel:
 
     def _check_out(self, out, got):
         """out= ({name: {device: buffer}}) against every tensor's result tiles here, before
-        anything is posted: shape, dtype, a writable array of the tiles' kind, not the input."""
+        anything is posted (`check_out_buffer`: shape, dtype, a writable array of the tiles' kind,
+        not an input tile)."""
         if out is None:
             return None
         out = batch_input(out, self.want)
@@ -152,9 +153,8 @@ class BatchKernel:
                 where = f"tensor {t.name!r}: out= buffer of device {d}"
                 if d not in owned:
                     raise ValueError(f"{where}: rank {self.ctx.rank} owns no such dst device ({list(owned)})")
-                check_out_buffer(v, tuple(b - a for a, b in boxes[d]), t.dtype, where, kind, "the tiles are")
-                if any(overlaps(v, x) for x in shards.values()):
-                    raise ValueError(f"{where} shares memory with a src tile; pass a separate buffer")
+                check_out_buffer(v, tuple(b - a for a, b in boxes[d]), t.dtype, where, kind, "the tiles are",
+                                 shards.values())
         return out
 
     def _check(self, t: Tensor, shards):
