@@ -90,6 +90,7 @@ def test_mpiexec_4_every_backend_mismatch_and_timeout(tmp_path):
         # failed Program run again, Programs out of order
         assert r["mismatch_ok"] == 4 * 3 + 4, r
         assert r["program_ok"] == 3 and r["no_src_ok"] == 4 * 3, r
+        assert r["deferred"] == 1, r    # a failed run's finished peers raise in the next construction, with it
         assert r["parameters"] == 9 and r["bfloat16"] == 5, r    # parameters in, data out; bfloat16 tiles
         assert r["check_every"] == 8 and r["settings_refused"] == 1, r    # MESHCOMM_CHECK=every; one rank's setting
     lag = 3

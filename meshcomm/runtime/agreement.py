@@ -164,8 +164,11 @@ def settle(metas: Sequence[Meta], me: int, own_error: BaseException | None,
     errs = [(ranks[i], m) for i, m in enumerate(metas) if m.err is not None]
     if errs:
         op = errs[0][1].op
-        raise ValueError(f"{op} failed on other process(es): " +
-                         "; ".join(f"rank {r}: {m.err[0]}: {m.err[1]}" for r, m in errs[:4]))
+        text = f"{op} failed on other process(es): " + "; ".join(f"rank {r}: {m.err[0]}: {m.err[1]}"
+                                                                 for r, m in errs[:4])
+        if all(m.err[0] in ("PeerError", "PeerTimeoutError") for _, m in errs):
+            raise PeerError(text, errs[0][0])       # a failure they heard of (a run's, say)
+        raise ValueError(text)
     # this process's fields first, in their order, then any only others have
     for key in dict.fromkeys(k for m in (metas[me], *metas) for k, _ in m.fields):
         groups, first = {}, {}          # value -> its ranks, and the first Meta with it

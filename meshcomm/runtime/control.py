@@ -206,10 +206,17 @@ class Channel:
     def raise_pending(self, now=None) -> None:
         """Raise the first error a peer reported (at a call's start, at finalize; in a wait,
         `now(msg)` picks the ones that concern it)."""
+        e = self.pending(now)
+        if e is not None:
+            raise e
+
+    def pending(self, now=None) -> BaseException | None:
+        """The first error a peer reported and not raised yet (taken: the list is cleared),
+        else None (a construction brings it into its agreement: program.construct)."""
         self.poll()
         errs = self.errors if now is None else [m for m in self.errors if now(m)]
         if not errs:
-            return
+            return None
         _, who, call, text, kind, peers, _, retracts, _ = errs[0]
         self.errors.clear()
         where = f" in {call}" if call is not None else ""
@@ -219,7 +226,7 @@ class Channel:
         # a relay of it carries the Metas its origin took back: it may reach a process before
         # the origin's own report does, and that process may construct again in between
         e.relayed, e.origin, e.retracts = True, (who, text, kind, list(peers)), list(retracts)
-        raise e
+        return e
 
     def watch(self, pending, deadline) -> None:
         """Called by every backend wait between polls with its pending works (it acts at

@@ -12,9 +12,8 @@ Run (`prog(x)`): validate this process's input against what was agreed (locally)
 wait. Every wait polls the control channel (runtime/control.py): a peer's error, or a peer
 waiting in another call, raises within milliseconds; a missing peer within the timeout. A
 run that failed anywhere marks its Program failed on every process (its messages may still
-be in flight): the next run raises; eager calls construct a new Program.
-
-Eager calls are cached Programs (`eager`; docs/runtime.md: when a call agrees again).
+be in flight): the next run raises; eager calls construct a new Program. Eager calls are
+cached Programs (`eager`; docs/runtime.md: when a call agrees again).
 """
 from __future__ import annotations
 
@@ -37,9 +36,7 @@ __all__ = ["Program", "checking", "construct", "fail_together", "eager", "lookup
 GENERAL = object()        # the lean run declines: the general run takes it
 
 
-def _nothing():
-    return None
-
+_nothing = type(None)      # a call that does nothing (waits for the asynchronous ones before it)
 
 TAG_SPAN = 1 << 18          # tags per Program: a step's tag is first + index % TAG_SPAN
 
@@ -289,6 +286,8 @@ def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable,
     ctx.attempts += 1                   # this process's agreements: its Meta's nonce
     err = err or base.stale_error()
     ch = control.current()
+    if err is None and ch is not None:  # a peer's failure heard since: all raise it (not this one alone)
+        err = ch.pending()
     group = ctx.group_programs.setdefault(ranks, set())
     if ch is not None:
         ch.group_of[pid] = group        # a mismatch found in this construction fails them all

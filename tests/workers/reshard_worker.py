@@ -426,7 +426,46 @@ def run_program_checks(ctx, b, stats):
     sync()
     P3 = mc.Program.reshard(src, dst, shape=x32.shape, dtype=x32.dtype, backend=b)
     check_result(ctx, P3(mine), ref, dst, False, f"Program after errors [{b}]")
+    run_deferred(ctx, b, stats)
     stats["program_ok"] += 1
+
+
+def run_deferred(ctx, b, stats):
+    """The last rank passes a bad out= to a run of a reshard Program: the peers whose part
+    ended before its report came (the senders, at least) raise at their next call, here a
+    construction (an eager all_reduce never made before): every process raises in it alike
+    (or none does, where every peer raised in the run), and the calls after it pair up. The
+    peers raised before that construction's agreement once: the last rank, a call ahead, then
+    paired each of its all_reduces with their next one (wrong sums on every process)."""
+    from mpi4py import MPI
+    r, n = ctx.rank, ctx.world_size
+    lo = mc.Layout(mc.Mesh(np.arange(n // 2), "a"), ("a",))
+    hi = mc.Layout(mc.Mesh(np.arange(n // 2, n), "b"), (None, "b"))
+    P = mc.Program.reshard(lo, hi, shape=(n, 6), dtype="float32", backend=b)
+    x = {d: t for d, t in mc.shard(np.ones((n, 6), np.float32), lo).items() if d in ctx.owned_devices(lo)}
+    out = {d: np.empty((5, 5), np.float32) for d in ctx.owned_devices(hi)} if r == n - 1 else None
+    try:
+        P(x, out=out)
+    except ValueError as e:
+        assert ("out=" if r == n - 1 else f"rank {n - 1}") in str(e), f"rank {r}: {e}"
+    else:
+        assert r != n - 1, "a bad out= was taken"
+    sync()
+    time.sleep(0.2)                 # the last rank's report reaches every peer
+    mesh = mc.Mesh(np.arange(n), ("x",))
+    raised = []
+    for k in range(3):
+        try:
+            y = mc.all_reduce(np.full(7, 10.0 ** k + r, np.float32), mesh, "x", backend=b)
+        except PeerError as e:
+            assert k == 0 and f"rank {n - 1}" in str(e), f"rank {r}, call {k}: {e}"
+            raised.append(k)
+            continue
+        assert (y == n * 10.0 ** k + n * (n - 1) // 2).all(), f"rank {r}, call {k}: a wrong sum {y[0]}"
+    everyone = MPI.COMM_WORLD.allgather(raised)
+    assert all(e == everyone[0] for e in everyone), f"raised in different calls: {everyone}"
+    stats["deferred"] += 1
+    stats["deferred_raised"] += len(raised)
 
 
 def run_timeouts(ctx, backends, stats, timeout):
