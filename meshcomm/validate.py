@@ -224,11 +224,14 @@ def overlaps(a, b) -> bool:
 
 
 def check_out_buffer(v, shape, dtype: str, where: str, kind: str | None = None, of: str = "the result is",
-                     inputs=()) -> None:
-    """An `out=` buffer against the result it takes (`where` names it in the errors): its shape
-    and dtype; with `kind` (the tiles' or the result's: "numpy", "torch" or "jax", whose
-    results land in NumPy buffers) also a writable C-ordered array of that kind; and sharing
-    no memory with the call's `inputs` (a reshard reads them while it writes its results)."""
+                     inputs=(), taken=None) -> None:
+    """An `out=` buffer against the result it takes (`where` names it in the errors): an array
+    of its shape and dtype; with `kind` (the tiles' or the result's: "numpy", "torch" or "jax",
+    whose results land in NumPy buffers) also a writable C-ordered array of that kind; sharing
+    no memory with the call's `inputs` (a reshard reads them while it writes its results) nor
+    with the call's other buffers checked before it (`taken`, a list it is added to)."""
+    if not (hasattr(v, "shape") and hasattr(v, "dtype")):
+        raise TypeError(f"{where} must be an array (NumPy or torch), got {type(v).__name__}")
     got = arrays.dtype_of(v)[0]
     if tuple(v.shape) != tuple(shape) or got != dtype:
         raise ValueError(f"{where} is {tuple(v.shape)} {got}, the result is {tuple(shape)} {dtype}")
@@ -242,3 +245,8 @@ def check_out_buffer(v, shape, dtype: str, where: str, kind: str | None = None, 
     if any(overlaps(v, x) for x in inputs):
         raise ValueError(f"{where} shares memory with an input tile: a reshard reads its input while it "
                          "writes results; pass a separate buffer")
+    if taken is not None:
+        if any(overlaps(v, t) for t in taken):
+            raise ValueError(f"{where} shares memory with another out= buffer of the call: each result "
+                             "needs a buffer of its own")
+        taken.append(v)

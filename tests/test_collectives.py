@@ -59,6 +59,8 @@ def test_torch_and_jax_kinds_and_bare_arrays():
     (lambda m, x: mc.all_reduce(x, m, "x", op="mean"), ValueError, r"op must be one of sum, prod, min, max, avg"),
     (lambda m, x: mc.all_reduce(x, m, ("x", "x")), ValueError, r"name an axis twice"),
     (lambda m, x: mc.all_gather(x, m, "x", dim=2), ValueError, r"dim=2 is out of range"),
+    (lambda m, x: mc.reduce_scatter({d: v[0, 0] for d, v in x.items()}, m, "x"), ValueError,
+     r"reduce_scatter: dim=0 is out of range for tiles with 0 dimension\(s\)"),      # an IndexError
     (lambda m, x: mc.broadcast(x, m, "x", root=3), ValueError, r"root=3 is not an index of a group of 3"),
     (lambda m, x: mc.broadcast(x, m, "x", root=1.0), TypeError, r"root must be an int"),
     (lambda m, x: mc.all_to_all(x, m, "x"), ValueError, r"split_dim 0 has size 2, not divisible by the group's 3"),

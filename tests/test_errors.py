@@ -558,6 +558,16 @@ def test_one_process_programs_take_out_buffers_like_a_launchers():
     pm = mc.Program.reshard_many({"a": src}, {"a": dst}, shapes={"a": (8, 8)}, dtypes={"a": "float32"})
     om = {"a": {3: np.zeros((8, 2), np.float32)}}
     assert pm({"a": sh}, out=om)["a"][3] is om["a"][3] and np.array_equal(om["a"][3], x[:, 6:])
+    # a non-array buffer (it raised AttributeError), one buffer for two results (the second's
+    # values in both: each tensor of a batch, each device of a reshard)
+    with pytest.raises(TypeError, match=r"out= buffer of device 2 must be an array \(NumPy or torch\), got list"):
+        ar({d: np.full(3, d, np.float32) for d in range(4)}, out={2: [0.0] * 3})
+    pm2 = mc.Program.reshard_many(src, dst, shapes={"a": (8, 8), "b": (8, 8)}, dtypes="float32")
+    one = np.zeros((8, 2), np.float32)
+    with pytest.raises(ValueError, match="'b': out= buffer of device 3 shares memory with another out= buffer"):
+        pm2({"a": sh, "b": sh}, out={"a": {3: one}, "b": {3: one}})
+    with pytest.raises(ValueError, match="device 1 shares memory with another out= buffer"):
+        p(sh, out={0: one, 1: one[:, :]})
     a2a = mc.Program.all_to_all_v(m, "x", rows=(2,), dtype="float32")
     with pytest.raises(TypeError, match="all_to_all_v: out= is not taken"):
         a2a({d: np.ones((4, 2), np.float32) for d in range(4)}, {d: np.ones(4, np.int64) for d in range(4)}, out={})

@@ -208,7 +208,7 @@ def problem(op: str, mesh: Mesh, axes: tuple[str, ...], tile: tuple[int, ...], *
             rm, rspec = _roots_mesh(mesh, axes, root)
             dst = layout(rm, rspec, rep)
             return Problem(shape, src, dst, None, tuple((d, tile) for d in rm.device_ids), scale)
-        dim = _check_dim(dim, n, "dim", op) if n else _check_dim(dim, 1, "dim", op)
+        dim = _check_dim(dim, n, "dim", op)
         spec = list(rep)
         spec[dim] = axes
         dst = layout(mesh, lead_spec, spec)

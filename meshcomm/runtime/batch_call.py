@@ -140,7 +140,7 @@ class BatchKernel:
         not an input tile)."""
         if out is None:
             return None
-        out = batch_input(out, self.want)
+        out, taken = batch_input(out, self.want), []
         for t in self.tensors:
             o, shards = out.get(t.name), got[t.name][0]
             if o is None:
@@ -154,7 +154,7 @@ class BatchKernel:
                 if d not in owned:
                     raise ValueError(f"{where}: rank {self.ctx.rank} owns no such dst device ({list(owned)})")
                 check_out_buffer(v, tuple(b - a for a, b in boxes[d]), t.dtype, where, kind, "the tiles are",
-                                 shards.values())
+                                 shards.values(), taken)
         return out
 
     def _check(self, t: Tensor, shards):
@@ -300,9 +300,9 @@ def program(src, dst, shapes, dtypes, backend, bucket_mb, compression, device=No
                         else {}) for n in names}
 
         def fill(res, out, what):
-            out = batch_input(out, names)
+            out, taken = batch_input(out, names), []
             for n, o in out.items():        # every tensor's buffers checked before any is written
-                fill_out(res[n], o, f"{what} {n!r}", copy=False)
+                fill_out(res[n], o, f"{what} {n!r}", copy=False, taken=taken)
             return {**res, **{n: fill_out(res[n], o, f"{what} {n!r}") for n, o in out.items()}}
         return new(None, 0, f"reshard_many of {len(names)} tensors", LocalKernel(run, "plans", "reshard_many", fill))
     fields = _fields(names, srcs, dsts, be, shp, dts, kinds, dict.fromkeys(names, device), bucket_mb)

@@ -177,12 +177,13 @@ class CollectiveKernel:
             if not bare:
                 raise TypeError(f"{req.op}: out= must be a dict {{device: buffer}} like x")
             out = {self.owned[0]: out}
-        shapes = dict(prob.out_shapes)
+        shapes, taken = dict(prob.out_shapes), []
         for d, v in out.items():
             if d not in self.owned or d not in shapes:
                 raise ValueError(f"{req.op}: out= holds a buffer for device {d}, which gets no result on "
                                  f"rank {self.ctx.rank}")
-            check_out_buffer(v, shapes[d], self.a.dtype[0], f"{req.op}: out= buffer of device {d}", kind)
+            check_out_buffer(v, shapes[d], self.a.dtype[0], f"{req.op}: out= buffer of device {d}", kind,
+                             taken=taken)
         return dict(out)
 
     def run(self, st, deadline, stamp=None):

@@ -46,7 +46,7 @@ def no_out(what: str) -> str:
     return f"{what}: out= is not taken here (its results' shapes follow each run's counts)"
 
 
-def fill_out(res, out, what: str, copy: bool = True):
+def fill_out(res, out, what: str, copy: bool = True, taken=None):
     """A one-process run's results copied into the caller's `out=` buffers ({device: buffer},
     or one buffer where the result is one array), each checked first as a launcher's run
     checks them (device, shape, dtype, kind, writable C order); the results with those
@@ -56,12 +56,13 @@ def fill_out(res, out, what: str, copy: bool = True):
         raise TypeError(f"{what}: out= must be " + ("one array, like the result" if bare else
                                                      "a dict {device: buffer}, like the result"))
     res_d, out_d = ({None: res}, {None: out}) if bare else (res, out)
+    taken = [] if taken is None else taken
     for d, v in out_d.items():
         where = "out=" if bare else f"out= buffer of device {d}"
         if d not in res_d or res_d[d] is None:
             raise ValueError(f"{what}: out= holds a buffer for device {d}, which gets no result")
         r = res_d[d]
-        check_out_buffer(v, r.shape, arrays.dtype_of(r)[0], f"{what}: {where}", arrays.kind_of(r))
+        check_out_buffer(v, r.shape, arrays.dtype_of(r)[0], f"{what}: {where}", arrays.kind_of(r), taken=taken)
     if not copy:                        # checked only (a batch checks every tensor's first)
         return res
     for d, v in out_d.items():

@@ -162,13 +162,14 @@ class ReshardKernel:
                 raise TypeError(f"out= must be a dict {{device: buffer}} (rank {self.ctx.rank} owns "
                                 f"{len(self.owned_dst)} dst devices)")
             out = {self.owned_dst[0]: out}
+        taken = []
         for d, v in out.items():
             if d not in self.out_shapes:
                 raise ValueError(f"out= holds a buffer for device {d}, which rank {self.ctx.rank} does not "
                                  f"own in the dst layout (it owns {list(self.owned_dst)})")
             kind = arrays.kind_of(next(iter(shards.values()))) if shards else self.agreed.kind
             check_out_buffer(v, self.out_shapes[d], self.agreed.dtype, f"out= buffer of device {d}", kind,
-                             "the tiles are", shards.values())
+                             "the tiles are", shards.values(), taken)
         return dict(out)
 
     def run(self, st, deadline, stamp=None):

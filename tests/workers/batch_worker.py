@@ -27,7 +27,8 @@ def checks(ctx, stats):
     nothing is computed wrong (each case was a bug: out= was never checked, so a buffer of
     another dtype took the raw bytes; bucket_mb= on one process only was not agreed; a process
     holding no tile with one Layout for all names returned {} and its peers timed out; the
-    receivers' array kind followed the call made before, not the senders')."""
+    receivers' array kind followed the call made before, not the senders'; one buffer passed
+    as the out= of two tensors took the second's values)."""
     import torch
     from meshcomm.errors import PeerError
     ws, me, bad = ctx.world_size, ctx.rank, ctx.world_size - 1
@@ -50,6 +51,10 @@ def checks(ctx, stats):
     P = mc.Program.reshard_many(src, dst, shapes=shapes, dtypes="float32", backend="mpi")
     out = {n: {me: np.empty(want[n].shape, np.int32 if me == bad and n == "b" else np.float32)} for n in g}
     expect(lambda: P(xs, out=out), "out= of another dtype", "out= buffer of device")
+    P = mc.Program.reshard_many(src, dst, shapes=shapes, dtypes="float32", backend="mpi")
+    one = np.empty(want["a"].shape, np.float32)     # the bad rank's: one buffer for both tensors
+    tied = {n: {me: one if me == bad else np.empty(want[n].shape, np.float32)} for n in g}
+    expect(lambda: P(xs, out=tied), "one out= buffer for two tensors", "another out= buffer")
     expect(lambda: mc.Program.reshard_many(src, dst, shapes=shapes, dtypes="float32", backend="mpi",
                                            bucket_mb=1e-5 if me == bad else None), "bucket_mb= on one process", "bucket_mb=")
     ys = mc.Program.reshard_many(src, dst, shapes=shapes, dtypes="float32", backend="mpi")(xs)
