@@ -26,7 +26,7 @@ import meshcomm as mc  # noqa: E402
 from meshcomm.adapters import torch_training as tt  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "workers_training" / "training_worker.py"
-RUNS = ("ddp_mpi", "ddp_torch_2d", "fsdp_mpi_prefetch", "fsdp_torch")
+RUNS = ("ddp_mpi", "ddp_torch_2d", "fsdp_mpi_prefetch", "fsdp_torch", "fsdp_mpi_permuted")
 
 
 @pytest.mark.mpi

@@ -23,7 +23,8 @@ context's), `compression` is passed to every collective as is.
 * FSDP2 (`fully_shard`, torch >= 2.9): every `FSDPModule` under `module` gets a
   `MeshcommAllGather` and a `MeshcommReduceScatter` (FSDP's `AllGather`/`ReduceScatter`
   interfaces). Default mesh: FSDP's own DeviceMesh (global ranks, its dim names) with the
-  shard dim as `axes`. Each call writes into FSDP's preallocated output. With
+  shard dim as `axes`, each group along it in its process group's (ascending) rank order,
+  as torch's collectives order it. Each call writes into FSDP's preallocated output. With
   `async_op=True` (explicit `unshard(async_op=True)`) the all-gather returns a
   `torch.distributed.Work` whose `wait()` waits for meshcomm and copies the result out;
   otherwise both run to completion before returning None (on CPU FSDP has no streams to
@@ -43,6 +44,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -280,6 +282,9 @@ def _fsdp_mesh(module, what: str) -> tuple[Mesh, tuple[str, ...]] | None:
     mesh = mesh_of_device_mesh(info.mesh)
     if info.shard_mesh_dim is None:
         raise ValueError(f"{what}: {type(module).__name__} replicates only (no shard mesh dim)")
+    # each group along the shard dim in its process group's order (ascending ranks, as torch's
+    # new_group orders them), in which FSDP2's own collectives place the shards
+    mesh = Mesh(np.sort(mesh.devices, axis=info.shard_mesh_dim), mesh.axis_names)
     return mesh, (mesh.axis_names[info.shard_mesh_dim],)
 
 

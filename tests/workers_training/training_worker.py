@@ -162,12 +162,12 @@ res["t_ddp"] = time.perf_counter() - t
 t = time.perf_counter()
 
 
-def sharded():
+def sharded(mesh=None):
     m = model()
     for layer in m:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(m)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
     return m
 
 
@@ -192,6 +192,16 @@ for name, backend, prefetch in (("fsdp_mpi_prefetch", "mpi", True), ("fsdp_torch
     before = counts()
     got = train(m, m.parameters(), unshard_all if prefetch else None), full_params(m)
     compare(name, ref, got, backend, ops_since(before))
+# a DeviceMesh whose ranks are not in order: the default mesh follows torch's groups (it was
+# built in the DeviceMesh's order, and the first forward raised "torch's process group holds")
+from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
+dm = DeviceMesh("cpu", torch.tensor([2, 0, 3, 1]), mesh_dim_names=("p",))
+m = sharded(dm)
+ref_p = train(m, m.parameters()), full_params(m)
+m = sharded(dm)
+use_meshcomm(m, backend="mpi")
+before = counts()
+compare("fsdp_mpi_permuted", ref_p, (train(m, m.parameters()), full_params(m)), "mpi", ops_since(before))
 res["t_fsdp"] = time.perf_counter() - t
 
 # -- errors: a mesh that does not match torch's group ------------------------------------
