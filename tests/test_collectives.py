@@ -54,6 +54,19 @@ def test_torch_and_jax_kinds_and_bare_arrays():
     assert h.wait()[2].tolist() == [0, 1, 1, 2, 2, 2]
 
 
+def test_eager_collectives_fill_out_buffers():
+    """out= takes the results, as a Program's run does (DESIGN: collectives take out=)."""
+    m = mc.Mesh([0, 1, 2], "x")
+    x = {d: np.full((3, 2), d, np.float32) for d in m.device_ids}
+    o = {d: np.empty((3, 2), np.float32) for d in m.device_ids}
+    y = mc.all_reduce(x, m, "x", out=o)
+    assert all(y[d] is o[d] and (o[d] == 3).all() for d in o)
+    g = {0: np.empty((9, 2), np.float32)}
+    assert mc.all_gather(x, m, "x", out=g, async_op=True).wait()[0] is g[0] and g[0][3:6].max() == 1
+    with pytest.raises(ValueError, match=r"out= buffer of device 1 is \(3, 2\) float32, the result is \(1, 2\)"):
+        mc.reduce_scatter(x, m, "x", out={1: np.empty((3, 2), np.float32)})
+
+
 @pytest.mark.parametrize("call,err,pattern", [
     (lambda m, x: mc.all_reduce(x, m, "q"), ValueError, r"'q' is not an axis of mesh"),
     (lambda m, x: mc.all_reduce(x, m, "x", op="mean"), ValueError, r"op must be one of sum, prod, min, max, avg"),
@@ -177,6 +190,7 @@ def test_mpiexec_4_every_backend_async_mix_and_faults(tmp_path):
         assert r["repeat_ok"] == 7 * 3 and r["repeated_ops_ok"] == 3, r
         # Programs of every op and all_to_all_v, run many times, out= buffers used
         assert r["program_ok"] == 15 * 3 and r["program_out_used"] == r["program_out_tried"] == 2 * 3, r
+        assert r["eager_out_used"] == 8 * 2 * 3, r      # eager collectives' out= (8 cases, twice, 3 backends)
         # over MPI: errors in runs raise on every process (a part that completed at once: at
         # the process's next call), the context works afterwards
         assert r["early_next_ok"] == 8 * 2 and r["early_raised"] + r.get("early_raised_next", 0) == 8 * 2, r

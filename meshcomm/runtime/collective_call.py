@@ -268,13 +268,13 @@ def _describe(req):
     return {"mesh": lambda v, m: v, "params": lambda v, m: _PARAMS[req.op].format(*v)}
 
 
-def run(ctx, req: Request, x, *, backend=None, async_op=False):
+def run(ctx, req: Request, x, *, backend=None, async_op=False, out=None):
     """An eager collective under a launcher: its cached Program (SPMD: every process calls)."""
     bare_np = type(x) is np.ndarray and (backend is None or type(backend) is str)
     hit = ctx.quick.get((req, backend, x.dtype, x.shape)) if bare_np and not _log.ON else None
     prog = None if hit is None else ctx.call(lookup, ctx, *hit)     # a call seen before, by its own
     if prog is not None:
-        return prog(x, async_op=async_op)
+        return prog(x, async_op=async_op, out=out)
     stamp = _log.stamp(async_op) if _log.ON else None
     be, err = ctx.resolve_backend(backend)
     owned = ctx.ownership.owned(req.mesh)
@@ -284,7 +284,7 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
         prog = ctx.call(lookup, ctx, *hit)
         if prog is not None:            # the lean run where it applies (Program.__call__)
             ctx.quick.put((req, backend, x.dtype, x.shape), hit)
-            return prog(x, async_op=async_op)
+            return prog(x, async_op=async_op, out=out)
     if not owned:                           # no device of the mesh here: nothing to agree or move
         _owned_tiles(ctx, req, x, owned)
         res = None if not isinstance(x, Mapping) else {}
@@ -309,7 +309,7 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
         # both sides raise "not in the same call")
         prog = ctx.call(lookup, ctx, sig, None, True)
         if prog is not None:
-            return prog.start_checked(lambda: prog._kernel.check({}, bare, None), async_op, stamp)
+            return prog.start_checked(lambda: prog._kernel.check({}, bare, out), async_op, stamp)
     local_key = (f["dtype"], f["kind"], f["devtype"], tuple(sorted(own_shapes.items()))) if complete else None
     extra = {"tiles": own_shapes, "tile": f["tile"]}
 
@@ -322,7 +322,7 @@ def run(ctx, req: Request, x, *, backend=None, async_op=False):
         return (a.tile, None if a.shapes is None else tuple(sorted(a.shapes.items())), a.dtype, a.kind, a.devtype)
     prog = ctx.call(lambda: eager(ctx, sig, local_key, complete, req.op, fields, err, extra, _build(ctx, be, req),
                                   agreed_key, _describe(req), ctx.ownership.participants(req.mesh), _uneven(req)))
-    return prog.start_checked(lambda: prog._kernel.check(tiles, bare, None), async_op, stamp)
+    return prog.start_checked(lambda: prog._kernel.check(tiles, bare, out), async_op, stamp)
 
 
 def _uneven(req):

@@ -1044,6 +1044,14 @@ def program_api(ctx, backends, stats):
                 stats["program_out_tried"] += 1
                 stats["program_out_used"] += all(got[d] is bufs[d] for d in owned)
             assert ctx.programs == k + 1, (what, "runs constructed", ctx.programs - k - 1)
+            if op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all") and owned:   # eager out=
+                t = tiles(8)
+                bufs = {d: np.empty_like(v) for d, v in getattr(mc, op)(t, m, axes, backend="local", **kw).items()
+                        if d in owned}
+                for _ in range(2):      # its Program constructed, then found again
+                    got = getattr(mc, op)({d: t[d] for d in owned}, m, axes, backend=b, out=bufs, **kw)
+                    check_run(got, t, "eager out=")
+                    stats["eager_out_used"] += all(got[d] is bufs[d] for d in owned)
             stats["program_ok"] += 1
         # all_to_all_v: counts are data, different in every run
         k = ctx.programs
