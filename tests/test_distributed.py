@@ -144,6 +144,7 @@ def test_torchrun_and_a_peer_that_dies(tmp_path):
         assert r["bfloat16"] == 5               # NumPy bfloat16 tiles over gloo
         assert r["check_every"] == 8 and r["settings_refused"] == 1    # MESHCOMM_CHECK=every; one rank's setting
         assert r["given_up_over_gloo"] == 1     # refused after gloo work was given up, then re-init
+        assert r["swapped_over_gloo"] == 1      # Programs in another order raise, never a wrong sum
         assert r["timeout_construct_torch"] < TIMEOUT + 4
 
 

@@ -1,5 +1,7 @@
-"""An agreed collective run as ONE native collective of a backend (MPI's or torch.distributed's
-own allreduce, allgatherv, ...), the per-operation mixing of backends that MCR-DL describes.
+"""An agreed collective run as ONE native MPI collective (MPI's own allreduce, allgatherv, ...)
+where the tuning table names MPI for it, the per-operation mixing of backends that MCR-DL
+describes (the table naming torch: the plan, whose messages carry the Program's tags; gloo's
+collectives match by order on a group every Program shares).
 
 `choose` decides at a Program's construction, from facts every process agreed on (so all
 decide alike), whether a collective can run natively: one device per process in every group,
@@ -72,10 +74,13 @@ def choose(ctx, be, req, dt, tile, shapes, devtype, counter=0) -> Native | None:
     prim = be.choose(TABLE_OP[req.op], nbytes, k, "cpu")
     if req.op in REDUCING and not exact_reduce(name, prim):
         return None
-    if prim.name == "mpi" and counter > OWN_COMMS_MAX:
-        return None                     # a communicator of its own per Program, up to a cap
-    if prim.name == "torch" and devtype == "cpu" and k < ctx.world_size:
-        return None                     # gloo groups need every member's history alike: the plan
+    if prim.name != "mpi" or counter > OWN_COMMS_MAX:
+        # MPI: a communicator of its own per Program, up to a cap. Not gloo's collectives:
+        # they match by their order on one group that every Program shares, so two Programs
+        # (or two places of one in the call order) of the same sizes completed against each
+        # other, a wrong value; the plan's messages carry the Program's own tags (and ran as
+        # fast at 4 processes here: 0.8-1.6x of the native call, docs/runtime.md)
+        return None
     return Native(prim, tuple(_ranks(ctx, g) for g in gs), "native_" + prim.name)
 
 
@@ -112,29 +117,21 @@ def wire_bytes(req, k: int, i: int, root: int | None, size: int) -> tuple[int, i
 def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> tuple:
     """Per run parity (program.next_seq), [(group, this process's device in it, its poster)]
     for every group this process is in, in the groups' global order (a process in several
-    groups takes part in each in that order: the same everywhere, so no deadlock). Over MPI
-    the odd runs post on a second communicator of the Program's own
-    (`MPIBackend.communicator`), so a run never matches one at another place in the call
-    sequence (a broadcast's root finishes alone there). gloo's posts share one group: its
-    sends wait for the receiver, so no member of a gloo collective finishes alone and a
-    skipped call stalls instead."""
+    groups takes part in each in that order: the same everywhere, so no deadlock), each on
+    a communicator of the Program's own (`MPIBackend.communicator`), the odd runs on a
+    second one, so a run never matches one at another place in the call sequence (a
+    broadcast's root finishes alone there)."""
     prim = nat.prim
     rank_of = ctx.ownership.rank_of
-    own_comms = prim.name == "mpi"
-    if not own_comms:
-        prim.prepare_groups([r for r in nat.all_ranks if len(r) > 1], deadline)
     out = ([], [])
     for g in groups(req.mesh, req.axes):
         me = [d for d in g if rank_of(d) == ctx.rank]
         if not me:
             continue
         for posts in out:
-            if posts is out[1] and not own_comms:
-                posts.append(out[0][-1])
-                continue
-            comm = prim.communicator(_ranks(ctx, g), deadline) if own_comms else None
+            comm = prim.communicator(_ranks(ctx, g), deadline)
             post = poster(ctx, prim, req, g, me[0], dt, tile, shapes, kind, comm)
-            if comm is not None and kind == "numpy":
+            if kind == "numpy":
                 post = persistent(ctx, prim, req, g, me[0], dt, tile, shapes, comm, post, nat.key)
             posts.append((g, me[0], post))
     return out

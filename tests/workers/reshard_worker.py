@@ -289,6 +289,16 @@ def run_given_up_over_gloo(ctx, args, stats):
     y = mc.all_reduce(ones, mesh, "x")
     assert all((v == n).all() for v in y.values()), (ctx.rank, y)
     stats["given_up_over_gloo"] += 1
+    # two all_reduce Programs of the same sizes, run in the other order by half the processes:
+    # as gloo's native collectives (matched by order on one group) they completed against each
+    # other, wrong sums on every process; as plans their messages carry each Program's tags
+    S = mc.Program.all_reduce(mesh, "x", shape=(3,), dtype="float32")
+    M = mc.Program.all_reduce(mesh, "x", shape=(3,), dtype="float32", op="max")
+    first = M if ctx.rank >= ctx.world_size // 2 else S
+    expect_error(ctx, lambda: first(ones), PeerError, "not in the same call", "Programs swapped", stats)
+    mc.finalize()
+    ctx = mc.init(backend="torch", devices_per_process=args.dpp)
+    stats["swapped_over_gloo"] += 1
     return ctx
 
 
