@@ -126,6 +126,7 @@ def test_mpiexec_two_devices_per_process_and_reinit(tmp_path):
     res = mpiexec(4, "--init", "mpi,torch,mixed", "--dpp", "2", "--cases", str(cases), "--seed", "2",
                   out=tmp_path / "out")
     check_cases(res, 4, cases, ("mpi", "torch", "mixed"))
+    assert all(r["old_program_refused"] == 2 for r in res), res    # Programs of a finalized context
 
 
 def test_torchrun_and_a_peer_that_dies(tmp_path):

@@ -201,6 +201,7 @@ class Context:
         self.attempts = 0           # agreements this process took part in (their nonces)
         self.p2p: dict = {}         # ("send" | "recv", from device, to device) -> messages so far (collectives/p2p.py)
         self.channel = control.Channel(self.backend, self.rank, self.world_size, timeout)
+        self.closed = False         # finalize() closed it: its Programs run no more
 
     def __repr__(self) -> str:
         return (f"Context(backend={self.backend_name!r}, rank={self.rank}/{self.world_size}, "
@@ -275,6 +276,7 @@ class Context:
         return fut
 
     def close(self):
+        self.closed = True
         self._pool.shutdown(wait=True)
         try:
             self.channel.raise_pending()     # a peer failed in a run this process finished

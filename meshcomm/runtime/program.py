@@ -65,7 +65,6 @@ class Program:
 
     def __repr__(self) -> str:
         return f"Program(#{self.id} {self.label}, runs={self.runs})"
-
     # -- running --------------------------------------------------------------------------
     def __call__(self, x=None, *more, async_op: bool = False, out=None, recv_counts=None):
         """Run it on this process's input `x` (all_to_all_v: `prog(x, send_counts, recv_counts=None)`)."""
@@ -81,6 +80,8 @@ class Program:
     def start(self, x, async_op, out, stamp, st=None):
         """A run: `st` is the kernel's prepared input where the caller checked it already."""
         ctx, k = self.ctx, self._kernel
+        if ctx is not None and ctx.closed:      # not reported: the new context's Programs reuse its number
+            raise RuntimeError(f"{self} was made before meshcomm.finalize(): construct it again after init()")
         if ctx is None or type(k) is Outside:       # one process owns every device, or none of it
             res = k.finish(k.run(k.prepare(x, out) if st is None else st, None, stamp))
             return Handle(result=res) if async_op else res
@@ -137,7 +138,7 @@ class Program:
 
         def run(x):
             ch = control._CHANNEL
-            if ch is None or ch.errors or self.failed is not None or pid in ch.failed:
+            if ch is None or ch.errors or self.failed is not None or pid in ch.failed or ctx.closed:
                 return GENERAL
             last = ctx._last                    # after the asynchronous calls issued before
             if last is not None and not last.done():

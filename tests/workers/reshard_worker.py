@@ -302,6 +302,29 @@ def run_given_up_over_gloo(ctx, args, stats):
     return ctx
 
 
+def run_old_program(ctx, old, stats):
+    """A context's first Program; `old`, the first of the context before (finalized), raises,
+    naming why, and reports nothing: it has the same number, and it ran with the new
+    context's peers (wrong tiles over gloo) or failed the new one ("failed earlier")."""
+    n = ctx.world_size * ctx.devices_per_process
+    mesh = mc.Mesh(np.arange(n), ("x",))
+    new = mc.Program.all_reduce(mesh, "x", shape=(3,), dtype="float32", op="max")
+    if old is None:
+        return new
+    assert new.id == old.id, (new, old)         # the same number: the case that went wrong
+    ones = {d: np.ones(3, np.float32) for d in ctx.owned_devices(mesh)}
+    for _ in range(2):
+        try:
+            old(ones)
+            raise AssertionError(f"rank {ctx.rank}: a Program of a finalized context ran")
+        except RuntimeError as e:
+            assert "before meshcomm.finalize()" in str(e), e
+    y = new({d: np.full(3, d, np.float32) for d in ones})
+    assert all((v == n - 1).all() for v in y.values()), (ctx.rank, y)
+    stats["old_program_refused"] += 1
+    return new
+
+
 def expect_error(ctx, fn, exc, needle, what, stats):
     try:
         fn()
@@ -542,8 +565,10 @@ def main():
     stats: Counter = Counter()
     t0 = time.time()
     inits = args.init.split(",")
+    old = None          # a Program of the context before (finalized): it runs no more
     for k, name in enumerate(inits):
         ctx = mc.init(backend=name, devices_per_process=args.dpp)
+        old = run_old_program(ctx, old, stats)
         backends = args.backends.split(",") if args.backends else [name]
         run_cases(ctx, args, backends, stats)
         run_agreed_then_failed(ctx, stats)
