@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import log, settings
 from ..caches import BoundedDict
+from ..handle import QUEUE_THREAD
 from . import control
 from .ownership import Ownership, launcher_world_size
 
@@ -188,7 +189,7 @@ class Context:
         self.timeout = timeout
         for b in self._backends.values():
             b.timeout = timeout
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshcomm-comm")
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=QUEUE_THREAD)
         self._lock = threading.Lock()       # one communication at a time, in call order
         self._last: concurrent.futures.Future | None = None
         self.eager: dict = {}       # eager call signature -> its Programs (runtime/program.py)

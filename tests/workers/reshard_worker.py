@@ -441,6 +441,25 @@ def run_program_checks(ctx, b, stats):
     assert all(h.is_completed() for h in hs) and called == [hs[0]], (r, called)
     for h in hs:
         check_result(ctx, h.wait(), ref, dst, False, f"Program async [{b}]")
+    # a done callback that raises (a KeyboardInterrupt too) is printed, and one on the queue
+    # that waits for a run queued behind it raises: the first ended the queue's thread (every
+    # later wait waited forever), the second waited forever
+    h1, h2 = P(mine, async_op=True), P(mine, async_op=True)
+    seen = []
+
+    def cb(h):
+        import threading
+        on_queue = threading.current_thread().name.startswith("meshcomm-comm")
+        try:
+            h2.wait()
+            seen.append(not on_queue or h2.is_completed())
+        except RuntimeError as e:
+            seen.append(on_queue and "wait forever" in str(e))
+        raise KeyboardInterrupt("raised by a done callback (expected)")
+    h1.add_done_callback(cb)
+    for h in (h1, h2, P(mine, async_op=True)):
+        check_result(ctx, h.wait(), ref, dst, False, f"Program async after a callback [{b}]")
+    assert seen == [True], (r, seen)
     if not errors:
         stats["program_ok"] += 1
         return
