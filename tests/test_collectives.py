@@ -232,9 +232,9 @@ def test_mpiexec_8_every_element_type_and_torch_tiles(tmp_path):
     # fixed: was intermittent (about 3 of 90 loaded launches: a report raised again at the next
     # call; a construction beside the failed run took the others' next Metas); 0 of 70 since
     pytest.param("cached-bad-argument", "cached_fault_next_ok", 2, id="cached-bad-argument"),
-    # fixed: a non-root passing None runs the Program it ran last (program.lookup(latest=))
+    # fixed: a non-root passing None runs the Program it ran last (eager.lookup(latest=))
     pytest.param("none-after-tiles", "none_after_tiles_ok", 6, id="none-after-tiles"),
-    # fixed: every call of an uneven gather agrees first (program.eager(agree_always=))
+    # fixed: every call of an uneven gather agrees first (eager.eager(agree_always=))
     pytest.param("gather-size-one", "gather_size_one_ok", 5, id="gather-size-one"),
     # fixed: a native call posts on its Program's own communicator (Backend.bind)
     pytest.param("stale-broadcast", "stale_broadcast_ok", 2, id="stale-broadcast"),

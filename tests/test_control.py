@@ -290,7 +290,7 @@ def test_a_lean_run_whose_request_fails_raises_never_returns(monkeypatch, inacti
             base.wait_polling(works, deadline)
 
     class Ctx:
-        seq, _lock, _last, timeout = {}, threading.Lock(), None, 4.0
+        seq, _lock, _last, timeout, closed = {}, threading.Lock(), None, 4.0, False
 
     class Kernel:
         fns = (lambda x: Work(), lambda: np.zeros(3, np.float32), Prim, True)

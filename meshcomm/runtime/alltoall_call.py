@@ -2,7 +2,7 @@
 dtype, array kind), whose runs exchange the counts (they are data) and then the rows.
 
 `meshcomm.alltoall` validates the call and runs it in one process; under `meshcomm.init` the
-eager call is the cached Program of its arguments (runtime/program.py `eager`), and
+eager call is the cached Program of its arguments (runtime/eager.py `eager`), and
 `Program.all_to_all_v` constructs one explicitly. Each run is a `DistRun`: the count
 exchange, then the plan's stages, messages posted (non-blocking) in the plan's global order,
 then waited for, all on the Program's own tags.
@@ -25,7 +25,8 @@ from .context import current, no_context
 from .local_program import LocalKernel, no_out
 from ..handle import Handle
 from ..layout import normalize_shape
-from .program import Program, checking, construct, eager, new, outside, tags_of, half
+from .eager import eager
+from .program import Program, checking, construct, new, outside, tags_of, half
 
 __all__ = ["DistRun", "program", "run", "local", "axis_groups"]
 

@@ -24,7 +24,8 @@ from .agreement import layouts_fp, value
 from ..handle import Handle
 from .context import current, no_context
 from .local_program import LocalKernel, fill_out, one_process
-from .program import Program, checking, construct, eager, half, lookup, new, outside, tags_of
+from .eager import eager, lookup
+from .program import Program, checking, construct, half, new, outside, tags_of
 from .tiles import check_device, common_run, empty_like, facts_of, fit_of, numpy_views, torch_results
 from .reshard_call import local_input
 

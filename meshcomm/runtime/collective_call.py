@@ -33,7 +33,8 @@ from .context import current, init_hint, no_context
 from .local_program import LocalKernel, fill_out
 from ..handle import Handle
 from .plan_run import PlanRun
-from .program import Program, checking, construct, eager, lookup, new, outside, tags_of
+from .eager import eager, lookup
+from .program import Program, checking, construct, new, outside, tags_of
 from .tiles import consume, empty_like, fences_of, host_dtype
 
 __all__ = ["Request", "run", "program", "tiles_of", "coded_dims", "build", "finish_tiles"]

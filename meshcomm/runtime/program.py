@@ -13,11 +13,10 @@ wait. Every wait polls the control channel (runtime/control.py): a peer's error,
 waiting in another call, raises within milliseconds; a missing peer within the timeout. A
 run that failed anywhere marks its Program failed on every process (its messages may still
 be in flight): the next run raises; eager calls construct a new Program. Eager calls are
-cached Programs (`eager`; docs/runtime.md: when a call agrees again).
+cached Programs (runtime/eager.py).
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from typing import Callable
@@ -31,7 +30,7 @@ from ..backends import base
 from . import agreement, context, control
 from .agreement import Meta
 
-__all__ = ["Program", "checking", "construct", "fail_together", "eager", "lookup", "tags_of", "half"]
+__all__ = ["Program", "checking", "construct", "fail_together", "tags_of", "half"]
 
 GENERAL = object()        # the lean run declines: the general run takes it
 
@@ -295,8 +294,8 @@ def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable,
     with control.entering(ch, control.Call("construct", pid, label, ctx.attempts)):
         deadline = time.monotonic() + ctx.timeout
         extra = dict(extra, seq=ctx.seq.get(ranks, 0))
-        metas = agreement.agree(ctx, ranks, counter, ctx.attempts, Meta(label, fields, agreement.error_of(err), extra),
-                                err, describe, deadline)
+        metas = agreement.agree(ctx, ranks, counter, ctx.attempts,
+                                Meta(label, fields, agreement.error_of(err), extra), err, describe, deadline)
         # the group's run sequence, the same on each again (a mismatch may have left them apart)
         ctx.seq[ranks] = max(m.extra.get("seq", 0) for m in metas)
         try:
@@ -365,86 +364,3 @@ def half(tags, parity: int) -> tuple:
 def new(ctx, pid: int, label: str, kernel, plan=None) -> Program:
     """A Program object: of the public class (runtime/programs.py registers it in CLASS)."""
     return CLASS[0](ctx, pid, label, kernel, plan)
-
-
-EAGER_MAX = 256     # eager call signatures kept per group of processes
-
-
-@dataclasses.dataclass
-class Entry:
-    """An eager call signature's Programs: by this process's own facts, or (`exchange`) by
-    the facts agreed on in each call."""
-
-    exchange: bool
-    programs: dict
-    last: object = None             # the key of the Program this process ran last
-    ranks: tuple = ()               # its processes: signatures are evicted per group (`eager`)
-
-
-def lookup(ctx, sig, local_key, latest: bool = False) -> Program | None:
-    """The cached Program of an eager call that every process decided alone, by this
-    process's own facts `local_key` (`latest`: the one it ran last, for a process with no facts
-    of its own, such as a broadcast's non-root passing None); None: construct (or agree)."""
-    ch = control._CHANNEL
-    if ch is not None:
-        ch.poll()                   # Programs a peer reported failed are constructed again
-    entry = ctx.eager.get(sig)
-    if entry is None or entry.exchange:
-        return None
-    key = entry.last if latest else local_key
-    prog = entry.programs.get(key)
-    if prog is None or prog.failed is not None or (ch is not None and prog.id in ch.failed):
-        return None
-    entry.last = key
-    _used(ctx, sig)
-    return prog
-
-
-def _used(ctx, sig) -> None:
-    """Signature `sig` was used now: last in the eager cache's order (dropped last)."""
-    if next(reversed(ctx.eager)) != sig:
-        ctx.eager[sig] = ctx.eager.pop(sig)
-
-
-def eager(ctx, sig, local_key, complete: bool, label: str, fields, err, extra, build, agreed_key,
-          describe=None, ranks=None, agree_always=None) -> Program:
-    """The Program of an eager call: found by `local_key` when every process decided alone
-    last time, else constructed (or, in exchange mode, looked up after the agreement).
-    `fields` may be a function giving them (called only then); `agree_always(metas)`: no
-    process can decide alone (an uneven gather's sizes): every call agrees first."""
-    # a local error takes part as on a first call (its Meta carries it): where the others
-    # construct, all raise in that agreement; where they run, both sides stall on each other
-    # in different calls and raise, failing the run's Program
-    prog = lookup(ctx, sig, local_key) if err is None else None
-    if prog is not None:
-        return prog
-    ch = control.current()
-    if callable(fields):                # worked out only where it is constructed or agreed
-        fields = fields()
-    extra = dict(extra, complete=complete and err is None)
-
-    def build_or_find(pid, metas, deadline):
-        exchange = not all(m.extra.get("complete") for m in metas) or bool(agree_always and agree_always(metas))
-        e = ctx.eager.get(sig)
-        if e is None or e.exchange != exchange:
-            e = ctx.eager[sig] = Entry(exchange, {})
-        key = agreed_key(metas) if exchange else local_key
-        prog = e.programs.get(key)
-        if prog is None or prog.failed is not None or (ch is not None and prog.id in ch.failed):
-            prog = build(pid, metas, deadline)
-            if len(e.programs) >= 16:
-                e.programs.pop(next(iter(e.programs)))
-            e.programs[key] = prog
-        e.last = key
-        return prog
-    prog = construct(ctx, label, fields, err, extra, build_or_find, describe, ranks)
-    # at most EAGER_MAX signatures per group of processes, the least recently used out: its
-    # members make the same calls of it, not of other groups, so they drop the same ones
-    group = ctx.eager[sig].ranks = prog.ranks
-    _used(ctx, sig)                             # an exchange, agreed on every call, too
-    mine = [s for s, entry in ctx.eager.items() if entry.ranks == group]
-    if len(mine) > EAGER_MAX:
-        del ctx.eager[mine[0]]
-    return prog
-
-

@@ -28,7 +28,8 @@ from .agreement import layouts_fp, value
 from .context import current, no_context
 from .local_program import local_reshard
 from .plan_run import PlanRun
-from .program import GENERAL, Program, checking, construct, eager, half, lookup, new, outside, tags_of
+from .eager import eager, lookup
+from .program import GENERAL, Program, checking, construct, half, new, outside, tags_of
 from .tiles import check_device, common_run, consume, empty_like, facts_of, fences_of, fit_of
 
 __all__ = ["reshard", "program"]
