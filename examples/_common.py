@@ -47,6 +47,21 @@ class _Parser(argparse.ArgumentParser):
             super()._print_message(message, file)
 
 
+def positive(text: str) -> int:
+    """An argparse type: an int of at least 1."""
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def worst(values) -> float:
+    """The largest value, NaN where any is NaN (Python's max drops a NaN unless it comes
+    first: a check would pass on a NaN gradient)."""
+    values = list(values)
+    return float("nan") if any(v != v for v in values) else max(values, default=0.0)
+
+
 def base_parser(doc: str, backend_help: str = "mpi | torch | mixed (default: torch on GPU, else mpi)"
                 ) -> argparse.ArgumentParser:
     """The flags every example takes. The description is the docstring's first paragraph, the
@@ -54,7 +69,7 @@ def base_parser(doc: str, backend_help: str = "mpi | torch | mixed (default: tor
     paras = doc.strip().split("\n\n")
     p = _Parser(description=paras[0], epilog="examples:\n" + paras[1] if len(paras) > 1 else None,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=5, help="training steps")
+    p.add_argument("--steps", type=positive, default=5, help="training steps (at least 1)")
     p.add_argument("--check", action="store_true",
                    help="compare loss and gradients with a single-process run of the same model")
     p.add_argument("--backend", default=None, help=backend_help)
@@ -167,7 +182,7 @@ def allreduce_(tensors, mesh: mc.Mesh, rank: int) -> None:
 
 def max_over(values: list[float], mesh: mc.Mesh, rank: int) -> float:
     """The largest of every process's values, known on device mesh.device_ids[0]."""
-    v = torch.tensor([max(values, default=0.0)], dtype=torch.float64)
+    v = torch.tensor([worst(values)], dtype=torch.float64)
     if mesh.size == 1:
         return float(v)
     src = mc.Layout(mesh, (mesh.axis_names,))                  # one value per device
@@ -238,16 +253,18 @@ def finish_check(name: str, diffs: dict[str, float], mesh: mc.Mesh, rank: int, t
     """Print the largest difference from the single-process reference; exit 1 beyond tol
     (or when `log_ok` is False: the log did not match the model)."""
     with mc.log.tag("check"):
-        worst = max_over(list(diffs.values()), mesh, rank)
-    mine = max(diffs.values(), default=0.0)
-    if mine > tol:
-        what = max(diffs, key=diffs.get)
+        everyone = max_over(list(diffs.values()), mesh, rank)
+    mine = worst(diffs.values())
+    if not mine <= tol:                 # NaN too
+        what = next(k for k, v in diffs.items() if not v <= tol)
         print(f"[{name}] rank {rank}: {what} differs by {mine:.3g} > {tol:g}", file=sys.stderr, flush=True)
+    if not diffs:
+        print(f"[{name}] rank {rank}: nothing was compared", file=sys.stderr, flush=True)
     if rank == 0:
-        ok = worst <= tol
-        print(f"[{name}] check: largest difference vs single process {worst:.3g} "
+        ok = everyone <= tol
+        print(f"[{name}] check: largest difference vs single process {everyone:.3g} "
               f"(tolerance {tol:g}) {'OK' if ok else 'FAILED'}", flush=True)
-    sys.exit(0 if mine <= tol and (rank != 0 or worst <= tol) and log_ok else 1)
+    sys.exit(0 if diffs and mine <= tol and (rank != 0 or everyone <= tol) and log_ok else 1)
 
 
 def maxdiff(a, b) -> float:

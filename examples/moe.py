@@ -96,7 +96,9 @@ class MoELayer(torch.nn.Module):
                 eid = _a2a(e_sorted[:, None], send, recv, self.mesh, self.rank).reshape(-1)
         else:
             eid = e_sorted
-        out = torch.zeros_like(rows)
+        # zeros inside the graph: with no token routed here, autograd still runs this rank's
+        # backward all-to-alls, which the other ranks make (zeros_like: they waited for it)
+        out = rows * 0
         for j in range(self.per_rank):                          # run the local experts
             sel = (eid - self.rank * self.per_rank) == j
             if sel.any():

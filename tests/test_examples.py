@@ -50,9 +50,12 @@ def test_examples_mpiexec_n4():
     specs = ["moe --check --steps 2", "dlrm --check --steps 2",
              "pipelined_gpt --check --steps 2 --schedule 1f1b",
              "pipelined_gpt --check --steps 2 --schedule eager",
-             "moe --check --steps 1 --tol 0"]          # the check can fail: float differences > 0
+             "moe --check --steps 1 --tol 0",          # the check can fail: float differences > 0
+             # 4 tokens for 8 experts: some ranks get none (their backward all-to-alls were
+             # skipped by autograd: "not in the same call")
+             "moe --check --steps 2 --batch 4 --seq 1 --d 4"]
     r, out, codes = run(specs, nproc=4)
-    for k in range(4):
+    for k in (0, 1, 2, 3, 5):
         assert codes.get(k) == {q: 0 for q in range(4)}, f"example {specs[k]}: {codes.get(k)}\n{out[-4000:]}"
     assert 1 in codes[4].values(), out[-3000:]
     for name in ("moe", "dlrm", "gpt"):
@@ -101,6 +104,17 @@ def test_fsdp_mpiexec_n4_check_log_and_backend(tmp_path):
     r, out, codes = run([spec], nproc=4, timeout=400)
     assert 1 in codes[0].values() and check_line(out, "fsdp uncompressed")[0][1] == "FAILED", out[-3000:]
     assert {x["backend"] for x in log_cmd.read(tmp_path / "torch").records} == {"torch"}
+
+
+def test_checks_fail_on_nan_and_on_nothing_compared(monkeypatch):
+    """A NaN difference fails a check (Python's max dropped it unless it came first), and
+    --steps must be at least 1 (--steps 0 compared nothing and said OK)."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    from _common import base_parser, worst
+    assert worst([0.0, float("nan"), 1.0]) != worst([0.0, float("nan"), 1.0])     # NaN
+    assert worst([1e-9, 3.0]) == 3.0 and worst([]) == 0.0
+    with pytest.raises(SystemExit):
+        base_parser("doc").parse_args(["--steps", "0"])
 
 
 @pytest.mark.parametrize("name", ["dlrm", "moe", "pipelined_gpt", "fsdp"])
