@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from .caches import memo
+
 __all__ = ["kind_of", "normalize_dtype", "dtype_of", "to_numpy", "is_torch", "is_jax", "copy", "divided"]
 
 
@@ -136,12 +138,20 @@ def to_numpy(x) -> np.ndarray:
     return np.asarray(x)
 
 
+@memo(maxsize=8)
+def jax_table(devices: tuple) -> dict:
+    """meshcomm device id -> jax.Device: its position in `jax.devices()` ordered by (process,
+    id): `Device.id` in one process; under jax.distributed process p's k devices get
+    p*k .. p*k+k-1, as meshcomm's ownership gives them (adapters/jax.py)."""
+    return dict(enumerate(sorted(devices, key=lambda d: (d.process_index, d.id))))
+
+
 def jax_device(device_id: int):
+    """The jax.Device of a meshcomm device id (else this process's first: one process with
+    fewer JAX devices than the mesh has, every tile on its one device)."""
     import jax
-    for d in jax.devices():
-        if d.id == device_id:
-            return d
-    return jax.devices()[0]
+    d = jax_table(tuple(jax.devices())).get(device_id)
+    return d if d is not None else jax.local_devices()[0]
 
 
 def as_jax(res, bare: bool, owned):
@@ -159,8 +169,8 @@ def to_jax_devices(tiles: dict) -> dict:
     if not tiles:
         return {}
     import jax
-    by_id = {d.id: d for d in jax.devices()}
-    first = jax.devices()[0]
+    by_id = jax_table(tuple(jax.devices()))
+    first = jax.local_devices()[0]
     keys = list(tiles)
     put = jax.device_put([tiles[d] for d in keys], [by_id.get(d, first) for d in keys])
     return dict(zip(keys, put))

@@ -37,6 +37,7 @@ import numpy as np
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ..arrays import jax_table
 from ..caches import memo
 from ..layout import Blocks, Layout, normalize_shape
 from ..mesh import Mesh
@@ -117,9 +118,8 @@ def _devices_key() -> tuple:
     return tuple(jax.devices())
 
 
-@memo(maxsize=8)
 def _ordered(devices: tuple) -> tuple:
-    return tuple(sorted(devices, key=lambda d: (d.process_index, d.id)))
+    return tuple(jax_table(devices).values())
 
 
 def _positions() -> dict:
@@ -150,12 +150,7 @@ def jax_device_by_id(device_id: int):
 
 
 def _device_table() -> dict[int, Any]:
-    return _table_of(_devices_key())
-
-
-@memo(maxsize=8)
-def _table_of(devices: tuple) -> dict[int, Any]:
-    return dict(enumerate(_ordered(devices)))
+    return jax_table(_devices_key())
 
 
 def expressible(layout: Layout, shape=None) -> str | None:

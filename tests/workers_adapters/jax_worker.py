@@ -161,6 +161,15 @@ def main():
         done += 1
 
     done += tree_cases(rng)
+    # eager collectives and p2p of jax.Array tiles put their results on this process's own
+    # devices (they went on process 0's device, matched by Device.id: 2048 + i here)
+    M = mc.Mesh(np.arange(N), ("dp",))
+    own = [d for d in range(N) if d // LOCAL == comm.rank]
+    y = mc.all_gather({d: jax.device_put(np.full(2, d, np.float32), DEVS[d]) for d in own}, M, "dp")
+    for d in own:
+        assert y[d].devices() == {DEVS[d]} and y[d].is_fully_addressable, (d, y[d].devices())
+        np.testing.assert_array_equal(np.asarray(y[d]), np.repeat(np.arange(N, dtype=np.float32), 2))
+    done += 1
     comm.Barrier()
     mc.finalize()
     print(f"JAXDIST OK {comm.rank} {done}", flush=True)
