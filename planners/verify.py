@@ -41,6 +41,8 @@ def verify(plan, devices_per_process: int = 1) -> None:
     batch = getattr(plan, "verify_batch", None)
     if batch is not None:
         return batch(devices_per_process)
+    if not all(hasattr(plan, k) for k in ("src", "dst", "shape", "transfers")):
+        raise TypeError(f"verify takes a Plan (meshcomm.plan(...)), got {type(plan).__name__}")
     src, dst, shape = plan.src, plan.dst, plan.shape
     st, dt = src.tiles(shape), dst.tiles(shape)
     ndim = len(shape)

@@ -97,6 +97,25 @@ def test_plan_bad_input(args, msg):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("args,msg", [
+    (["bench", "sim", "--topology", "nope"], "unknown topology preset 'nope'"),   # a ValueError traceback
+    (["bench", "plan", "--repeats", "0"], "expected a positive integer, got '0'"),  # an AttributeError
+    (["bench", "refit", "--layers", "-1"], "expected a positive integer"),        # ran "-1 layers"
+    (["demo", "--cases", "nope"], "unknown case(s) ['nope']"),                    # ran nothing, exit 0
+    (["demo", "--backends", "nope", "--local"], "unknown backend(s) ['nope']"),
+    (["plan", "--shape", "8,6", "--src", "2x2:x", "--dst", "4@4:x", "--draw", "p.foo"], "foo"),
+])
+def test_commands_refuse_bad_arguments_in_one_line(args, msg):
+    r = run(*args)
+    assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_verify_takes_a_plan():
+    for v in ("x", None):
+        with pytest.raises(TypeError, match="verify takes a Plan"):
+            mc.verify(v)
+
+
 def test_plan_draw_into_missing_folder(tmp_path):
     missing = tmp_path / "no" / "such"
     r = run("plan", "--shape", "8,6", "--src", "2x2:x", "--dst", "4@4:x", "--draw", str(missing / "p.png"))

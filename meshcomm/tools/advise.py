@@ -30,6 +30,7 @@ import math
 import sys
 
 from meshcomm import model as M
+from meshcomm.tools.common import positive
 
 __all__ = ["main", "Violation", "check_shape", "wave_note", "suggest", "build_parser", "bubble"]
 
@@ -167,15 +168,6 @@ def command_line(shape: dict, a: argparse.Namespace, p: argparse.ArgumentParser)
     return " ".join(out)
 
 
-def _positive(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-    return v
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshcomm advise", description="Check a transformer's shape against the GPU-efficiency "
@@ -183,17 +175,17 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[5:]))
     for flag in ("--hidden", "--heads", "--vocab", "--seq", "--micro-batch", "--layers"):
-        p.add_argument(flag, type=_positive, required=True)
-    p.add_argument("--tp", type=_positive, default=1, help="tensor-parallel degree")
-    p.add_argument("--pp", type=_positive, default=1, help="pipeline-parallel degree")
-    p.add_argument("--dp", type=_positive, default=1, help="data-parallel degree")
-    p.add_argument("--ffn", type=_positive, default=None, help="MLP width (default 4*hidden)")
+        p.add_argument(flag, type=positive, required=True)
+    p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree")
+    p.add_argument("--pp", type=positive, default=1, help="pipeline-parallel degree")
+    p.add_argument("--dp", type=positive, default=1, help="data-parallel degree")
+    p.add_argument("--ffn", type=positive, default=None, help="MLP width (default 4*hidden)")
     p.add_argument("--dtype", choices=sorted(ALIGN), default="bf16")
-    p.add_argument("--micro-batches", type=_positive, default=None,
+    p.add_argument("--micro-batches", type=positive, default=None,
                    help="micro-batches per iteration (default: pp)")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
-    p.add_argument("--sms", type=_positive, default=A100_SMS, help="SMs for the wave note (A100: 108)")
+    p.add_argument("--sms", type=positive, default=A100_SMS, help="SMs for the wave note (A100: 108)")
     return p
 
 

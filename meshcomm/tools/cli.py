@@ -1,7 +1,7 @@
 """The `meshcomm` command line. Each subcommand lives in its own module of meshcomm.tools and
 registers itself through `add_parser(subparsers)`; this file only wires them together and
-turns a UsageError (a missing optional dependency, a missing output folder) into one line on
-stderr and exit status 2."""
+turns a UsageError (a missing optional dependency, a missing output folder), or a ValueError
+or TypeError naming bad input, into one line on stderr and exit status 2."""
 from __future__ import annotations
 
 import argparse
@@ -51,7 +51,9 @@ def main(argv=None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except UsageError as e:
+    except (UsageError, ValueError, TypeError) as e:
+        # meshcomm's own ValueError/TypeError name the bad input (a topology, a file type):
+        # one line, as argparse's own errors
         print(f"meshcomm {args.command}: error: {e}", file=sys.stderr)
         return 2
 

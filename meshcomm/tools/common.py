@@ -16,6 +16,17 @@ __all__ = ["UsageError", "EXTRA", "geomean", "progress", "importable", "require"
 EXTRA = "pip install meshcomm[tools]"
 
 
+def positive(s: str) -> int:
+    """An argparse type: an int of at least 1."""
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+    return v
+
+
 class UsageError(Exception):
     """A command cannot run as asked (a missing optional dependency, an output folder that
     does not exist): the command line prints it as one line and exits with status 2."""

@@ -33,6 +33,7 @@ import time
 import numpy as np
 
 from . import spmd
+from .common import UsageError
 from .cases import extra_cases, global_array, scaled_alpa_cases
 from .demo_worker import HEADER, row, worker_main
 
@@ -146,7 +147,13 @@ def run(args) -> int:
     cases = scaled_alpa_cases(args.procs, args.mib) + ([] if args.no_extra else extra_cases(args.procs, args.mib))
     if args.cases:
         want = set(args.cases.split(","))
+        unknown = sorted(want - {c.name for c in cases})
+        if unknown:
+            raise UsageError(f"--cases: unknown case(s) {unknown}; known: {[c.name for c in cases]}")
         cases = [c for c in cases if c.name in want]
+    bad = sorted(set(args.backends.split(",")) - set(DEFAULT_BACKENDS))
+    if bad:
+        raise UsageError(f"--backends: unknown backend(s) {bad}; known: {list(DEFAULT_BACKENDS)}")
     if args.worker:
         return worker_main(cases, args)
 

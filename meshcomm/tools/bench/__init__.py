@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..common import positive
 from . import plan, refit, run, sim
 
 __all__ = ["add_parser"]
@@ -77,7 +78,7 @@ def add_parser(sub) -> None:
     refit.add_refit_parser(bsub)
     q = bsub.add_parser("plan", help="planning time from 8 to 4096 devices, cold and cached")
     q.add_argument("--topology", default="p3.8xlarge")
-    q.add_argument("--repeats", type=int, default=5, help="cold repeats per case (median)")
+    q.add_argument("--repeats", type=positive, default=5, help="cold repeats per case (median)")
     q.add_argument("--max-devices", type=int, default=4096)
     q.add_argument("--json", metavar="FILE")
     q.add_argument("--quiet", action="store_true")
@@ -96,7 +97,7 @@ def _add_run_parser(bsub) -> None:
                         description=RUN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--procs", type=int, default=8, help="processes when launching (default 8)")
     r.add_argument("--size-mb", type=float, default=16.0, help="tensor size in MiB (default 16)")
-    r.add_argument("--repeats", type=int, default=5, help="timed repeats after a warm-up (median)")
+    r.add_argument("--repeats", type=positive, default=5, help="timed repeats after a warm-up (median)")
     r.add_argument("--backends", default="mpi,torch,mixed",
                    help="meshcomm backends to time, each as a Program and as the eager call")
     r.add_argument("--only", metavar="NAMES", help="comma-separated substrings of case names")

@@ -21,7 +21,7 @@ import sys
 import time
 
 from .. import common
-from ..common import check_output, write_json
+from ..common import check_output, positive, write_json
 
 __all__ = ["POLICIES", "refit_row", "format_refit_table", "cmd_refit", "add_refit_parser"]
 
@@ -56,7 +56,7 @@ def add_refit_parser(bsub) -> None:
     r.add_argument("--bucket-mb", type=float, default=None, help="meshcomm's bucket (default: the cost model's)")
     r.add_argument("--verl-bucket-mb", type=float, default=2048.0, help="the verl-like policy's bucket")
     r.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, of: " + ", ".join(POLICIES))
-    r.add_argument("--layers", type=int, default=None, help="only the first N layers (a quick look)")
+    r.add_argument("--layers", type=positive, default=None, help="only the first N layers (a quick look)")
     r.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     r.add_argument("--quiet", action="store_true", help="no progress bars")
     r.set_defaults(func=cmd_refit)
