@@ -2,7 +2,9 @@
 
 The sender sends a small header (dtype, shape) and then the data; the receiver checks the
 header against `like` before taking the data, so a shape or dtype mismatch raises a
-ValueError naming both devices on the receiving process instead of reinterpreting bytes.
+ValueError naming both devices on the receiving process instead of reinterpreting bytes (the
+sender's send completed: as in MPI, it is not told). A send that fails its own checks sends
+nothing and takes no message number: the pair's next send is the receiver's next message.
 Messages between two devices arrive in the order they were sent: the k-th message of a pair
 goes on tags of its own (`_tags`), so a receive given up (timed out) leaves no header or data
 that a later receive of the pair could take for its own. Sends and receives run in call order
@@ -19,7 +21,7 @@ import time
 
 import numpy as np
 
-from .. import arrays, runtime
+from .. import arrays, log, runtime
 from ..handle import Handle
 from ..layout import normalize_shape
 from ..validate import plain_tile
@@ -59,6 +61,16 @@ def _describe(h) -> str:
     name = np.asarray(h[:2], dtype=np.int64).tobytes().rstrip(b"\0").decode(errors="replace")
     ndim = int(h[3])
     return f"{name} {tuple(int(v) for v in h[4:4 + ndim])}"
+
+
+def _record(stamp, op, rank, peer, prim, x, sent: bool) -> None:
+    """The log's record of a message of the pair (rank, peer): the header's bytes on the wire too."""
+    name, itemsize = arrays.dtype_of(x)
+    n = int(np.prod(x.shape, dtype=np.int64)) * itemsize
+    wire = n + _HDR_LEN * 8
+    log.record(stamp, op, tuple(sorted((rank, peer))), backend=prim.name, dtype=name, shape=tuple(x.shape),
+               logical_bytes=n, sent_bytes=wire if sent else 0, recv_bytes=0 if sent else wire,
+               in_bytes=n if sent else 0, out_bytes=0 if sent else n, group_size=2)
 
 
 def _backend(ctx, backend):
@@ -113,12 +125,16 @@ def send(x, to_device: int, *, from_device: int | None = None, backend=None, asy
     hdr = to_wire(_header(x), prim_h.wire)
     data = to_wire(np.asarray(x) if arrays.kind_of(x) == "jax" else x.reshape(-1), prim.wire)
 
-    t_hdr, t_data = _tags(ctx, "send", frm, to_device)
+    t_hdr, t_data = _tags(ctx, "send", frm, to_device)       # after every check: a failed send sends nothing
+
+    stamp = log.stamp(async_op) if log.ON else None
 
     def go():
         deadline = time.monotonic() + ctx.timeout
         prim_h.wait_all([prim_h.isend(hdr, peer, t_hdr)], deadline)
         prim.wait_all([prim.isend(data, peer, t_data)], deadline)
+        if stamp is not None:
+            _record(stamp, "send", ctx.rank, peer, prim, x, sent=True)
     fut = ctx.run(go, async_op)
     return Handle(lambda: (fut.result(), None)[1], future=fut) if async_op else None
 
@@ -159,6 +175,7 @@ def recv(from_device: int, like, *, to_device: int | None = None, backend=None, 
     prim_h = be.choose("send", _HDR_LEN * 8, 2, "cpu")
     like_np = like if not arrays.is_jax(like) else np.asarray(like)
     t_hdr, t_data = _tags(ctx, "recv", from_device, to)
+    stamp = log.stamp(async_op) if log.ON else None
 
     def go():
         deadline = time.monotonic() + ctx.timeout
@@ -170,7 +187,10 @@ def recv(from_device: int, like, *, to_device: int | None = None, backend=None, 
         buf = empty_wire(got, prim.wire, like_np)
         prim.wait_all([prim.irecv(buf, peer, t_data)], deadline)    # drained even on a mismatch
         check(h, "; the data was received and dropped")
-        return from_wire(buf, like_np).reshape(tuple(like.shape))
+        y = from_wire(buf, like_np).reshape(tuple(like.shape))
+        if stamp is not None:
+            _record(stamp, "recv", ctx.rank, peer, prim, y, sent=False)
+        return y
     fut = ctx.run(go, async_op)
     if arrays.is_jax(like):
         import jax

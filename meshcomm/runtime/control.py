@@ -110,7 +110,8 @@ class Channel:
         self.entry: list | None = None       # its flight-recorder entry
         self.errors: list = []               # ERRORs received, not raised yet
         self.status: dict = {}               # rank -> its last STATUS (call, peers)
-        self.failed: set = set()             # Program numbers a peer reported failed
+        self.failed: set = set()             # Program numbers failed here or reported failed (run no more)
+        self.seen: set = set()               # those whose failure was raised or counted here (`_known`)
         self.group_of: dict = {}             # Program number -> its group's Program numbers (program.construct)
         self.retracted: set = set()          # (rank, nonce): Metas their senders gave up on
         self.handled: set = set()            # (rank, call): peers' failures raised for already
@@ -143,9 +144,10 @@ class Channel:
         programs = getattr(err, "programs", None)
         if programs is None:
             programs = [call.program] if call is not None and call.what == "run" else []
-        self.failed.update(programs)
         if base.STALE:                      # work given up may match a run of any Program
-            self.failed.update(self.group_of)
+            programs = list(programs) + list(self.group_of)
+        self.failed.update(programs)
+        self.seen.update(programs)
         if call is not None:
             self.mine.add(call.key)
         self.incident = set(programs)
@@ -187,7 +189,13 @@ class Channel:
                 if counts:
                     self.errors.append(msg)
                 if counts or not msg[8]:
-                    self.failed.update(msg[6])
+                    self.seen.update(msg[6])
+                # a relay fails its Programs too: two processes that found each other in
+                # different calls at once each raise the other's report, so no report of
+                # theirs is an origin's, and the others ran a failed Program on (the processes
+                # whose part ended constructed no new one beside those that did: they waited out
+                # the timeout in every later call, or paired calls apart)
+                self.failed.update(msg[6])
             elif msg[0] == "STATUS":
                 self.status[msg[1]] = (msg[2], tuple(msg[3]), time.monotonic())
             elif msg[0] == "CLEAR" and msg[1] in self.status and self.status[msg[1]][0] == msg[2]:
@@ -200,7 +208,7 @@ class Channel:
         of its succeeded since (the peer's side of the same incident: a construction beside
         the run this process failed in, say)."""
         return call is not None and ((who, call.key) in self.handled or call.key in self.mine or (
-            call.what == "run" and call.program in self.failed and call != self.call)
+            call.what == "run" and call.program in self.seen and call != self.call)
             or not self.incident.isdisjoint(programs))
 
     def raise_pending(self, now=None) -> None:
@@ -268,6 +276,7 @@ class Channel:
                 for c in (call, st[0]):
                     programs.update(self.group_of.get(c.program, ()))
                 self.failed.update(programs)
+                self.seen.update(programs)
                 e = PeerError(f"rank {self.rank} is in {call} and waits for rank {p}, which is in "
                               f"{st[0]} and waits for rank {self.rank}: the processes are not in the "
                               "same call (every process must construct and run the same Programs, "

@@ -235,13 +235,17 @@ def run(ctx, nat: Native, posts, req, prob, tiles, dt, tile, deadline, stamp=Non
         t_run = time.time()
         works, fin = post(tiles.get(me))
         prim.wait_all(works, deadline)
-        res.update(fin())
+        got = fin()
+        res.update(got)
         if stamp is not None:
-            _record(stamp, ctx, prim, req, g, me, prob, dt, tile, t_run)
+            x, y = tiles.get(me), got.get(me)
+            io = [0 if v is None else math.prod(v.shape) * dt[1] for v in (x, y)]
+            _record(stamp, ctx, prim, req, g, me, prob, dt, tile, t_run, io)
     return res
 
 
-def _record(stamp, ctx, prim, req, g, me, prob, dt, tile, t_run):
+def _record(stamp, ctx, prim, req, g, me, prob, dt, tile, t_run, io):
+    """The log's record of one native call; `io`: this device's (in, out) tile bytes."""
     from .. import log
     f = log.collective_fields(req.op, len(g), tile, [s for _, s in prob.out_shapes], dt[1])
     root = req.root if req.op in _ROOTED else None
@@ -249,7 +253,7 @@ def _record(stamp, ctx, prim, req, g, me, prob, dt, tile, t_run):
     ranks = tuple(sorted({ctx.ownership.rank_of(d) for h in groups(req.mesh, req.axes) for d in h}))   # one call
     log.record(stamp, f["op"], ranks, backend=prim.name, dtype=dt[0], shape=f["shape"],
                logical_bytes=f["logical_bytes"], sent_bytes=sent, recv_bytes=recv, t_run=t_run,
-               group_size=f["group_size"], algorithm="native")
+               in_bytes=io[0], out_bytes=io[1], group_size=f["group_size"], algorithm="native")
 
 
 def typed(dtype: np.dtype) -> bool:

@@ -473,6 +473,18 @@ def p2p(ctx, backends, stats):
             assert "shape as a tuple" in str(e), str(e)
         stats["p2p_refused"] += 1
         if b == "mpi":
+            # a send that fails its own checks (13 dimensions) sends nothing and takes no
+            # message number: the receiver's recv gets the pair's next message
+            if me % 2 == 0:
+                try:
+                    mc.send(np.zeros((1,) * 13, np.float32), peer, backend=b)
+                    raise AssertionError("a 13-d tile was sent")
+                except ValueError as e:
+                    assert "at most 12 dimensions" in str(e), str(e)
+                mc.send(np.array([5, 6]), peer, backend=b)
+            else:
+                assert mc.recv(peer, np.zeros(2, np.int64), backend=b).tolist() == [5, 6]
+                stats["p2p_send_failed_ok"] += 1
             # a recv given up at its deadline: the pair's next recv gets its own message, not
             # the late one's bytes under its header (the k-th message has tags of its own)
             if me % 2 == 0:
@@ -640,15 +652,15 @@ def none_after_tiles(ctx, stats):
 
 
 def evicted_per_group(ctx, stats):
-    """More eager signatures than are kept (program.EAGER_MAX, lowered here alike on every
+    """More eager signatures than are kept (eager.EAGER_MAX, lowered here alike on every
     process) on the processes of one group (ranks 1.., a pipeline's stage), while ranks 0
     and 1 repeat a call of theirs: rank 1 must not drop it where rank 0 keeps it (they would
     be in different calls), so it runs exact, before and after."""
-    from meshcomm.runtime import program
+    from meshcomm.runtime import eager
     ws, me = ctx.world_size, ctx.rank
-    pair, keep = mc.Mesh([0, 1], ("x",)), program.EAGER_MAX
+    pair, keep = mc.Mesh([0, 1], ("x",)), eager.EAGER_MAX
     x = np.full(3, me + 1, np.int32)
-    program.EAGER_MAX = 6
+    eager.EAGER_MAX = 6
     ctx.eager.clear()                   # on every process: each constructs its next calls anew
     try:
         for it in range(2):
@@ -660,7 +672,7 @@ def evicted_per_group(ctx, stats):
                 assert (y is None) if me == 0 else exact(y, np.full(3, sum(range(2, ws + 1)), np.int32)), (me, i, y)
             stats["evicted_per_group_ok"] += 1
     finally:
-        program.EAGER_MAX = keep
+        eager.EAGER_MAX = keep
 
 
 def gather_size_one(ctx, stats):

@@ -1,7 +1,7 @@
 """Random eager calls (seeded: the same sequence on every process) over random groups of the
 processes, each process passing its own tiles: all_reduce, all_gather, broadcast (non-roots
 with tiles or None), reshard; shapes, dtypes and backends drawn per call; Programs kept per
-group few (program.EAGER_MAX lowered alike everywhere), so signatures are dropped and
+group few (eager.EAGER_MAX lowered alike everywhere), so signatures are dropped and
 constructed again all the time. Every result must be exact and nothing may raise: each
 process decides alone which Program a call runs, and a group's members must decide alike
 whatever else each of them ran.
@@ -20,7 +20,7 @@ import zlib
 import numpy as np
 
 import meshcomm as mc
-from meshcomm.runtime import program
+from meshcomm.runtime import eager
 
 
 def run(seed: int, steps: int, backends, stats) -> None:
@@ -67,11 +67,11 @@ def main():
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--init", default="mpi")
     ap.add_argument("--backends", default="mpi")
-    ap.add_argument("--keep", type=int, default=3, help="program.EAGER_MAX: signatures kept per group")
+    ap.add_argument("--keep", type=int, default=3, help="eager.EAGER_MAX: signatures kept per group")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     ctx = mc.init(backend=args.init)
-    program.EAGER_MAX = args.keep       # the same on every process, before any call
+    eager.EAGER_MAX = args.keep       # the same on every process, before any call
     stats = {"exact": 0, "calls": 0}
     for s in args.seeds.split(","):
         run(int(s), args.steps, args.backends.split(","), stats)

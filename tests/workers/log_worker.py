@@ -50,6 +50,11 @@ def calls(rank: int, world: int) -> None:
     with mc.log.tag("coll"):
         mc.all_reduce(np.ones((6, 5), np.float32), grid, "y")
         mc.all_gather(np.ones((3, 5), np.float32), grid, "x", dim=0)
+    with mc.log.tag("p2p"):
+        if rank == 0:
+            mc.send(np.arange(6, dtype=np.float32), 1)
+        elif rank == 1:
+            mc.recv(0, ((6,), "float32"))
     counts = [(rank + j) % 3 for j in range(world)]
     rows = np.full((sum(counts), 5), rank, dtype=np.float64)
     with mc.log.tag("a2a"):
