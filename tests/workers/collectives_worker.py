@@ -1085,6 +1085,36 @@ def program_api(ctx, backends, stats):
         stats["program_ok"] += 1
 
 
+def sub_axis_bad_tile(ctx, stats):
+    """Over MPI, a 2x2 mesh: rank 2 passes a tile of another shape to an eager all_reduce over
+    "b" whose Program the others run (ranks 0 and 1, the other group, finish theirs). Ranks 2
+    and 3 found each other in different calls at once and each raised the other's report, a
+    relay, which failed no Program where it came: ranks 0 and 1 kept the old Program, and
+    every later call of ranks 2 and 3 waited out the timeout in an agreement ranks 0 and 1
+    never joined. Now every later call raises or is exact, and the last one works everywhere."""
+    if ctx.world_size != 4:
+        return
+    me = ctx.rank
+    mesh = mc.Mesh([[0, 1], [2, 3]], ("a", "b"))
+    x = np.ones((4, 6), np.float32)
+    mc.all_reduce(x, mesh, "b", backend="mpi")
+    try:
+        mc.all_reduce(np.ones((4, 7) if me == 2 else (4, 6), np.float32), mesh, "b", backend="mpi")
+    except ValueError:
+        pass
+    for i in range(3):
+        time.sleep(1.0)                 # a step's compute: the reports arrive
+        t0 = time.monotonic()
+        try:
+            y = mc.all_reduce(np.full((4, 6), i + 1.0, np.float32), mesh, "b", backend="mpi")
+        except PeerError:
+            assert i < 2, f"rank {me}: the third call after the incident raised"
+        else:
+            assert (y == 2 * (i + 1)).all(), (me, i, y[0, 0])
+        assert time.monotonic() - t0 < 5, f"rank {me}: call {i} took {time.monotonic() - t0:.1f}s"
+    stats["sub_axis_bad_tile_ok"] += 1
+
+
 def program_errors(ctx, stats):
     """Over MPI: errors in runs of explicit Programs. Bad input to a run on one process
     (a tile of another shape, another dtype, all_to_all_v counts that do not add up): it
@@ -1218,6 +1248,7 @@ def main():
             repeated_errors(ctx, stats)
             evicted_per_group(ctx, stats)
             program_errors(ctx, stats)
+            sub_axis_bad_tile(ctx, stats)
             pre_mpi4(ctx, stats)
     stats["seconds"] = round(time.time() - t0, 1)
     from meshcomm.backends.base import issued
