@@ -144,10 +144,11 @@ class Channel:
         programs = getattr(err, "programs", None)
         if programs is None:
             programs = [call.program] if call is not None and call.what == "run" else []
-        if base.STALE:                      # work given up may match a run of any Program
-            programs = list(programs) + list(self.group_of)
         self.failed.update(programs)
         self.seen.update(programs)
+        if base.STALE:                      # work given up may match a run of any Program
+            self.failed.update(self.group_of)
+            self.seen.update(self.group_of)
         if call is not None:
             self.mine.add(call.key)
         self.incident = set(programs)

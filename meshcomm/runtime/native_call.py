@@ -44,7 +44,7 @@ OWN_COMMS_MAX = 512
 
 @dataclasses.dataclass(frozen=True)
 class Native:
-    prim: object                    # the concrete backend (MPI or torch)
+    prim: object                    # the concrete backend (MPI's)
     all_ranks: tuple                # every group's ranks, sorted (groups are created in this order)
     key: str = ""                   # its count in backends.base.issued: "native_<backend>"
 
@@ -79,7 +79,7 @@ def choose(ctx, be, req, dt, tile, shapes, devtype, counter=0) -> Native | None:
         # they match by their order on one group that every Program shares, so two Programs
         # (or two places of one in the call order) of the same sizes completed against each
         # other, a wrong value; the plan's messages carry the Program's own tags (and ran as
-        # fast at 4 processes here: 0.8-1.6x of the native call, docs/runtime.md)
+        # fast at 4 processes here, broadcasts 4-6% slower: BENCHMARKS 5)
         return None
     return Native(prim, tuple(_ranks(ctx, g) for g in gs), "native_" + prim.name)
 

@@ -35,7 +35,9 @@ __all__ = ["Program", "checking", "construct", "fail_together", "tags_of", "half
 GENERAL = object()        # the lean run declines: the general run takes it
 
 
-_nothing = type(None)      # a call that does nothing (waits for the asynchronous ones before it)
+def _nothing():
+    return None
+
 
 TAG_SPAN = 1 << 18          # tags per Program: a step's tag is first + index % TAG_SPAN
 
@@ -64,6 +66,7 @@ class Program:
 
     def __repr__(self) -> str:
         return f"Program(#{self.id} {self.label}, runs={self.runs})"
+
     # -- running --------------------------------------------------------------------------
     def __call__(self, x=None, *more, async_op: bool = False, out=None, recv_counts=None):
         """Run it on this process's input `x` (all_to_all_v: `prog(x, send_counts, recv_counts=None)`)."""
