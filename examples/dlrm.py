@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import meshcomm as mc  # noqa: E402
-from _common import (STATS, allreduce_, base_parser, finish_check, finish_log, maxdiff, report,  # noqa: E402
+from _common import (STATS, allreduce_, base_parser, positive, finish_check, finish_log, maxdiff, report,  # noqa: E402
                      sent_bytes, setup, sync)
 
 
@@ -72,10 +72,10 @@ class DLRM(torch.nn.Module):
 
 def main():
     p = base_parser(__doc__)
-    p.add_argument("--batch", type=int, default=32, help="global batch")
+    p.add_argument("--batch", type=positive, default=32, help="global batch")
     p.add_argument("--widths", default="8,16,8,24,16,8", help="table widths (multiples of --d)")
-    p.add_argument("--rows", type=int, default=100, help="rows per table")
-    p.add_argument("--d", type=int, default=8)
+    p.add_argument("--rows", type=positive, default=100, help="rows per table")
+    p.add_argument("--d", type=positive, default=8)
     a = p.parse_args()
     rank, world, dev = setup(a.backend, a.log)
     widths = [int(w) for w in a.widths.split(",")]

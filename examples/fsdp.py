@@ -42,7 +42,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import base_parser, finish_check, finish_log, max_over, maxdiff, setup
+from _common import base_parser, finish_check, finish_log, max_over, maxdiff, positive, setup
 
 import meshcomm as mc
 from meshcomm.model.examples import fsdp_codecs
@@ -176,11 +176,11 @@ def main():
     p.add_argument("--compression", default="zfp(rate=16)",
                    help="codecs to train with besides the uncompressed run, comma-separated, quoted in a "
                         "shell (e.g. 'zfp(rate=8),bf16'); none: only the uncompressed run")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=4, help="sequences per process per step")
+    p.add_argument("--layers", type=positive, default=4)
+    p.add_argument("--d", type=positive, default=128)
+    p.add_argument("--heads", type=positive, default=4)
+    p.add_argument("--seq", type=positive, default=64)
+    p.add_argument("--batch", type=positive, default=4, help="sequences per process per step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--emulate-gbps", type=float, default=None,
                    help="pace every process's sends at this many Gb/s (MESHCOMM_EMULATE_GBPS)")

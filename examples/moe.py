@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import meshcomm as mc  # noqa: E402
-from _common import (STATS, allreduce_, base_parser, finish_check, finish_log, maxdiff, report,  # noqa: E402
+from _common import (STATS, allreduce_, base_parser, positive, finish_check, finish_log, maxdiff, report,  # noqa: E402
                      setup, sync)
 
 
@@ -115,16 +115,18 @@ class MoELayer(torch.nn.Module):
 
 def main():
     p = base_parser(__doc__)
-    p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
-    p.add_argument("--seq", type=int, default=8)
-    p.add_argument("--d", type=int, default=32)
-    p.add_argument("--experts-per-rank", type=int, default=2)
-    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--batch", type=positive, default=16, help="global batch (sequences)")
+    p.add_argument("--seq", type=positive, default=8)
+    p.add_argument("--d", type=positive, default=32)
+    p.add_argument("--experts-per-rank", type=positive, default=2)
+    p.add_argument("--top-k", type=positive, default=2)
     a = p.parse_args()
     rank, world, dev = setup(a.backend, a.log)
     if a.batch % world:
         raise SystemExit(f"--batch {a.batch} must be divisible by the {world} ranks")
     experts = a.experts_per_rank * world
+    if a.top_k > experts:
+        raise SystemExit(f"--top-k {a.top_k} is more than the {experts} experts")
     cfg = dict(d=a.d, heads=4, experts=experts, d_ff=2 * a.d, top_k=a.top_k, seed=a.seed)
     model = MoELayer(**cfg, rank=rank, world=world).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import meshcomm as mc  # noqa: E402
-from _common import (STATS, base_parser, finish_check, finish_log, maxdiff, prepare_groups,  # noqa: E402
+from _common import (STATS, base_parser, positive, finish_check, finish_log, maxdiff, prepare_groups,  # noqa: E402
                      report, sent_bytes, setup, sync)
 
 # -- the model: full weights, and each tensor-parallel rank's slice of them --------------------
@@ -269,12 +269,12 @@ def main():
     p = base_parser(__doc__)
     p.add_argument("--schedule", choices=("1f1b", "eager"), default="1f1b")
     p.add_argument("--stages", default=None, help="devices per stage, e.g. 1,2,1 (sum = ranks)")
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--micro", type=int, default=4, help="microbatches per step")
-    p.add_argument("--mb", type=int, default=2, help="sequences per microbatch")
-    p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--d", type=int, default=32)
-    p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--layers", type=positive, default=6)
+    p.add_argument("--micro", type=positive, default=4, help="microbatches per step")
+    p.add_argument("--mb", type=positive, default=2, help="sequences per microbatch")
+    p.add_argument("--seq", type=positive, default=16)
+    p.add_argument("--d", type=positive, default=32)
+    p.add_argument("--vocab", type=positive, default=64)
     a = p.parse_args()
     rank, world, dev = setup(a.backend, a.log)
     sizes = [int(v) for v in a.stages.split(",")] if a.stages else default_stages(world)

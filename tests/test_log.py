@@ -350,3 +350,9 @@ def test_summary_reads_flight_recorders(tmp_path, capsys):
     assert "rank 1: constructing Program #4 (reshard): failed, waiting for rank(s) [0]" in out
     assert "ranks 0 and 1 waited for each other in different calls" in out
     assert "rank 2 waited for rank 3, which wrote no record" in out
+
+
+def test_compare_names_a_set_flag_that_is_not_a_number():
+    """`log compare --set micro=x` said only "calls of send (pp.fwd) must be an int"."""
+    with pytest.raises(ValueError, match=r"from --set micro=x: not a number"):
+        compare([{"rank": 0, "op": "reshard", "tag": ""}], "pipelined_gpt", world=4, micro="x")

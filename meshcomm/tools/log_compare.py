@@ -100,7 +100,11 @@ def compare(records, example: str, *, steps: int | None = None, world: int | Non
     kept = [r for r in records if not set(r.get("tag", "").split("/")) & set(exclude)]
     if world is None:
         world = 1 + max([r["rank"] for r in records] + [0])
-    per_rank = model.for_example(example, world=world, **flags)
+    try:
+        per_rank = model.for_example(example, world=world, **flags)
+    except (ValueError, TypeError) as e:
+        words = [f"{k}={v}" for k, v in flags.items() if isinstance(v, str)]
+        raise ValueError(f"{e}" + (f" (from --set {', '.join(words)}: not a number)" if words else "")) from e
     want: dict = {}                     # (phase, via) -> rank -> [calls, bytes, mean]
     for rank, entries in per_rank.items():
         for e in entries:
