@@ -215,12 +215,32 @@ def _unique_chunk_total(sizes: Mapping[int, int], k: int) -> int | None:
     return int(cand[0]) if len(cand) == 1 else None
 
 
+def _bounds(x):
+    """(device, first byte, past the last byte) an array's elements can reach, or None (no
+    elements, or an array of another kind: a jax.Array is never written into)."""
+    if isinstance(x, np.ndarray):
+        ptr, dev, strides, item = x.__array_interface__["data"][0], "cpu", x.strides, x.itemsize
+    elif arrays.is_torch(x):
+        item = x.element_size()
+        ptr, dev, strides = x.data_ptr(), str(x.device), tuple(s * item for s in x.stride())
+    else:
+        return None
+    if not all(x.shape):
+        return None
+    lo = hi = ptr
+    for n, st in zip(x.shape, strides):
+        if st < 0:
+            lo += (n - 1) * st
+        else:
+            hi += (n - 1) * st
+    return dev, lo, hi + item
+
+
 def overlaps(a, b) -> bool:
-    """Whether two arrays may share memory (NumPy: by their bounds; torch: one storage)."""
-    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
-        return np.may_share_memory(a, b)
-    return (arrays.is_torch(a) and arrays.is_torch(b)
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+    """Whether two arrays (NumPy or torch, either kind) may share memory: by the bytes their
+    strides can reach, as np.may_share_memory does (two halves of one buffer do not)."""
+    x, y = _bounds(a), _bounds(b)
+    return x is not None and y is not None and x[0] == y[0] and x[1] < y[2] and y[1] < x[2]
 
 
 def check_out_buffer(v, shape, dtype: str, where: str, kind: str | None = None, of: str = "the result is",

@@ -73,16 +73,6 @@ def _record(stamp, op, rank, peer, prim, x, sent: bool) -> None:
                in_bytes=n if sent else 0, out_bytes=0 if sent else n, group_size=2)
 
 
-def _backend(ctx, backend):
-    """The call's backend; `.choose("send", nbytes, 2, "cpu")` is the concrete one of a message
-    ("mixed" picks by size: the header's by its fixed size, the data's by the size the header
-    gives, so both ends pick alike)."""
-    be, err = ctx.resolve_backend(backend)
-    if err is not None:
-        raise err
-    return be
-
-
 def _own(ctx, device, what):
     if ctx.ownership.rank_of(device) != ctx.rank:
         raise ValueError(f"{what}: device {device} belongs to rank {ctx.ownership.rank_of(device)}, "
@@ -119,7 +109,9 @@ def send(x, to_device: int, *, from_device: int | None = None, backend=None, asy
     _own(ctx, frm, "send")
     from meshcomm.backends.base import to_wire
     peer = ctx.ownership.rank_of(to_device)
-    be = _backend(ctx, backend)
+    # a message's concrete backend: be.choose("send", nbytes, 2, "cpu") ("mixed" by size: the
+    # header's by its fixed size, the data's by the size the header gives, so both ends pick alike)
+    be = ctx.backend_of(backend)
     prim_h = be.choose("send", _HDR_LEN * 8, 2, "cpu")
     prim = be.choose("send", int(np.prod(x.shape, dtype=np.int64)) * arrays.dtype_of(x)[1], 2, "cpu")
     hdr = to_wire(_header(x), prim_h.wire)
@@ -171,7 +163,7 @@ def recv(from_device: int, like, *, to_device: int | None = None, backend=None, 
     _own(ctx, to, "recv")
     from meshcomm.backends.base import empty_wire, from_wire
     peer = ctx.ownership.rank_of(from_device)
-    be = _backend(ctx, backend)
+    be = ctx.backend_of(backend)
     prim_h = be.choose("send", _HDR_LEN * 8, 2, "cpu")
     like_np = like if not arrays.is_jax(like) else np.asarray(like)
     t_hdr, t_data = _tags(ctx, "recv", from_device, to)

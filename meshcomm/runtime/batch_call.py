@@ -165,9 +165,11 @@ class BatchKernel:
                 raise ValueError(f"tensor {t.name!r}: rank {self.ctx.rank}'s src tile of device {d} has shape "
                                  f"{tuple(v.shape)}, the Program's layout gives it {want[d]} (shape {t.shape})")
         dt, kind, _ = facts_of(shards)
-        if len({arrays.dtype_of(v)[0] for v in shards.values()}) > 1:
-            raise TypeError(f"tensor {t.name!r}: rank {self.ctx.rank}'s tiles have different dtypes "
-                            f"{sorted({arrays.dtype_of(v)[0] for v in shards.values()})}")
+        if len(shards) > 1:
+            dts = {arrays.dtype_of(v)[0] for v in shards.values()}
+            if len(dts) > 1:
+                raise TypeError(f"tensor {t.name!r}: rank {self.ctx.rank}'s tiles have different dtypes "
+                                f"{sorted(dts)}")
         if dt is not None and dt[0] != t.dtype:
             raise TypeError(f"tensor {t.name!r}: rank {self.ctx.rank}'s tiles have dtype {dt[0]}, "
                             f"the Program's is {t.dtype}")

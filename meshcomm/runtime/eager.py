@@ -36,11 +36,16 @@ def lookup(ctx, sig, local_key, latest: bool = False) -> Program | None:
         return None
     key = entry.last if latest else local_key
     prog = entry.programs.get(key)
-    if prog is None or prog.failed is not None or (ch is not None and prog.id in ch.failed):
+    if not _runs(prog, ch):
         return None
     entry.last = key
     _used(ctx, sig)
     return prog
+
+
+def _runs(prog, ch) -> bool:
+    """Whether a cached Program runs: it exists and failed neither here nor on a peer."""
+    return prog is not None and prog.failed is None and (ch is None or prog.id not in ch.failed)
 
 
 def _used(ctx, sig) -> None:
@@ -73,7 +78,7 @@ def eager(ctx, sig, local_key, complete: bool, label: str, fields, err, extra, b
             e = ctx.eager[sig] = Entry(exchange, {})
         key = agreed_key(metas) if exchange else local_key
         prog = e.programs.get(key)
-        if prog is None or prog.failed is not None or (ch is not None and prog.id in ch.failed):
+        if not _runs(prog, ch):
             prog = build(pid, metas, deadline)
             if len(e.programs) >= 16:
                 e.programs.pop(next(iter(e.programs)))
