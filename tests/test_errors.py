@@ -571,3 +571,19 @@ def test_one_process_programs_take_out_buffers_like_a_launchers():
     a2a = mc.Program.all_to_all_v(m, "x", rows=(2,), dtype="float32")
     with pytest.raises(TypeError, match="all_to_all_v: out= is not taken"):
         a2a({d: np.ones((4, 2), np.float32) for d in range(4)}, {d: np.ones(4, np.int64) for d in range(4)}, out={})
+
+
+def test_out_buffers_overlap_by_the_bytes_they_reach():
+    """Two halves of one buffer are separate out= buffers; a NumPy view of a torch tensor is
+    the tensor's memory (validate.overlaps, for both kinds alike)."""
+    from meshcomm.validate import overlaps
+    b, t = np.zeros(16, np.float32), torch.zeros(16)
+    assert not overlaps(b[:8], b[8:]) and overlaps(b[:8], b[7:])
+    assert not overlaps(t[:8], t[8:]) and overlaps(t[:8], t[7:]) and overlaps(t.numpy(), t)
+    m = mc.Mesh([0, 1], ("x",))
+    p = mc.Program.reshard(mc.Layout(m, ("x",)), mc.Layout(m, (None, "x")), shape=(4, 4), dtype="float32")
+    x = torch.arange(16.0).reshape(4, 4)
+    flat = torch.zeros(16)
+    out = {0: flat[:8].view(4, 2), 1: flat[8:].view(4, 2)}
+    y = p({0: x[:2].clone(), 1: x[2:].clone()}, out=out)
+    assert y[0] is out[0] and torch.equal(flat.view(2, 4, 2)[1], x[:, 2:])
