@@ -8,7 +8,7 @@ import numpy as np
 from .. import runtime
 from ..handle import Handle
 from ..planning import plan
-from ..runtime.collective_call import Request, collective_local, run, shared_request as _request
+from ..runtime.collective_call import collective_local, run, shared_request as _request
 from ..runtime.local_program import fill_out
 from .layouts import group_axes
 from .p2p import recv, send
@@ -17,12 +17,13 @@ __all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", 
            "scatter", "barrier", "send", "recv", "collective_plan"]
 
 
-def _call(req: Request, x, backend, async_op, out=None):
+def _call(op: str, mesh, axes, kw: dict, x, backend, async_op, out=None):
     """`out`: buffers for the results ({device: buffer}, or one where x is bare), checked and
     filled as a Program's run fills them."""
     ctx = runtime.current()
     if ctx is not None and backend != "local":
-        return run(ctx, req, x, backend=backend, async_op=async_op, out=out)
+        return run(ctx, (op, mesh, axes, kw), x, backend=backend, async_op=async_op, out=out)
+    req = _request(op, mesh, axes, **kw)
     runtime.no_context(backend, req.op)
     result = collective_local(req, x)
     if out is not None:
@@ -34,8 +35,7 @@ def all_reduce(x, mesh, axes, op: str = "sum", *, backend=None, async_op: bool =
                out=None):
     """Every device gets the elementwise `op` (sum, prod, min, max, avg) of its group's tiles.
     `compression`: a codec, "bf16", "fp16", "zfp(...)" or "auto" (README, Compression)."""
-    req = _request("all_reduce", mesh, axes, reduce_op=op, compression=compression)
-    return _call(req, x, backend, async_op, out)
+    return _call("all_reduce", mesh, axes, dict(reduce_op=op, compression=compression), x, backend, async_op, out)
 
 
 def all_gather(x, mesh, axes, dim: int = 0, *, backend=None, async_op: bool = False, compression=None,
@@ -44,8 +44,7 @@ def all_gather(x, mesh, axes, dim: int = 0, *, backend=None, async_op: bool = Fa
     sizes along `dim` may differ, within a group and between groups). With `compression`
     each tile is coded once by its owner: every device gets the codec's round trip of every
     tile, its own included."""
-    req = _request("all_gather", mesh, axes, dim=dim, compression=compression)
-    return _call(req, x, backend, async_op, out)
+    return _call("all_gather", mesh, axes, dict(dim=dim, compression=compression), x, backend, async_op, out)
 
 
 def reduce_scatter(x, mesh, axes, dim: int = 0, op: str = "sum", *, backend=None, async_op: bool = False,
@@ -53,8 +52,7 @@ def reduce_scatter(x, mesh, axes, dim: int = 0, op: str = "sum", *, backend=None
     """Device i of a group gets chunk i (torch.chunk of `dim`) of the `op` of the group's tiles.
     With `compression` the addends are coded once (one-shot) or the partial sums at every hop
     (ring), as the cost model picks (planners/compressed.py gives both error bounds)."""
-    req = _request("reduce_scatter", mesh, axes, dim=dim, reduce_op=op, compression=compression)
-    return _call(req, x, backend, async_op, out)
+    return _call("reduce_scatter", mesh, axes, dict(dim=dim, reduce_op=op, compression=compression), x, backend, async_op, out)
 
 
 def broadcast(x, mesh, axes, root: int = 0, *, backend=None, async_op: bool = False,
@@ -63,15 +61,13 @@ def broadcast(x, mesh, axes, root: int = 0, *, backend=None, async_op: bool = Fa
     are checked for shape and dtype; their values are not used. Where they pass None, they
     run the call's last Program: a root whose tile changed shape or dtype then makes every
     process raise "not in the same call" (the next call agrees first)."""
-    req = _request("broadcast", mesh, axes, root=root)
-    return _call(req, x, backend, async_op, out)
+    return _call("broadcast", mesh, axes, dict(root=root), x, backend, async_op, out)
 
 
 def reduce(x, mesh, axes, root: int = 0, op: str = "sum", *, backend=None, async_op: bool = False,
            out=None):
     """The group's device `root` gets the `op` of the group's tiles; the others get None."""
-    req = _request("reduce", mesh, axes, root=root, reduce_op=op)
-    return _call(req, x, backend, async_op, out)
+    return _call("reduce", mesh, axes, dict(root=root, reduce_op=op), x, backend, async_op, out)
 
 
 def all_to_all(x, mesh, axes, split_dim: int = 0, concat_dim: int = 0, *, backend=None,
@@ -79,22 +75,19 @@ def all_to_all(x, mesh, axes, split_dim: int = 0, concat_dim: int = 0, *, backen
     """Device i's tile is split into equal chunks along `split_dim`; chunk j goes to device j of
     the group, which concatenates what it gets along `concat_dim` in group order (uneven rows:
     `all_to_all_v`)."""
-    req = _request("all_to_all", mesh, axes, split_dim=split_dim, concat_dim=concat_dim)
-    return _call(req, x, backend, async_op, out)
+    return _call("all_to_all", mesh, axes, dict(split_dim=split_dim, concat_dim=concat_dim), x, backend, async_op, out)
 
 
 def gather(x, mesh, axes, root: int = 0, dim: int = 0, *, backend=None, async_op: bool = False,
            out=None):
     """The group's device `root` gets the group's tiles concatenated along `dim`; others None."""
-    req = _request("gather", mesh, axes, root=root, dim=dim)
-    return _call(req, x, backend, async_op, out)
+    return _call("gather", mesh, axes, dict(root=root, dim=dim), x, backend, async_op, out)
 
 
 def scatter(x, mesh, axes, root: int = 0, dim: int = 0, *, backend=None, async_op: bool = False,
             out=None):
     """Device i of the group gets chunk i (torch.chunk of `dim`) of device `root`'s tile."""
-    req = _request("scatter", mesh, axes, root=root, dim=dim)
-    return _call(req, x, backend, async_op, out)
+    return _call("scatter", mesh, axes, dict(root=root, dim=dim), x, backend, async_op, out)
 
 
 def barrier(mesh, axes=None, *, backend=None, async_op: bool = False):

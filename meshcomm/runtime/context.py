@@ -193,7 +193,7 @@ class Context:
         self._lock = threading.Lock()       # one communication at a time, in call order
         self._last: concurrent.futures.Future | None = None
         self.eager: dict = {}       # eager call signature -> its Programs (runtime/eager.py)
-        self.quick = BoundedDict(1024)  # a bare NumPy collective's (request, backend=, dtype, shape) -> its lookup's arguments
+        self.quick = BoundedDict(1024)  # a bare NumPy collective's arguments as passed -> its lookup's arguments
         self.programs = 0           # Programs this process constructed (a count)
         self.counters: dict = {}    # processes (sorted ranks) -> Programs they constructed together
         self.seq: dict = {}         # processes (sorted ranks) -> runs of their Programs (program.Program.start)

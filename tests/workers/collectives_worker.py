@@ -637,6 +637,24 @@ def cached_bad_argument(ctx, stats):
         y = mc.all_reduce(v + 10, mesh, "x", backend="mpi")
         assert y.tolist() == [total + 10 * ws] * 3, (scenario, me, y)
         stats["cached_fault_next_ok"] += 1
+    # an eager call is found again by its own arguments (collective_call.run): a dim equal to
+    # the cached one but not an int (0.0 == 0, False == 0) must still be refused (all_gather
+    # and all_to_all: every process needs every other, so all raise in that call)
+    v = np.full((ws, 3), me, np.int64)
+    for bad_value in (0.0, False):
+        for _ in range(2):
+            assert mc.all_gather(v, mesh, "x", dim=0, backend="mpi").shape == (ws * ws, 3)
+            assert mc.all_to_all(v, mesh, "x", split_dim=0, concat_dim=0, backend="mpi").shape == (ws, 3)
+        e = expect_raise(ctx, lambda: mc.all_gather(v, mesh, "x", dim=bad_value if me == bad else 0, backend="mpi"),
+                         bad, f"dim={bad_value!r} on a cached signature", stats)
+        assert isinstance(e, TypeError if me == bad else ValueError) and (me != bad or "dim" in str(e)), (me, e)
+        e = expect_raise(ctx, lambda: mc.all_to_all(v, mesh, "x", split_dim=bad_value if me == bad else 0,
+                                                    concat_dim=0, backend="mpi"),
+                         bad, f"split_dim={bad_value!r} on a cached signature", stats)
+        assert isinstance(e, TypeError if me == bad else ValueError) and (me != bad or "split_dim" in str(e)), (me, e)
+        y = mc.all_gather(v + 1, mesh, "x", dim=0, backend="mpi")
+        assert y[:, 0].tolist() == [r + 1 for r in range(ws) for _ in range(ws)], (me, y)
+        stats["cached_fault_next_ok"] += 1
 
 
 def none_after_tiles(ctx, stats):
