@@ -196,7 +196,7 @@ class Context:
         self.quick = BoundedDict(1024)  # a bare NumPy collective's arguments as passed -> its lookup's arguments
         self.programs = 0           # Programs this process constructed (a count)
         self.counters: dict = {}    # processes (sorted ranks) -> Programs they constructed together
-        self.seq: dict = {}         # processes (sorted ranks) -> runs of their Programs (program.Program.start)
+        self.seq: dict = {}         # processes (sorted ranks) -> [runs of their Programs] (program.seq_cell)
         self.group_programs: dict = {}  # processes (sorted ranks) -> their Programs' numbers (control.Channel.watch)
         self.tries: dict = {}       # (group key, counter) -> attempts that failed together (agreement)
         self.attempts = 0           # agreements this process took part in (their nonces)

@@ -183,7 +183,7 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key):
         """`run` of a NumPy tile, posted (a Program's lean run): the started request's Work."""
         issued[counted] += 1
         if fill:
-            np.copyto(src, x)
+            src[...] = x                # of the agreed shape and dtype (the lean run checked)
         return start()
 
     def result():

@@ -118,66 +118,77 @@ class Program:
         """The lean run (`__call__`) of a kernel's `lean` (native_call.py, backends/lean.py): a
         bare NumPy tile of `shape` and `dtype` (shape None: no tile; other input by `unwrap(x)`:
         (tile or None, how the result goes back) or None); `fns`, per parity: (post, result,
-        primitive, whether the request is tested bare). Post, poll until the wait's first look
+        primitive, whether the request is tested bare). Post, poll until about the wait's first look
         at the control channel (`base.LOOK_S`), take the result; a run not done by then waits
         in the control context. Anything else (another tile, a peer's failure pending, this
         Program failed): GENERAL, the general run. All it reads is bound once (BENCHMARKS 3)."""
         ctx, pid, label, rec = self.ctx, self.id, self.label, control.RECORDER
-        seqs, lock, ring, now, look = ctx.seq, ctx._lock, rec.ring, time.time, base.LOOK_S
+        lock, ring, now, look = ctx._lock, rec.ring, time.time, base.LOOK_S
+        acquire, release = lock.acquire, lock.release
         polite, every, yld = not base.SPIN, base.EVERY, os.sched_yield
+        cell = []                               # the group's run counter (seq_cell), from the first run
 
-        def lean(x):
-            if type(x) is not np.ndarray:
-                got = None if unwrap is None else unwrap(x)
-                if got is None:
-                    return GENERAL
-                x, wrap = got
-                r = lean(x) if x is not None else run(None) if shape is None else GENERAL
-                return r if r is GENERAL or wrap is None else wrap(r)
-            if x.shape != shape or x.dtype != dtype:
+        def other(x):                           # not a bare NumPy tile: unwrapped, or GENERAL
+            got = None if unwrap is None else unwrap(x)
+            if got is None:
                 return GENERAL
-            return run(x)
+            x, wrap = got
+            r = run(x) if x is not None else run(None, True) if shape is None else GENERAL
+            return r if r is GENERAL or wrap is None else wrap(r)
 
-        def run(x):
+        def run(x, tileless=False):
+            # every step here is paid on each process of every run, and on a shared core
+            # each is paid several times over in wall time (BENCHMARKS 5): one function, the
+            # lock taken by hand, the run counter a cell, the record a tuple
+            if not tileless:
+                if type(x) is not np.ndarray:
+                    return other(x)
+                if x.shape != shape or x.dtype != dtype:
+                    return GENERAL
             ch = control._CHANNEL
             if ch is None or ch.errors or self.failed is not None or pid in ch.failed or ctx.closed:
                 return GENERAL
             last = ctx._last                    # after the asynchronous calls issued before
             if last is not None and not last.done():
                 ctx.call(_nothing)
-            with lock:
-                ranks = self.ranks
-                seq = seqs[ranks] = seqs.get(ranks, 0) + 1      # next_seq, inline
+            if not cell:
+                cell.append(seq_cell(ctx, self.ranks))
+            acquire()
+            try:
+                c = cell[0]
+                c[0] = seq = c[0] + 1           # next_seq, inline
                 post, result, prim, raw = fns[seq & 1]
                 self.runs = runs = self.runs + 1
                 t0 = now()
-                failed = done = None
+                failed = None
                 try:
                     w = post(x)
                 except Exception as e:          # noqa: BLE001 - raised below, in the call's context
                     failed = e
-                else:                           # base.quick's loop, inline (hot path)
-                    t, until, i, done = w.req.Test if raw else w.test, time.monotonic() + look, 0, True
+                else:                           # base.quick's loop, inline
+                    t, i = w.req.Test if raw else w.test, 0
                     try:
                         while not t():
                             i += 1
                             if polite and not i % every:
                                 yld()
-                            if not i % 32 and time.monotonic() > until:
-                                done = False
-                                break
+                            if not i & 31:
+                                if i == 32:
+                                    until = time.monotonic() + look
+                                elif time.monotonic() > until:
+                                    break
+                        else:                   # control.leave's record, and its end of an incident
+                            rec.seq += 1
+                            ring.append((rec.seq, ("run", pid, label, runs, seq), "done", (), t0, now()))
+                            if ch.incident:
+                                ch.incident = set()
+                            return result()
                     except Exception as e:      # noqa: BLE001 - raised in the wait, named by the Work's test
                         try:
                             w.test()            # a failed request may be inactive now: keep MPI's error then
                         except Exception as named:  # noqa: BLE001
                             e = named
-                        failed, done = e, False
-                if done:                        # control.leave's record, and its end of an incident
-                    rec.seq += 1
-                    ring.append([rec.seq, ("run", pid, label, runs, seq), "done", (), t0, now()])
-                    if ch.incident:
-                        ch.incident = set()
-                    return result()
+                        failed = e
 
                 def wait():
                     if failed is not None:
@@ -185,7 +196,9 @@ class Program:
                     prim.wait_all(w.parts(), time.monotonic() + ctx.timeout)
                     return result()
                 return self._in_call(ch, control.Call("run", pid, label, runs, seq), wait, check=False)
-        return lean
+            finally:
+                release()
+        return run
 
     def _go(self, ch, call, st, stamp):
         """The run itself, in the call's control context (on the calling or the queue's thread)."""
@@ -296,11 +309,12 @@ def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable,
         ch.group_of[pid] = group        # a mismatch found in this construction fails them all
     with control.entering(ch, control.Call("construct", pid, label, ctx.attempts)):
         deadline = time.monotonic() + ctx.timeout
-        extra = dict(extra, seq=ctx.seq.get(ranks, 0))
+        cell = seq_cell(ctx, ranks)
+        extra = dict(extra, seq=cell[0])
         metas = agreement.agree(ctx, ranks, counter, ctx.attempts,
                                 Meta(label, fields, agreement.error_of(err), extra), err, describe, deadline)
         # the group's run sequence, the same on each again (a mismatch may have left them apart)
-        ctx.seq[ranks] = max(m.extra.get("seq", 0) for m in metas)
+        cell[0] = max(m.extra.get("seq", 0) for m in metas)
         try:
             prog = build(pid, metas, deadline)
         except BaseException as e:              # agreed, not built: its round is used up
@@ -352,10 +366,19 @@ def fail_together(label: str, e: Exception, meshes: Callable[[], tuple] | None =
     raise e
 
 
+def seq_cell(ctx, ranks) -> list:
+    """The group's run counter, a one-item list (`Context.seq`): a lean run keeps it."""
+    c = ctx.seq.get(ranks)
+    if c is None:
+        c = ctx.seq[ranks] = [0]
+    return c
+
+
 def next_seq(ctx, ranks) -> int:
     """The next run's number among the group's Programs' runs (calling thread, call order):
     its parity picks a half of the tags, so processes at different places never match."""
-    ctx.seq[ranks] = n = ctx.seq.get(ranks, 0) + 1
+    c = seq_cell(ctx, ranks)
+    c[0] = n = c[0] + 1
     return n
 
 
