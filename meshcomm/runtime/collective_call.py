@@ -281,12 +281,14 @@ def run(ctx, call: tuple, x, *, backend=None, async_op=False, out=None):
     # a bare NumPy tile's call seen before, found by its own arguments where their equality
     # means equal values (not 0.0 == 0 or True == 1: those go through the checks)
     quick = bare_np and type(mesh) is Mesh and not _log.ON and (type(axes) is str or type(axes) is tuple and all(
-        type(a) is str for a in axes)) and all(type(v) in _PLAIN for v in kw.values())
+        type(a) is str for a in axes)) and _PLAIN.issuperset(map(type, kw.values()))
     key = (op, mesh, axes, *kw.values(), backend, x.dtype, x.shape) if quick else None
     hit = None if key is None else ctx.quick.get(key)
-    prog = None if hit is None else ctx.call(lookup, ctx, *hit)
-    if prog is not None:
-        return prog(x, async_op=async_op, out=out)
+    if hit is not None:
+        last = ctx._last        # nothing on the queue's thread: no lock to take for the lookup
+        prog = lookup(ctx, *hit) if last is None or last.done() else ctx.call(lookup, ctx, *hit)
+        if prog is not None:
+            return prog(x, async_op=async_op, out=out)
     req = shared_request(op, mesh, axes, **kw)
     stamp = _log.stamp(async_op) if _log.ON else None
     be, err = ctx.resolve_backend(backend)
