@@ -24,11 +24,14 @@ case $what in run|all) run bench_run .venv/bin/meshcomm bench run --procs 8 --si
     --backends mpi,torch,mixed --no-jax --json "$OUT/bench_run.json" ;; esac
 case $what in collectives|all) run collectives_8 $MPI -n 8 $PY benchmarks/collectives.py --sizes 1K,16K,64K,4M --reps 7 \
     --impls "mpi4py,program[mpi],eager[mpi]"
+  run collectives_8_loop $MPI -n 8 $PY benchmarks/collectives.py --sizes 1K,16K,64K,4M --reps 5 --calls 50 \
+    --impls "mpi4py,program[mpi],eager[mpi]"
   run persistent_2 $MPI -n 2 $PY benchmarks/persistent.py --sizes 1K,16K,64K
   run bcast_p2p_8 $MPI -n 8 $PY benchmarks/bcast_p2p.py ;; esac
 case $what in cpu|all) run program_cpu_2 $MPI -n 2 $PY benchmarks/program_cpu.py
   run eager_cpu_2 $MPI -n 2 $PY benchmarks/eager_cpu.py
-  run run_path_cost_8 $MPI -n 8 $PY benchmarks/run_path_cost.py ;; esac
+  run run_path_cost_8 $MPI -n 8 $PY benchmarks/run_path_cost.py
+  run lean_steps_8 $MPI -n 8 $PY benchmarks/lean_steps.py ;; esac
 case $what in recorder|all) run recorder_cost_2 $MPI -n 2 $PY benchmarks/recorder_cost.py --calls 2000 --rounds 11 ;; esac
 case $what in refit|all)
   run bench_refit .venv/bin/meshcomm bench refit --json "$OUT/bench_refit.json"

@@ -67,6 +67,14 @@ _TORCH_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16",
 _DTYPES: dict = {}
 
 
+def declared_dtype(dtype: Any, what: str) -> tuple[str, int]:
+    """`normalize_dtype` of a Program constructor's dtype= (None is not a dtype there:
+    NumPy would read it as float64)."""
+    if dtype is None:
+        raise TypeError(f"{what}: dtype= is required (the tiles' element type), got None")
+    return normalize_dtype(dtype)
+
+
 def normalize_dtype(dtype: Any) -> tuple[str, int]:
     """(canonical name, itemsize) for anything numpy.dtype accepts, torch dtypes and
     bfloat16/float8 names (via ml_dtypes when installed). Cached per hashable dtype."""

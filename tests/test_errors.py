@@ -587,3 +587,25 @@ def test_out_buffers_overlap_by_the_bytes_they_reach():
     out = {0: flat[:8].view(4, 2), 1: flat[8:].view(4, 2)}
     y = p({0: x[:2].clone(), 1: x[2:].clone()}, out=out)
     assert y[0] is out[0] and torch.equal(flat.view(2, 4, 2)[1], x[:, 2:])
+
+
+def test_program_constructors_check_shape_and_dtype_as_the_eager_calls_do():
+    # found by an audit: a 0-d gather tile raised ZeroDivisionError, op="avg" on integers
+    # truncated silently (the eager call refuses it), dtype=None meant float64
+    m = mc.Mesh(np.arange(4), ("x",))
+    for op in ("all_gather", "gather"):
+        with pytest.raises(ValueError, match="dim=0 is out of range for tiles with 0 dimension"):
+            getattr(mc.Program, op)(m, "x", shape=(), dtype="float32")
+    with pytest.raises(TypeError, match="op='avg' needs a floating dtype, got int64"):
+        mc.Program.all_reduce(m, "x", shape=(4,), dtype="int64", op="avg")
+    with pytest.raises(TypeError, match="op='avg' needs a floating dtype, got int32"):
+        mc.Program.reduce_scatter(m, "x", shape=(4,), dtype="int32", op="avg")
+    with pytest.raises(TypeError, match="op='sum' is not defined for bool tiles"):
+        mc.Program.all_reduce(m, "x", shape=(4,), dtype="bool")
+    src, dst = mc.Layout(m, ("x",)), mc.Layout(m, (None,))
+    for make in (lambda: mc.Program.all_reduce(m, "x", shape=(4,), dtype=None),
+                 lambda: mc.Program.all_to_all_v(m, "x", rows=(), dtype=None),
+                 lambda: mc.Program.reshard_many({"w": src}, {"w": dst}, shapes={"w": (8,)}, dtypes={"w": None})):
+        with pytest.raises(TypeError, match="dtype= is required"):
+            make()
+    assert mc.Program.all_reduce(m, "x", shape=(4,), dtype="float32", op="avg") is not None

@@ -269,7 +269,7 @@ def program(mesh, axis, rows, dtype, backend, topology, algorithm) -> Program:
     ctx = current()
     with checking("all_to_all_v", lambda: (mesh,)):
         groups = axis_groups(mesh, axis)
-        name, itemsize = arrays.normalize_dtype(dtype)
+        name, itemsize = arrays.declared_dtype(dtype, "Program.all_to_all_v")
         if not isinstance(rows, (tuple, list)):
             raise TypeError(f"all_to_all_v: rows= is the shape of one row after the first dimension "
                             f"(a tuple of ints, () for rows of scalars), got {rows!r}")

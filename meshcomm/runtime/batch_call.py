@@ -291,7 +291,7 @@ def program(src, dst, shapes, dtypes, backend, bucket_mb, compression, device=No
         # a torch dtype names the kind of the tiles a process without src tiles gets back
         kinds = {n: ("torch" if device == "cuda" or type(d).__module__.startswith("torch") else None)
                  for n, d in dts.items()}
-        dts = {n: arrays.normalize_dtype(d) for n, d in dts.items()}
+        dts = {n: arrays.declared_dtype(d, f"Program.reshard_many: tensor {n!r}") for n, d in dts.items()}
         if ctx is not None:
             be, ranks = ctx.backend_of(backend), ctx.ownership.participants(*_meshes(srcs, dsts))
     if ctx is None:

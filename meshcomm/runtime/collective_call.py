@@ -28,7 +28,7 @@ from ..planning import plan
 from ..validate import check_out_buffer
 from . import native_call
 from .agreement import value
-from .collective_input import (GATHERS, ROOTED, Request, check_declared, local_facts, masked,  # noqa: F401
+from .collective_input import (GATHERS, ROOTED, Request, check_declared, check_tile, local_facts, masked,  # noqa: F401
                                request, roots_of, tiles_of)
 from .context import current, init_hint, no_context
 from .local_program import LocalKernel, fill_out
@@ -365,8 +365,9 @@ def program(req: Request, shape, dtype, backend=None, device="cpu") -> Program:
     is not a root: it learns the root's)."""
     ctx = current()
     with checking(req.op, lambda: (req.mesh,)):
-        name, itemsize = arrays.normalize_dtype(dtype)
+        name, itemsize = arrays.declared_dtype(dtype, f"Program.{req.op}")
         tile = None if shape is None else normalize_shape(shape)
+        check_tile(req, tile, (name, itemsize))
         if ctx is None:
             no_context(backend, f"Program.{req.op}")
             return local_collective(req, tile, (name, itemsize))

@@ -159,17 +159,22 @@ def local_facts(req, tiles: Mapping[int, Any]) -> dict:
         if masked(req, shape) != masked(req, facts["tile"]):
             raise ValueError(f"{req.op}: tiles have different shapes: device {first}: {facts['tile']}, "
                              f"device {d}: {shape}")
-    if req.op in GATHERS and facts["tile"] is not None:
-        n = len(facts["tile"])
+    check_tile(req, facts["tile"], facts["dtype"])
+    return facts
+
+
+def check_tile(req, tile, dt) -> None:
+    """The checks of a tile's shape and dtype against the call (`tile`, `dt`: None where
+    unknown), for the eager call's tiles and a Program's declared shape= and dtype= alike."""
+    if req.op in GATHERS and tile is not None:
+        n = len(tile)
         if not -n <= req.dim < n:
             raise ValueError(f"{req.op}: dim={req.dim} is out of range for tiles with {n} dimension(s)")
-    dt = facts["dtype"]
     if dt is not None and req.op in REDUCING:
         if req.reduce_op == "avg" and arrays.numpy_dtype(dt[0]).kind not in "fc" and dt[0] != "bfloat16":
             raise TypeError(f"{req.op}: op='avg' needs a floating dtype, got {dt[0]} (use op='sum' and divide)")
         if dt[0] == "bool" and req.reduce_op in ("sum", "prod", "avg"):
             raise TypeError(f"{req.op}: op={req.reduce_op!r} is not defined for bool tiles (use min or max)")
-    return facts
 
 
 def masked(req, shape):

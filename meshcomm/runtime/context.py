@@ -55,7 +55,10 @@ def no_context(backend, what: str) -> None:
 
 
 def init_hint() -> str:
-    """A sentence for errors of calls without a context that look like SPMD calls."""
+    """A sentence for errors of calls without a context that look like SPMD calls (under a
+    context: a call given backend="local", which runs in this process alone)."""
+    if _CTX is not None:
+        return "; backend='local' runs the call in this process alone, so it takes every device's tile"
     n = launcher_world_size()
     if n > 1:
         return (f"; this process runs under a launcher with {n} processes but meshcomm.init() was "

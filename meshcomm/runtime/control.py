@@ -106,6 +106,9 @@ class Channel:
 
     def __init__(self, backend, rank: int, world: int, timeout: float):
         self.be, self.rank, self.world, self.timeout = backend, rank, world, timeout
+        # a poll is an MPI_Iprobe over MPI (after every call), a round trip to the rendezvous
+        # store over torch (only where a call waits)
+        self.cheap = getattr(backend, "name", None) in ("mpi", "mixed")
         self.call: Call | None = None        # what this process is in now
         self.entry: list | None = None       # its flight-recorder entry
         self.errors: list = []               # ERRORs received, not raised yet
@@ -357,6 +360,8 @@ def leave(ch: Channel | None, prev, ev=None) -> None:
             RECORDER.done(ch.entry)
             if ch.incident:
                 ch.incident = set()         # a call succeeded: a later report is news
+            if ch.cheap:
+                ch.poll()                   # a peer's failure reported by now: raised at the next call
     finally:
         ch.call, ch.entry, ch._wait_start, ch._stall_sent, ch._stall_peers = prev
 

@@ -87,18 +87,16 @@ class Program:
         if ctx is None or type(k) is Outside:       # one process owns every device, or none of it
             res = k.finish(k.run(k.prepare(x, out) if st is None else st, None, stamp))
             return Handle(result=res) if async_op else res
+        last = ctx._last                        # after the asynchronous calls issued before (one
+        if not async_op and last is not None and not last.done():     # may fail this Program)
+            ctx.call(_nothing)
         self.runs += 1
         call = control.Call("run", self.id, self.label, self.runs, next_seq(ctx, self.ranks))
         ch = control._CHANNEL
         try:
-            if ch is not None:
-                if ch.errors:
-                    ch.raise_pending()          # a peer's failure: raised naming it
-                if self.failed is None and self.id in ch.failed:
-                    self.failed = "a process failed in one of its runs"
-            if self.failed is not None:
-                raise RuntimeError(f"{self} failed earlier ({self.failed}); its messages may still be in "
-                                   "flight, so it runs no more: construct a new Program")
+            if ch is not None and ch.errors:
+                ch.raise_pending()              # a peer's failure: raised naming it
+            self._check_runs(ch)
             if st is None:
                 st = k.prepare(x, out)
         except Exception as e:
@@ -107,9 +105,6 @@ class Program:
         if async_op:
             fut = ctx.submit(self._go, ch, call, st, stamp)
             return Handle(lambda: k.finish(fut.result()), future=fut)
-        last = ctx._last                        # after the asynchronous calls issued before
-        if last is not None and not last.done():
-            ctx.call(_nothing)
         with ctx._lock:
             r = self._go(ch, call, st, stamp)
         return k.finish(r)
@@ -145,12 +140,12 @@ class Program:
                     return other(x)
                 if x.shape != shape or x.dtype != dtype:
                     return GENERAL
+            last = ctx._last                    # after the asynchronous calls issued before (one
+            if last is not None and not last.done():        # may fail this Program)
+                ctx.call(_nothing)
             ch = control._CHANNEL
             if ch is None or ch.errors or self.failed is not None or pid in ch.failed or ctx.closed:
                 return GENERAL
-            last = ctx._last                    # after the asynchronous calls issued before
-            if last is not None and not last.done():
-                ctx.call(_nothing)
             if not cell:
                 cell.append(seq_cell(ctx, self.ranks))
             acquire()
@@ -182,6 +177,8 @@ class Program:
                             ring.append((rec.seq, ("run", pid, label, runs, seq), "done", (), t0, now()))
                             if ch.incident:
                                 ch.incident = set()
+                            if ch.cheap:
+                                ch.poll()       # a peer's report: raised at the next call
                             return result()
                     except Exception as e:      # noqa: BLE001 - raised in the wait, named by the Work's test
                         try:
@@ -200,9 +197,19 @@ class Program:
                 release()
         return run
 
+    def _check_runs(self, ch) -> None:
+        """RuntimeError where this Program failed, here or on a peer (its messages may still be
+        in flight)."""
+        if self.failed is None and ch is not None and self.id in ch.failed:
+            self.failed = "a process failed in one of its runs"
+        if self.failed is not None:
+            raise RuntimeError(f"{self} failed earlier ({self.failed}); its messages may still be in "
+                               "flight, so it runs no more: construct a new Program")
+
     def _go(self, ch, call, st, stamp):
         """The run itself, in the call's control context (on the calling or the queue's thread)."""
         def run():
+            self._check_runs(ch)                    # an asynchronous run queued behind a failed one
             if self.check_every:                    # MESHCOMM_CHECK=every: each run agrees (debugging)
                 ctx = self.ctx
                 ctx.attempts += 1
