@@ -25,6 +25,7 @@ import numpy as np
 
 from .. import settings
 from .. import log as _log
+from ..errors import PeerTimeoutError
 from ..handle import Handle
 from ..backends import base
 from . import agreement, context, control
@@ -318,8 +319,17 @@ def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable,
         deadline = time.monotonic() + ctx.timeout
         cell = seq_cell(ctx, ranks)
         extra = dict(extra, seq=cell[0])
-        metas = agreement.agree(ctx, ranks, counter, ctx.attempts,
-                                Meta(label, fields, agreement.error_of(err), extra), err, describe, deadline)
+        try:
+            metas = agreement.agree(ctx, ranks, counter, ctx.attempts,
+                                    Meta(label, fields, agreement.error_of(err), extra), err, describe, deadline)
+        except PeerTimeoutError as e:
+            # the others did not come: they may be running the group's Programs without this
+            # process (their part needing none of it, a broadcast's say), runs ahead of it now:
+            # every Program of the group is done for, here and there (audit: a leaf ran its
+            # cached broadcast afterwards and got the root's earlier runs)
+            if getattr(e, "programs", None) is None:
+                e.programs = sorted(group)
+            raise
         # the group's run sequence, the same on each again (a mismatch may have left them apart)
         cell[0] = max(m.extra.get("seq", 0) for m in metas)
         try:

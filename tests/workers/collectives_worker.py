@@ -824,7 +824,38 @@ def bad_out_buffer(ctx, stats):
     stats["bad_out_ok"] += 1
 
 
-KNOWN_BUGS = {"cached-bad-argument": cached_bad_argument, "none-after-tiles": none_after_tiles,
+def leaf_behind(ctx, stats):
+    """An eager broadcast whose leaf (a process the others do not need: the last, in MPICH's
+    tree) passes a tile of another shape once: it constructs alone and waits out the timeout
+    while the others run on. Then every process calls again: no result may be another run's
+    (the leaf got the root's earlier runs, one behind, for ever: audit); each raises, then
+    the calls are exact again."""
+    from mpi4py import MPI
+    ws, me, bad = ctx.world_size, ctx.rank, ctx.world_size - 1
+    mesh = mc.Mesh(np.arange(ws), ("x",))
+    raised = 0
+    for i in range(6):
+        x = np.full((8, 16), 100.0 * i + me)
+        try:
+            y = mc.broadcast(np.zeros((16, 16)) if (me == bad and i == 3) else x, mesh, "x")
+        except (ValueError, RuntimeError):
+            raised += 1
+            break
+        assert y[0, 0] == 100 * i, (me, i, y[0, 0])
+    MPI.COMM_WORLD.Barrier()
+    for j in range(4):
+        try:
+            y = mc.broadcast(np.full((8, 16), 1000.0 + j + me), mesh, "x")
+        except (ValueError, RuntimeError):
+            raised += 1
+            continue
+        assert y[0, 0] == 1000 + j, (me, j, y[0, 0])
+        stats["leaf_behind_exact"] += 1
+    assert raised >= 1, me
+    stats["leaf_behind_ok"] += 1
+
+
+KNOWN_BUGS = {"leaf-behind": leaf_behind, "cached-bad-argument": cached_bad_argument, "none-after-tiles": none_after_tiles,
               "gather-size-one": gather_size_one, "stale-broadcast": stale_broadcast,
               "relayed-error": relayed_error, "skipped-call": skipped_call, "bad-out-buffer": bad_out_buffer}
 
