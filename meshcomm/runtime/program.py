@@ -323,12 +323,14 @@ def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable,
             metas = agreement.agree(ctx, ranks, counter, ctx.attempts,
                                     Meta(label, fields, agreement.error_of(err), extra), err, describe, deadline)
         except PeerTimeoutError as e:
-            # the others did not come: they may be running the group's Programs without this
-            # process (their part needing none of it, a broadcast's say), runs ahead of it now:
-            # every Program of the group is done for, here and there (audit: a leaf ran its
-            # cached broadcast afterwards and got the root's earlier runs)
+            # the others did not come: they may be running the group's eager Programs without
+            # this process (their part needing none of it, a broadcast's say), runs ahead of it
+            # now: those are done for, here and there (audit: a leaf ran its cached broadcast
+            # afterwards and got the root's earlier runs). Programs the caller holds run on:
+            # their runs wait for the missing process and name it
             if getattr(e, "programs", None) is None:
-                e.programs = sorted(group)
+                e.programs = sorted(p.id for entry in ctx.eager.values() if entry.ranks == ranks
+                                    for p in entry.programs.values())
             raise
         # the group's run sequence, the same on each again (a mismatch may have left them apart)
         cell[0] = max(m.extra.get("seq", 0) for m in metas)
