@@ -1223,8 +1223,8 @@ def program_errors(ctx, stats):
     assert h is None, me
     stats["program_fault_raised"] += 1
     # a broadcast leaf that fails while the root and the others finish their part without it:
-    # they hear of it (each run polls the control channel as it ends) and raise within a few
-    # calls, naming it, instead of running on for ever
+    # they hear of it (a run polls the control channel every 16 runs) and raise within that
+    # many calls, naming it, instead of running on for ever
     B = mc.Program.broadcast(mesh, "x", shape=(4,), dtype="float32", root=0, backend=b)
     raised_at = None
     for i in range(60):
@@ -1236,7 +1236,7 @@ def program_errors(ctx, stats):
             raised_at = i
             break
         time.sleep(0.02)
-    assert raised_at is not None and raised_at <= 10, (me, raised_at)
+    assert raised_at is not None and raised_at <= 50, (me, raised_at)     # program.POLL_EVERY
     stats["program_fault_raised"] += 1
     # all_to_all_v counts that do not add up to the rows on one process
     A = mc.Program.all_to_all_v(mesh, "x", rows=(2,), dtype="float32", backend=b)
