@@ -246,7 +246,7 @@ def test_mpiexec_8_every_element_type_and_torch_tiles(tmp_path):
     # must not join their pending run (the per-group call sequence: docs/runtime.md)
     pytest.param("skipped-call", "skipped_call_raised", 3, id="skipped-call"),
     # fixed: a broadcast leaf behind the others ran its cached Program and got earlier runs'
-    # data (a construction that times out now fails its group's Programs everywhere)
+    # data (a construction that times out now fails its group's eager Programs everywhere)
     pytest.param("leaf-behind", "leaf_behind_ok", 1, id="leaf-behind"),
     # fixed: a read-only out= (checked after the data moved) and an out= that is the input tile
     pytest.param("bad-out-buffer", "bad_out_ok", 1, id="bad-out-buffer"),

@@ -159,7 +159,6 @@ class Program:
                 c = cell[0]
                 c[0] = seq = c[0] + 1           # next_seq, inline
                 post, result, prim, raw = fns[seq & 1]
-                cheap = ch.cheap
                 self.runs = runs = self.runs + 1
                 t0 = now()
                 failed = None
@@ -184,7 +183,7 @@ class Program:
                             ring.append((rec.seq, ("run", pid, label, runs, seq), "done", (), t0, now()))
                             if ch.incident:
                                 ch.incident = set()
-                            if cheap and not runs & POLL_EVERY:
+                            if ch.cheap and not runs & POLL_EVERY:
                                 ch.poll()       # a peer's report, raised at a later call
                             return result()
                     except Exception as e:      # noqa: BLE001 - raised in the wait, named by the Work's test
