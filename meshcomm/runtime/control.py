@@ -106,8 +106,9 @@ class Channel:
 
     def __init__(self, backend, rank: int, world: int, timeout: float):
         self.be, self.rank, self.world, self.timeout = backend, rank, world, timeout
-        # a poll is an MPI_Iprobe over MPI (after every call), a round trip to the rendezvous
-        # store over torch (only where a call waits)
+        # a poll is an MPI_Iprobe over MPI (after every call, a lean run's every 16th:
+        # program.POLL_EVERY), a round trip to the rendezvous store over torch (only where a
+        # call waits, and as an eager call starts)
         self.cheap = getattr(backend, "name", None) in ("mpi", "mixed")
         self.call: Call | None = None        # what this process is in now
         self.entry: list | None = None       # its flight-recorder entry
