@@ -57,7 +57,7 @@ from .pack import pack, unpack
 
 __all__ = ["Work", "Backend", "Step", "compile_steps", "wire_bytes", "groups_needed", "wait_polling", "poll_peers",
            "backoff", "abandon", "finish_all", "ABANDONED", "STALE", "stale_error", "issued", "to_wire", "torch_of",
-           "empty_wire", "from_wire", "TAG_MOD"]
+           "empty_wire", "from_wire", "TAG_MOD", "SLOTS", "part"]
 
 TAG_MOD = 32768   # the MPI standard guarantees tags up to 32767
 
@@ -173,6 +173,17 @@ def timeout_error(rank, works: Sequence[Work], timeout: float | None) -> PeerTim
     return PeerTimeoutError(
         f"{who}{', '.join(ops)} with peer rank(s) {peers} did not complete within {t} "
         f"(MESHCOMM_TIMEOUT); peer rank(s) {peers} did not arrive or died", peers, ", ".join(ops))
+
+
+SLOTS = 64      # parts of a Program's tag space, taken by its runs in turn (`part`)
+
+
+def part(tags, seq: int) -> tuple:
+    """The part of a Program's tag space `tags` (first, span) that its run at place `seq` of
+    its group's call sequence uses: a process whose part of runs ends alone (a pure sender)
+    must be SLOTS calls apart from its receivers before one of its messages can match theirs."""
+    span = tags[1] // SLOTS
+    return tags[0] + (seq % SLOTS) * span, span
 
 
 # The runtime's control channel (meshcomm.runtime.control.Channel.watch), polled by every

@@ -34,10 +34,11 @@ class Posted(MPIMultiWork):
 
 
 def lean(runner, src_dev, spec, fill_op, dtype, tags):
-    """(post, result, backend, False) per tag parity for Program._lean_run, or None where this
+    """(post, result, backend, False) per run parity for Program._lean_run, or None where this
     rank's part is not one round of messages and copies over MPI. `src_dev`: the one src
     device (None: none here); `spec`: the one dst tile (device, shape, starts as the
-    identity) or None; `tags`: the round's tag per parity."""
+    identity) or None; `tags`: the Program's (a run's round takes the first of its part,
+    program.part: computed here alike)."""
     b = runner.b
     if len(runner.rounds) != 1 or runner.mixed or b.name != "mpi" or pacing.pacer(runner.rank) is not None:
         return None
@@ -74,12 +75,14 @@ def lean(runner, src_dev, spec, fill_op, dtype, tags):
     peers = tuple(sorted({q for _, q in who}))
     Isend, Irecv, rank, u8 = b.comm.Isend, b.comm.Irecv, runner.rank, np.uint8
     counted, none = ("batch", b.name), np.empty(0, dtype)     # none: a process without a src tile
+    first, span, slots = tags[0], tags[1] // base.SLOTS, base.SLOTS
 
-    def make(tag):
+    def make():
         state = [None, ()]      # this run's result tile, and its received buffers to unpack
 
-        def post(x):
+        def post(x, seq):
             base.issued[counted] += 1
+            tag = first + (seq % slots) * span      # base.part(tags, seq)[0]
             if x is not None and not x.flags.c_contiguous:
                 x = np.ascontiguousarray(x)
             out = None if spec is None else alloc_like(none if x is None else x, spec[1], spec[2], fill_op)
@@ -125,5 +128,6 @@ def lean(runner, src_dev, spec, fill_op, dtype, tags):
             state[0], state[1] = None, ()
             return out
         return post, result, b, False
-    return tuple(make(t) for t in tags)
+    f = make()
+    return f, f
 

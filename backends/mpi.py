@@ -37,7 +37,7 @@ from meshcomm.errors import PeerTimeoutError
 from . import base as _base, pacing
 from .base import TAG_MOD, Backend, poll_peers, wait_polling
 from .mpi_collectives import MPICollectives
-from .mpi_comm import MPIMultiWork, MPIWork, errors_return, group_tag, mpi, timed_dup
+from .mpi_comm import MPIMultiWork, MPIWork, Stamps, errors_return, group_tag, mpi, timed_dup
 
 __all__ = ["MPIBackend"]
 
@@ -305,6 +305,13 @@ class MPIBackend(MPICollectives, Backend):
             raise
         self._own.append(c)
         return c
+
+    def stamps(self, comm, ranks, root, fan_out, what) -> Stamps:
+        """The run numbers sent beside a rooted native call on `comm` (a Program's own
+        communicator of `ranks`, in order): `Stamps`, freed at close."""
+        s = Stamps(comm, tuple(ranks), self.rank, root, fan_out, what)
+        self._persistent.extend(s.reqs)
+        return s
 
     def _create(self, ranks, deadline):
         """Comm.Create_group of `ranks` (tagged `group_tag(ranks)`) on this thread, once every

@@ -8,7 +8,7 @@ import zlib
 
 import numpy as np
 
-from meshcomm.errors import PeerTimeoutError
+from meshcomm.errors import PeerError, PeerTimeoutError
 
 from .base import Work, wait_polling
 
@@ -84,3 +84,71 @@ def group_tag(ranks, tag_ub) -> int:
     the next overlapping one must not share a tag."""
     bits = sum(1 << r for r in ranks)
     return bits if bits <= tag_ub else zlib.crc32(np.asarray(ranks, np.int64).tobytes()) % (tag_ub + 1)
+
+
+STAMP_TAG = 1       # a Program's own communicator carries no other point-to-point messages
+
+
+class Stamps:
+    """A rooted native call's run number (its place in the group's call sequence), sent
+    beside it on the Program's own communicator, as persistent point-to-point requests, by
+    the members whose part ends without the others' (a broadcast's or scatter's root:
+    `fan_out`; a gather's or reduce's non-roots) to those who wait for them. Such a member
+    can run on alone, its runs matching nothing yet, and a later run of it then completes
+    a receiver's pending one: the receiver compares the number with its own (`check`) and
+    raises rather than return that data. `ranks`: the communicator's, in its order."""
+
+    def __init__(self, comm, ranks, rank, root, fan_out: bool, what: str):
+        i, r = ranks.index(rank), ranks.index(root)
+        self.mine = np.zeros(1, np.int64)       # this run's number: sent, or compared
+        others = [j for j in range(len(ranks)) if j != i]
+        self.what, self.rank = what, rank
+        if fan_out == (i == r):                 # its part ends alone: it sends
+            to = others if fan_out else [r]
+            self.got, self.senders = None, ()
+            self.reqs = [comm.Send_init(self.mine, dest=j, tag=STAMP_TAG) for j in to]
+        else:
+            src = others if not fan_out else [r]
+            self.got, self.senders = np.zeros(len(src), np.int64), tuple(ranks[j] for j in src)
+            self.reqs = [comm.Recv_init(self.got[n:n + 1], source=j, tag=STAMP_TAG) for n, j in enumerate(src)]
+
+    def start(self, seq: int, w: MPIWork) -> Stamped:
+        """Start them beside the call's Work `w` (started): both, as one Work."""
+        self.mine[0] = seq
+        mpi().Prequest.Startall(self.reqs)
+        return Stamped(w, self.reqs)
+
+    def check(self) -> None:
+        """PeerError naming a sender whose number is not this run's (after both completed)."""
+        g = self.got
+        if g is None or (g == self.mine[0]).all():
+            return
+        j = int(np.flatnonzero(g != self.mine[0])[0])
+        e = PeerError(f"rank {self.rank} is at place {int(self.mine[0])} of its group's call sequence in "
+                      f"{self.what}, and rank {self.senders[j]} sent its part from place {int(g[j])}: the "
+                      "processes are not in the same call (every process must construct and run the same "
+                      "Programs, and make the same eager calls, in the same order)", self.senders[j])
+        e.out_of_step = True        # every Program of the group fails (runtime/program.py)
+        raise e
+
+
+class Stamped(Work):
+    """A call's Work and its Stamps' requests, tested in turn (MPICH's Testall of a
+    persistent collective and point-to-point requests together fails: MPI_ERR_PENDING)."""
+
+    def __init__(self, w, reqs):
+        self.w, self.reqs, self.op, self.peers, self.rank = w, reqs, w.op, w.peers, w.rank
+
+    def cancel(self) -> None:
+        self.w.cancel()
+        for r in self.reqs:
+            with contextlib.suppress(Exception):
+                r.Cancel()
+
+    def test(self) -> bool:
+        if not self.w.test():
+            return False
+        try:
+            return mpi().Request.Testall(self.reqs)
+        except mpi().Exception as e:
+            raise _failed(self, e) from e

@@ -293,7 +293,7 @@ def test_a_lean_run_whose_request_fails_raises_never_returns(monkeypatch, inacti
         seq, _lock, _last, timeout, closed = {}, threading.Lock(), None, 4.0, False
 
     class Kernel:
-        fns = (lambda x: Work(), lambda: np.zeros(3, np.float32), Prim, True)
+        fns = (lambda x, seq: Work(), lambda: np.zeros(3, np.float32), Prim, True)
         lean = ((3,), np.dtype(np.float32), (fns, fns))
 
     chs = channels()

@@ -182,12 +182,15 @@ def test_the_lean_run_posts_the_executors_messages_in_its_order():
     from pathlib import Path
     pytest.importorskip("mpi4py")
     from meshcomm.backends.batch import BatchItem
+    from meshcomm.backends.base import part
     from meshcomm.backends.lean import lean
     sys.path.insert(0, str(Path(__file__).parent / "workers"))
     from cases import random_case, random_data
     rng = np.random.default_rng(5)
     leaned = 0
+    tags = (1 << 18, 1 << 18)           # a Program's (program.tags_of): a run takes a part of them
     for i in range(300):
+        seq = i % 130                   # its place in the call sequence: the lean post's tag is the Runner's
         dpp = 1 + i % 2                 # two devices per process: a piece sent and kept, too
         shape, src, dst, dtype, _ = random_case(rng, 4 * dpp)
         if dtype == "bfloat16" or src.is_partial or dst.is_partial:
@@ -203,14 +206,14 @@ def test_the_lean_run_posts_the_executors_messages_in_its_order():
             if len(owned) > 1 or len(specs) > 1:
                 continue
             fns = lean(Runner([p], rank=r, devices_per_process=dpp, backend=quick), owned[0] if owned else None,
-                       specs[0] if specs else None, p.fill_op, x.dtype, (7, 9))
+                       specs[0] if specs else None, p.fill_op, x.dtype, tags)
             if fns is None:
                 continue
             tile = shards[owned[0]] if owned else None
             out = run.run([BatchItem(p, {d: shards[d] for d in owned}, tile if owned else np.empty(0, x.dtype))],
-                          (7, 1), None)[0][0]
-            post, result, _, _ = fns[0]
-            post(tile)
+                          part(tags, seq), None)[0][0]
+            post, result, _, _ = fns[seq & 1]
+            post(tile, seq)
             assert quick.log == general.log, (i, r, src, dst)
             got = result()
             if specs:

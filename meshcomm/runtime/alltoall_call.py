@@ -26,7 +26,7 @@ from .local_program import LocalKernel, no_out
 from ..handle import Handle
 from ..layout import normalize_shape
 from .eager import eager
-from .program import Program, checking, construct, new, outside, tags_of, half
+from .program import Program, checking, construct, new, outside, part, tags_of
 
 __all__ = ["DistRun", "program", "run", "local", "axis_groups"]
 
@@ -188,7 +188,7 @@ class A2AKernel:
     """An all_to_all_v Program's run: this process's rows checked against the agreed row
     shape and dtype, then a DistRun on the Program's tags."""
 
-    parity = 0          # the run's (Program.start sets it): which half of the tags it uses
+    seq = 0             # the run's place in its group's sequence (Program.start sets it): its part of the tags
 
     def __init__(self, ctx, be, mesh, axis, groups, rows, dtype, topo, algorithm, tags):
         self.ctx, self.be, self.mesh, self.axis, self.groups = ctx, be, mesh, axis, groups
@@ -211,7 +211,7 @@ class A2AKernel:
 
     def run(self, st, deadline, stamp=None):
         a, x = st
-        r = DistRun(self.ctx, self.be, self.groups, a, self.topo, self.algorithm, half(self.tags, self.parity),
+        r = DistRun(self.ctx, self.be, self.groups, a, self.topo, self.algorithm, part(self.tags, self.seq),
                     stamp).run(not isinstance(x, dict))
         return r if a is None else given(r, x, sorted(a[0]))
 

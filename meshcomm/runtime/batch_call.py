@@ -25,7 +25,7 @@ from ..handle import Handle
 from .context import current, no_context
 from .local_program import LocalKernel, fill_out, one_process
 from .eager import eager, lookup
-from .program import Program, checking, construct, half, new, outside, tags_of
+from .program import Program, checking, construct, new, outside, part, tags_of
 from .tiles import check_device, common_run, empty_like, facts_of, fit_of, numpy_views, torch_results
 from .reshard_call import local_input
 
@@ -90,7 +90,7 @@ class Tensor:
 class BatchKernel:
     """A batch Program's run (runtime/program.py: prepare, run, finish)."""
 
-    parity = 0          # the run's (Program.start sets it): which half of the tags it uses
+    seq = 0             # the run's place in its group's sequence (Program.start sets it): its part of the tags
 
     def __init__(self, ctx, be, tensors: list[Tensor], plans, bucket_bytes, pid, deadline):
         self.ctx, self.be, self.tensors, self.plans = ctx, be, tensors, plans
@@ -194,7 +194,7 @@ class BatchKernel:
             items.append(batch_exec.BatchItem(p, shards, like, o))
             kinds.append(kind)
         t_run = time.time() if stamp is not None else None
-        res, _ = self.runner.run(items, half(self.tags, self.parity), deadline)     # worked out at construction
+        res, _ = self.runner.run(items, part(self.tags, self.seq), deadline)     # worked out at construction
         for i, o in views:                  # torch tiles: torch results over the same memory
             res[i] = torch_results(res[i], o)
         if stamp is not None:

@@ -94,7 +94,8 @@ class CollectiveKernel:
     """A collective Program's run: this process's tiles checked against the agreed ones,
     then its native calls (one per group it is in) or its plan."""
 
-    parity = 0          # the run's (Program.start sets it): its communicator, or its half of the tags
+    seq = 0             # the run's place in its group's sequence (Program.start sets it): its
+                        # communicator (by parity), or its part of the tags
 
     def __init__(self, ctx, be, req, a: Agreed, prob, pid, deadline):
         self.ctx, self.be, self.req, self.a, self.prob = ctx, be, req, a, prob
@@ -191,19 +192,19 @@ class CollectiveKernel:
     def run(self, st, deadline, stamp=None):
         tiles, bare, kind, fences, out = st
         if self._one is not None and stamp is None:      # one native call: post, wait
-            me, post = self._one[self.parity]
-            works, fin = post(tiles.get(me))
+            me, post = self._one[self.seq & 1]
+            works, fin = post(tiles.get(me), self.seq)
             issued[self.native.key, self.req.op] += 1
             self.native.prim.wait_all(works, deadline)
             return fin(), None, kind, bare, out
         if self.native is not None:
-            res = native_call.run(self.ctx, self.native, self.posts[self.parity], self.req, self.prob, tiles,
-                                  self.a.dtype, self.a.tile, deadline, stamp)
+            res = native_call.run(self.ctx, self.native, self.posts[self.seq & 1], self.req, self.prob, tiles,
+                                  self.a.dtype, self.a.tile, deadline, stamp, self.seq)
             return res, None, kind, bare, out
         shards = {d: self.prob.in_tile(v) for d, v in tiles.items() if d in self.src_devs}
         like = next(iter(shards.values())) if shards else empty_like(kind, self.a.dtype[0], self.a.devtype)
         t_run = time.time() if stamp is not None else None
-        res, done = self.runner.run(shards, like, fences, deadline, parity=self.parity)
+        res, done = self.runner.run(shards, like, fences, deadline, seq=self.seq)
         if stamp is not None:
             req, a = self.req, self.a
             log_as = _log.collective_fields(req.op, len(groups(req.mesh, req.axes)[0]), a.tile,

@@ -178,6 +178,7 @@ class Channel:
 
     # -- receiving -------------------------------------------------------------------------
     def poll(self) -> None:
+        waiting = []                            # peers' STATUS naming this process: checked last
         for src, data in self.be.ctl_poll():
             msg = pickle.loads(data)
             if msg[0] == "ERROR":
@@ -203,8 +204,39 @@ class Channel:
                 self.failed.update(msg[6])
             elif msg[0] == "STATUS":
                 self.status[msg[1]] = (msg[2], tuple(msg[3]), time.monotonic())
+                if self.rank in msg[3]:
+                    waiting.append((msg[1], msg[2]))
             elif msg[0] == "CLEAR" and msg[1] in self.status and self.status[msg[1]][0] == msg[2]:
                 del self.status[msg[1]]         # that peer is past the call it reported
+        for p, call in waiting:                 # after the reports come in with them (one incident)
+            self._out_of_step(p, call)
+
+    def _out_of_step(self, p, call) -> None:
+        """Peer `p` waits for this process in run `call`, at a place of the group's call
+        sequence where this process made another run (found in the flight recorder): its
+        part there ended alone (a pure sender's, a broadcast's root), and it went on. Every
+        process is told, this one raises at its next call, and every Program of the group
+        fails everywhere: the waiting run would otherwise wait out the timeout, or match a
+        later run of this one. (Not for a waiting construction: the processes that ran on
+        then raise in different calls, and later calls pair apart: docs/runtime.md.)"""
+        group = self.group_of.get(call.program) if call is not None and call.what == "run" else None
+        if not group or call.program in self.failed:       # unknown, or known here already
+            return
+        for entry in RECORDER.ring:
+            c = entry[1]
+            if c[0] != "run" or c[4] != call.seq or c[1] not in group:
+                continue
+            if c[1] == call.program and c[3] == call.run:
+                return                      # the same run: its messages are on their way
+            programs = sorted(group)
+            self.failed.update(programs)
+            self.seen.update(programs)
+            text = (f"at place {call.seq} of their group's call sequence rank {self.rank} made {Call(*c)} "
+                    f"and rank {p} waits in {call}: the processes are not in the same call (every process "
+                    "must construct and run the same Programs, and make the same eager calls, in the same order)")
+            self.errors.append(("ERROR", p, call, text, "out of step", [p], programs, [], False))
+            self._send(range(self.world), ("ERROR", self.rank, call, text, "out of step", [], programs, [], False))
+            return
 
     def _known(self, who, call, programs) -> bool:
         """Whether a peer's report is known here already (one incident, several reports): its

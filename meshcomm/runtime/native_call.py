@@ -119,8 +119,9 @@ def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> tuple:
     for every group this process is in, in the groups' global order (a process in several
     groups takes part in each in that order: the same everywhere, so no deadlock), each on
     a communicator of the Program's own (`MPIBackend.communicator`), the odd runs on a
-    second one, so a run never matches one at another place in the call sequence (a
-    broadcast's root finishes alone there)."""
+    second one, so a run never matches one a place apart in the call sequence. A rooted
+    call's members whose part ends alone (a broadcast's root) can get further apart: the run's
+    number travels beside it and is compared (`MPIBackend.stamps`, backends/mpi_comm.py)."""
     prim = nat.prim
     rank_of = ctx.ownership.rank_of
     out = ([], [])
@@ -129,12 +130,26 @@ def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> tuple:
         if not me:
             continue
         for posts in out:
-            comm = prim.communicator(_ranks(ctx, g), deadline)
-            post = poster(ctx, prim, req, g, me[0], dt, tile, shapes, kind, comm)
+            ranks = _ranks(ctx, g)
+            comm = prim.communicator(ranks, deadline)
+            st = None if req.op not in _ROOTED else prim.stamps(
+                comm, ranks, rank_of(g[req.root]), req.op in ("broadcast", "scatter"), f"{req.op} in group {list(ranks)}")
+            post = poster(ctx, prim, req, g, me[0], dt, tile, shapes, kind, comm, st)
             if kind == "numpy":
-                post = persistent(ctx, prim, req, g, me[0], dt, tile, shapes, comm, post, nat.key)
+                post = persistent(ctx, prim, req, g, me[0], dt, tile, shapes, comm, post, nat.key, st)
             posts.append((g, me[0], post))
     return out
+
+
+def _checked(fin, stamps):
+    """`fin` after the run numbers that came beside the call were compared (`Stamps.check`)."""
+    if stamps is None:
+        return fin
+
+    def checked():
+        stamps.check()
+        return fin()
+    return checked
 
 
 # largest buffer (bytes) of a native MPI call run as a persistent request: below it, copying
@@ -144,7 +159,7 @@ PERSISTENT_MAX = 64 << 10
 PERSISTENT_MAX_ALL_TO_ALL = 16 << 10
 
 
-def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key):
+def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key, stamps=None):
     """`post` as an MPI-4 persistent request over buffers of the Program's own
     (`Backend.bind(bufs=)`): a run copies the tile in, starts it, and copies the result out.
     Chosen from agreed facts only (every member must: a persistent collective matches no
@@ -153,7 +168,7 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key):
     cap = PERSISTENT_MAX_ALL_TO_ALL if req.op == "all_to_all" else PERSISTENT_MAX
     counted = (key, req.op)
     if c.whole > cap or not prim.persistent_calls:
-        return _leaned(post, prim, me, counted)
+        return _leaned(post, prim, me, counted, stamps)
     dtype = np.dtype(arrays.numpy_dtype(dt[0]))
     unit = dtype if c.typed else np.dtype(np.uint8)
     send = np.empty(c.send, unit)
@@ -164,7 +179,7 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key):
     src = send.view(dtype).reshape(c.mine) if fill else None
     out = res.view(dtype).reshape(c.shape) if gets else None
 
-    def run(x):
+    def run(x, seq=0):
         # every member runs the persistent request (it matches no other kind of call): a
         # torch tile of a NumPy Program is copied in and out as bytes
         if fill:
@@ -172,28 +187,30 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key):
                 np.copyto(src, x)
             else:
                 np.copyto(send.view(np.uint8), to_wire(x, "numpy"))
-        w = start()
+        w = start() if stamps is None else stamps.start(seq, start())
         if not gets:
-            return [w], dict
+            return [w], _checked(dict, stamps)
         if x is None or type(x) is np.ndarray:
-            return [w], lambda: {me: out.copy()}
-        return [w], lambda: {me: from_wire(res.view(np.uint8).copy(), x).reshape(c.shape)}
+            return [w], _checked(lambda: {me: out.copy()}, stamps)
+        return [w], _checked(lambda: {me: from_wire(res.view(np.uint8).copy(), x).reshape(c.shape)}, stamps)
 
-    def post(x):
+    def post(x, seq):
         """`run` of a NumPy tile, posted (a Program's lean run): the started request's Work."""
         issued[counted] += 1
         if fill:
             src[...] = x                # of the agreed shape and dtype (the lean run checked)
-        return start()
+        return start() if stamps is None else stamps.start(seq, start())
 
     def result():
         """The lean run's result once its Work is done, or None where this process gets none."""
+        if stamps is not None:
+            stamps.check()
         return out.copy() if gets else None
-    run.lean = (post, result, prim, True)
+    run.lean = (post, result, prim, stamps is None)
     return run
 
 
-def _leaned(post, prim, me, counted):
+def _leaned(post, prim, me, counted, stamps=None):
     """`post` (a non-blocking call, a new one per run) with the lean form a Program's lean
     run takes (a NumPy tile of the agreed shape and dtype): post gives the call's Work (an
     MPI request, tested bare), result the tile once it is done. A call of typed buffers into
@@ -203,37 +220,41 @@ def _leaned(post, prim, me, counted):
     if c.typed and c.recv is not None:
         got = [None]
 
-        def posted_plain(x):
+        def posted_plain(x, seq):
             issued[counted] += 1
             r = got[0] = np.empty(c.recv, x.dtype) if c.gets else None
-            return f(x.reshape(-1) if c.fill else None, r)
+            w = f(x.reshape(-1) if c.fill else None, r)
+            return w if stamps is None else stamps.start(seq, w)
 
         def result_plain():
+            if stamps is not None:
+                stamps.check()
             r = got[0]
             return None if r is None else r.reshape(c.shape)
-        post.lean = (posted_plain, result_plain, prim, True)
+        post.lean = (posted_plain, result_plain, prim, stamps is None)
         return post
     fin = [dict]
 
-    def posted(x):
+    def posted(x, seq):
         issued[counted] += 1
-        works, fin[0] = post(x)
+        works, fin[0] = post(x, seq)
         return works[0]
 
     def result():
         return fin[0]().get(me)
-    post.lean = (posted, result, prim, True)
+    post.lean = (posted, result, prim, stamps is None)
     return post
 
 
-def run(ctx, nat: Native, posts, req, prob, tiles, dt, tile, deadline, stamp=None) -> dict:
-    """This process's result tiles (the shapes `prob` gives), after its native calls."""
+def run(ctx, nat: Native, posts, req, prob, tiles, dt, tile, deadline, stamp=None, seq=0) -> dict:
+    """This process's result tiles (the shapes `prob` gives), after its native calls (run
+    `seq` of the group's sequence)."""
     prim = nat.prim
     issued[nat.key, req.op] += 1
     res = {}
     for g, me, post in posts:
         t_run = time.time()
-        works, fin = post(tiles.get(me))
+        works, fin = post(tiles.get(me), seq)
         prim.wait_all(works, deadline)
         got = fin()
         res.update(got)
@@ -333,10 +354,11 @@ def _call(ctx, req, g, me, dt, tile, shapes, wire) -> _Call:
     return _Call("alltoall", {}, typ, n, n, True, True, tile, tile, n * u)      # along the leading dimension
 
 
-def poster(ctx, prim, req, g, me, dt, tile, shapes, kind, comm=None):
-    """A function of device `me`'s tile (None where this process has none) giving (works,
-    fin): its call bound once (`Backend.bind`: group, counts, op, root checked; over MPI on
-    `comm`, the Program's own communicator), only buffers made per run."""
+def poster(ctx, prim, req, g, me, dt, tile, shapes, kind, comm=None, stamps=None):
+    """A function of device `me`'s tile (None where this process has none) and the run's
+    number giving (works, fin): its call bound once (`Backend.bind`: group, counts, op, root
+    checked; over MPI on `comm`, the Program's own communicator, with `stamps` beside it),
+    only buffers made per run."""
     c = _call(ctx, req, g, me, dt, tile, shapes, prim.wire)
     f = prim.bind(c.what, _ranks(ctx, g), comm, **c.kw)
     wire, t, itemsize = prim.wire, c.typed, dt[1]
@@ -344,7 +366,7 @@ def poster(ctx, prim, req, g, me, dt, tile, shapes, kind, comm=None):
     def empty(count, like):             # a buffer of `count` units
         return empty_wire(count * itemsize if t else count, wire, like, typed_elems=count if t else None)
 
-    def post(x):
+    def post(x, seq=0):
         like = x if x is not None else empty_like(kind, dt[0], "cpu")
         if c.recv is None:              # in place: a copy of the tile, or the root's
             res = _flat(_copy(x), wire, t) if c.fill else empty(c.send, like)
@@ -352,10 +374,12 @@ def poster(ctx, prim, req, g, me, dt, tile, shapes, kind, comm=None):
         else:
             res = empty(c.recv, like) if c.gets else None
             w = f(_flat(x, wire, t) if c.fill else None, res)
+        if stamps is not None:
+            w = stamps.start(seq, w)
         if not c.gets:
-            return [w], dict
+            return [w], _checked(dict, stamps)
         if type(like) is np.ndarray and type(res) is np.ndarray:
-            return [w], lambda: {me: (res if t else res.view(like.dtype)).reshape(c.shape)}
-        return [w], lambda: {me: from_wire(res, like, typed=t).reshape(c.shape)}
+            return [w], _checked(lambda: {me: (res if t else res.view(like.dtype)).reshape(c.shape)}, stamps)
+        return [w], _checked(lambda: {me: from_wire(res, like, typed=t).reshape(c.shape)}, stamps)
     post.call = (c, f)
     return post

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..backends import compressed
 from ..backends.batch import BatchItem, Runner
-from .program import half
+from .program import part
 from .tiles import numpy_views, torch_results
 
 __all__ = ["PlanRun"]
@@ -26,8 +26,8 @@ class PlanRun:
             self.runner.prepare(deadline)
             self.coll = self.runner.coll[0]
 
-    def run(self, shards, like, fences, deadline, out=None, parity=0):
-        r, tags = self.runner, half(self.tags, parity)
+    def run(self, shards, like, fences, deadline, out=None, seq=0):
+        r, tags = self.runner, part(self.tags, seq)
         if r is None:
             return compressed.execute(self.plan, shards, like, rank=self.ctx.rank,
                                       devices_per_process=self.ctx.devices_per_process, backend=self.be,

@@ -28,6 +28,7 @@ from .. import log as _log
 from ..errors import PeerTimeoutError
 from ..handle import Handle
 from ..backends import base
+from ..backends.base import part
 from . import agreement, context, control
 from .agreement import Meta
 
@@ -36,7 +37,7 @@ from .agreement import Meta
 # failed peer (a broadcast's root) raises within that many calls of the peer's report
 POLL_EVERY = 15
 
-__all__ = ["Program", "checking", "construct", "fail_together", "tags_of", "half"]
+__all__ = ["Program", "checking", "construct", "fail_together", "tags_of", "part"]
 
 GENERAL = object()        # the lean run declines: the general run takes it
 
@@ -163,7 +164,7 @@ class Program:
                 t0 = now()
                 failed = None
                 try:
-                    w = post(x)
+                    w = post(x, seq)
                 except Exception as e:          # noqa: BLE001 - raised below, in the call's context
                     failed = e
                 else:                           # base.quick's loop, inline
@@ -221,7 +222,7 @@ class Program:
                 ctx.attempts += 1
                 agreement.agree(ctx, self.ranks, (self.counter, self.runs), ctx.attempts, Meta(
                     self.label, (("program", self.id), ("run", self.runs))))
-            self._kernel.parity = call.seq & 1      # runs one at a time, in call order (ctx._lock)
+            self._kernel.seq = call.seq             # runs one at a time, in call order (ctx._lock)
             return self._kernel.run(st, time.monotonic() + self.ctx.timeout, stamp)
         return self._in_call(ch, call, run)
 
@@ -234,6 +235,8 @@ class Program:
         except Exception as e:
             if not getattr(e, "local_only", False):
                 self.failed = f"run {call.run}: {type(e).__name__}"
+            if getattr(e, "out_of_step", False) and ch is not None:     # a peer at another place in
+                e.programs = sorted(ch.group_of.get(self.id, {self.id}))  # the sequence: any may be in flight
             control.leave(ch, prev, e)
             raise
         control.leave(ch, prev)
@@ -404,11 +407,6 @@ def next_seq(ctx, ranks) -> int:
     c = seq_cell(ctx, ranks)
     c[0] = n = c[0] + 1
     return n
-
-
-def half(tags, parity: int) -> tuple:
-    """The half of a Program's tag space (first, span) that runs of this parity use."""
-    return tags[0] + parity * (tags[1] // 2), tags[1] // 2
 
 
 def new(ctx, pid: int, label: str, kernel, plan=None) -> Program:

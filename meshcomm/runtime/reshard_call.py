@@ -29,7 +29,7 @@ from .context import current, no_context
 from .local_program import local_reshard
 from .plan_run import PlanRun
 from .eager import eager, lookup
-from .program import GENERAL, Program, checking, construct, half, new, outside, tags_of
+from .program import GENERAL, Program, checking, construct, new, outside, tags_of
 from .tiles import check_device, common_run, consume, empty_like, facts_of, fences_of, fit_of
 
 __all__ = ["reshard", "program"]
@@ -71,7 +71,7 @@ class ReshardKernel:
     """What a reshard Program does per run (runtime/program.py: prepare, run, finish; `lean`:
     its lean run, where there is one)."""
 
-    parity = 0          # the run's (Program.start sets it): which half of the tags it uses
+    seq = 0             # the run's place in its group's sequence (Program.start sets it): its part of the tags
 
     def __init__(self, ctx, be, src, dst, p, agreed: Agreed, comp, tags, deadline):
         self.ctx, self.be, self.src, self.dst, self.p, self.agreed = ctx, be, src, dst, p, agreed
@@ -88,7 +88,7 @@ class ReshardKernel:
         self.lean = self._lean(p, agreed, tags)
 
     def _lean(self, p, a, tags):
-        """(src tile shape or None, dtype, per tag parity: post, result, backend, raw, unwrap)
+        """(src tile shape or None, dtype, per run parity: post, result, backend, raw, unwrap)
         of the lean run (Program.__call__, backends/lean.py): at most one NumPy tile in, bare
         or in a dict (a dict out), at most one out; else None."""
         r = self.runner.runner
@@ -100,7 +100,7 @@ class ReshardKernel:
         except (TypeError, ValueError):
             return None
         dev, specs = (self.owned_src or (None,))[0], r.out_shapes[0]
-        fns = lean(r, dev, specs[0] if specs else None, p.fill_op, dtype, [half(tags, q)[0] for q in (0, 1)])
+        fns = lean(r, dev, specs[0] if specs else None, p.fill_op, dtype, tags)
         if fns is None:
             return None
         to_dict = (lambda y: {}) if not specs else (lambda y, d=specs[0][0]: {d: y})
@@ -181,7 +181,7 @@ class ReshardKernel:
         like = next(iter(shards.values())) if shards else (
             next(iter(out.values())) if out else empty_like(kind or "numpy", a.dtype, devtype))
         t_run = time.time() if stamp is not None else None
-        res, done = self.runner.run(shards, like, fences, deadline, out, self.parity)
+        res, done = self.runner.run(shards, like, fences, deadline, out, self.seq)
         if stamp is not None:
             _log.record_reshard(stamp, rank=self.ctx.rank, dpp=self.ctx.devices_per_process, backend=self.be.name,
                                 plan=self.p, collective_reduce=self.runner.coll, shards=shards, out=res, t_run=t_run)

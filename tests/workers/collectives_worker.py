@@ -855,7 +855,61 @@ def leaf_behind(ctx, stats):
     stats["leaf_behind_ok"] += 1
 
 
-KNOWN_BUGS = {"leaf-behind": leaf_behind, "cached-bad-argument": cached_bad_argument, "none-after-tiles": none_after_tiles,
+def runs_apart(ctx, stats):
+    """Over MPI: two Programs run in another order on the process whose part ends alone
+    (a broadcast's root, a gather's non-root, a reshard's pure sender) than on the others,
+    once, in a loop of calls. That process runs on alone, so a later run of it could complete
+    the others' pending one, two places apart in the group's call sequence: no process may
+    return a wrong value. The receivers raise naming it (the run number sent beside a rooted
+    call; a stalled receiver's STATUS, checked against that process's record); it raises
+    within 50 calls (program.POLL_EVERY). Afterwards an eager call is exact."""
+    ws, me = ctx.world_size, ctx.rank
+    mesh = mc.Mesh(np.arange(ws), ("x",))
+    lone, last = 0, ws - 1
+    one, rest = mc.Mesh([0], ("a",)), mc.Mesh(np.arange(1, ws), ("b",))
+
+    def bcast():
+        return mc.Program.broadcast(mesh, "x", shape=(4,), dtype="float32", root=0, backend="mpi")
+
+    def gather():           # the non-roots' part ends alone: process `last` swaps
+        return mc.Program.gather(mesh, "x", shape=(1, 4), dtype="float32", root=0, backend="mpi")
+
+    def reshard():          # process 0 only sends
+        return mc.Program.reshard(mc.Layout(one, (None,)), mc.Layout(rest, ("b",)), shape=(4 * (ws - 1),),
+                                  dtype="float32", backend="mpi")
+    for name, make, swapper in (("broadcast", bcast, lone), ("gather", gather, last), ("reshard", reshard, lone)):
+        P = [make(), make()]
+        raised_at = None
+        for i in range(60):
+            vals = [np.full(4 * (ws - 1) if name == "reshard" else 4, 10 * i + k + me / 8, np.float32)
+                    for k in (1, 2)]
+            try:
+                got = [None, None]
+                for k in ((1, 0) if (me == swapper and i == 1) else (0, 1)):
+                    x = vals[k] if name != "gather" else vals[k][None]
+                    y = P[k](x if name != "reshard" or me == 0 else None)
+                    got[k] = (y or {}).get(me) if isinstance(y, dict) else y        # a reshard of None
+            except (RuntimeError, ValueError) as e:
+                if me != swapper:
+                    assert isinstance(e, PeerError) and e.rank == swapper or f"rank {swapper}" in str(e), \
+                        (name, me, i, e)
+                raised_at = i
+                break
+            for k in (0, 1):            # exact, or raised: never another run's values
+                want = {"broadcast": lambda: np.full(4, 10 * i + k + 1, np.float32),    # noqa: B023
+                        "gather": lambda: np.stack([np.full(4, 10 * i + k + 1 + r / 8, np.float32)  # noqa: B023
+                                                    for r in range(ws)]) if me == 0 else None,
+                        "reshard": lambda: np.full(4, 10 * i + k + 1, np.float32) if me else None}[name]()  # noqa: B023
+                assert (got[k] is None and want is None) or np.array_equal(got[k], want), \
+                    (name, me, i, k, "a wrong value", got[k], want)
+            time.sleep(0.02)
+        assert raised_at is not None and raised_at <= 50, (name, me, raised_at)
+        stats["runs_apart_raised"] += 1
+    assert mc.all_reduce(np.full(3, me, np.int64), mesh, "x", backend="mpi").tolist() == [sum(range(ws))] * 3
+    stats["runs_apart_ok"] += 1
+
+
+KNOWN_BUGS = {"leaf-behind": leaf_behind, "runs-apart": runs_apart, "cached-bad-argument": cached_bad_argument, "none-after-tiles": none_after_tiles,
               "gather-size-one": gather_size_one, "stale-broadcast": stale_broadcast,
               "relayed-error": relayed_error, "skipped-call": skipped_call, "bad-out-buffer": bad_out_buffer}
 
