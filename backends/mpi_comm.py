@@ -116,7 +116,7 @@ class Stamps:
         """Start them beside the call's Work `w` (started): both, as one Work."""
         self.mine[0] = seq
         mpi().Prequest.Startall(self.reqs)
-        return Stamped(w, self.reqs)
+        return Stamped(w, self.reqs, self.got is not None)
 
     def check(self) -> None:
         """PeerError naming a sender whose number is not this run's (after both completed)."""
@@ -136,12 +136,13 @@ class Stamped(Work):
     """A call's Work and its Stamps' requests, tested in turn (MPICH's Testall of a
     persistent collective and point-to-point requests together fails: MPI_ERR_PENDING)."""
 
-    def __init__(self, w, reqs):
-        self.w, self.reqs, self.op, self.peers, self.rank = w, reqs, w.op, w.peers, w.rank
+    def __init__(self, w, reqs, receives: bool):
+        self.w, self.reqs, self.receives = w, reqs, receives
+        self.op, self.peers, self.rank = w.op, w.peers, w.rank
 
-    def cancel(self) -> None:
+    def cancel(self) -> None:         # receives only (as MPIWork; a persistent Ssend cancelled crashed MPICH)
         self.w.cancel()
-        for r in self.reqs:
+        for r in self.reqs if self.receives else ():
             with contextlib.suppress(Exception):
                 r.Cancel()
 
