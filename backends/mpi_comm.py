@@ -112,11 +112,11 @@ class Stamps:
             self.got, self.senders = np.zeros(len(src), np.int64), tuple(ranks[j] for j in src)
             self.reqs = [comm.Recv_init(self.got[n:n + 1], source=j, tag=STAMP_TAG) for n, j in enumerate(src)]
 
-    def start(self, seq: int, w: MPIWork) -> Stamped:
-        """Start them beside the call's Work `w` (started): both, as one Work."""
+    def post(self, seq: int, call) -> Stamped:
+        """Start them, then the call (`call()` gives its Work): both, as one Work."""
         self.mine[0] = seq
         mpi().Prequest.Startall(self.reqs)
-        return Stamped(w, self.reqs, self.got is not None)
+        return Stamped(call(), self.reqs, self.got is not None)
 
     def check(self) -> None:
         """PeerError naming a sender whose number is not this run's (after both completed)."""
@@ -124,12 +124,37 @@ class Stamps:
         if g is None or (g == self.mine[0]).all():
             return
         j = int(np.flatnonzero(g != self.mine[0])[0])
-        e = PeerError(f"rank {self.rank} is at place {int(self.mine[0])} of its group's call sequence in "
-                      f"{self.what}, and rank {self.senders[j]} sent its part from place {int(g[j])}: the "
-                      "processes are not in the same call (every process must construct and run the same "
-                      "Programs, and make the same eager calls, in the same order)", self.senders[j])
-        e.out_of_step = True        # every Program of the group fails (runtime/program.py)
-        raise e
+        raise out_of_step(self.rank, int(self.mine[0]), self.what, self.senders[j], int(g[j]))
+
+
+class Trailer:
+    """`Stamps` for a persistent broadcast: the root writes the run number into 8 bytes
+    behind the tile in the call's own buffer (`trailer`, a uint8 view), every other member
+    compares them; nothing travels beside the call (`post` gives the call's Work)."""
+
+    def __init__(self, trailer, rank, root, what: str):
+        self.t = trailer.view(np.int64)         # one number (NumPy takes it unaligned too)
+        self.rank, self.root, self.what, self.seq = rank, root, what, 0
+        self.sends = rank == root
+
+    def post(self, seq: int, call):
+        self.seq = seq
+        if self.sends:                  # before the call starts: it sends these bytes
+            self.t[0] = seq
+        return call()
+
+    def check(self) -> None:
+        if not self.sends and self.t[0] != self.seq:
+            raise out_of_step(self.rank, self.seq, self.what, self.root, int(self.t[0]))
+
+
+def out_of_step(rank, seq, what, sender, got) -> PeerError:
+    e = PeerError(f"rank {rank} is at place {seq} of its group's call sequence in {what}, and rank "
+                  f"{sender} sent its part from place {got}: the processes are not in the same call "
+                  "(every process must construct and run the same Programs, and make the same eager "
+                  "calls, in the same order)", sender)
+    e.out_of_step = True        # every Program of the group fails (runtime/program.py)
+    return e
 
 
 class Stamped(Work):

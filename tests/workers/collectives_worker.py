@@ -890,6 +890,8 @@ def runs_apart(ctx, stats):
                     y = P[k](x if name != "reshard" or me == 0 else None)
                     got[k] = (y or {}).get(me) if isinstance(y, dict) else y        # a reshard of None
             except (RuntimeError, ValueError) as e:
+                # before the swap only a peer's report (a slow process, its call begun after it)
+                assert i >= 1 or getattr(e, "relayed", False), (name, me, i, "raised before the swap", e)
                 if me != swapper:
                     assert isinstance(e, PeerError) and e.rank == swapper or f"rank {swapper}" in str(e), \
                         (name, me, i, e)
