@@ -128,24 +128,27 @@ class Stamps:
 
 
 class Trailer:
-    """`Stamps` for a persistent broadcast: the root writes the run number into 8 bytes
-    behind the tile in the call's own buffer (`trailer`, a uint8 view), every other member
-    compares them; nothing travels beside the call (`post` gives the call's Work)."""
+    """`Stamps` for a persistent rooted call that carries the run number in its own buffers
+    (runtime/native_call.py `_trailed`: 8 bytes behind a block): `write`, the int64 views
+    this member sets before the call starts, `read`, those it compares once it completed
+    (row j sent by `senders[j]`, or by `senders[0]` alone); nothing travels beside the call
+    (`post` gives the call's Work)."""
 
-    def __init__(self, trailer, rank, root, what: str):
-        self.t = trailer.view(np.int64)         # one number (NumPy takes it unaligned too)
-        self.rank, self.root, self.what, self.seq = rank, root, what, 0
-        self.sends = rank == root
+    def __init__(self, write, read, senders, rank, what: str):
+        self.write, self.read, self.senders, self.rank, self.what, self.seq = write, read, senders, rank, what, 0
 
     def post(self, seq: int, call):
         self.seq = seq
-        if self.sends:                  # before the call starts: it sends these bytes
-            self.t[0] = seq
+        if self.write is not None:      # before the call starts: it sends these bytes
+            self.write[...] = seq
         return call()
 
     def check(self) -> None:
-        if not self.sends and self.t[0] != self.seq:
-            raise out_of_step(self.rank, self.seq, self.what, self.root, int(self.t[0]))
+        r = self.read
+        if r is not None and (r != self.seq).any():
+            j = int(np.flatnonzero(r != self.seq)[0])
+            raise out_of_step(self.rank, self.seq, self.what, self.senders[min(j, len(self.senders) - 1)],
+                              int(r.reshape(-1)[j]))
 
 
 def out_of_step(rank, seq, what, sender, got) -> PeerError:

@@ -172,50 +172,97 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key, stamps=
         return _leaned(post, prim, me, counted, stamps)
     dtype = np.dtype(arrays.numpy_dtype(dt[0]))
     unit = dtype if c.typed else np.dtype(np.uint8)
-    # a broadcast's run number rides in 8 bytes behind the tile, in its one message (beside
-    # it, as Stamps, it halved small broadcasts back to back: BENCHMARKS 5)
-    trail = stamps is not None and c.what == "bcast"
-    whole = np.empty(c.send + (-(-8 // unit.itemsize) if trail else 0), unit)
-    send = whole[:c.send]
-    if trail:
-        stamps = Trailer(whole.view(np.uint8)[send.nbytes:send.nbytes + 8], ctx.rank,
-                         ctx.ownership.rank_of(g[req.root]), f"broadcast in group {list(_ranks(ctx, g))}")
-    recv = None if c.recv is None else np.empty(c.recv, unit)
+    ranks = _ranks(ctx, g)
+    trail = stamps is not None and _trails(c)
+    if trail:       # the run number in 8 bytes behind each block, in the call's own messages
+        whole, recv, put, take, stamps, kw = _trailed(c, unit, dtype, ranks, ctx.rank,
+                                                      f"{req.op} in group {list(ranks)}")
+    else:
+        whole = np.empty(c.send, unit)
+        recv = None if c.recv is None else np.empty(c.recv, unit)
+        put, take, kw = None, None, c.kw
+    send = whole[:c.send] if not (trail and c.what == "scatterv") else whole
     res = send if recv is None else recv
-    start = prim.bind(c.what, _ranks(ctx, g), comm, bufs=(whole, recv), **c.kw)
-    fill, gets = c.fill and send.nbytes > 0, c.gets
-    src = send.view(dtype).reshape(c.mine) if fill else None
-    out = res.view(dtype).reshape(c.shape) if gets else None
+    start = prim.bind(c.what, ranks, comm, bufs=(whole, recv), **kw)
+    fill, gets = c.fill and c.send > 0, c.gets
+    if put is None:
+        src = send.view(dtype).reshape(c.mine) if fill else None
+        out = res.view(dtype).reshape(c.shape) if gets else None
+
+        def put(x):
+            src[...] = x
+
+        def take():
+            return out.copy()
 
     def run(x, seq=0):
         # every member runs the persistent request (it matches no other kind of call): a
         # torch tile of a NumPy Program is copied in and out as bytes
         if fill:
-            if type(x) is np.ndarray:
-                np.copyto(src, x)
-            else:
-                np.copyto(send.view(np.uint8), to_wire(x, "numpy"))
+            put(x if type(x) is np.ndarray else to_wire(x, "numpy").view(dtype).reshape(c.mine))
         w = start() if stamps is None else stamps.post(seq, start)
         if not gets:
             return [w], _checked(dict, stamps)
         if x is None or type(x) is np.ndarray:
-            return [w], _checked(lambda: {me: out.copy()}, stamps)
-        return [w], _checked(lambda: {me: from_wire(res.view(np.uint8).copy(), x).reshape(c.shape)}, stamps)
+            return [w], _checked(lambda: {me: take()}, stamps)
+        return [w], _checked(lambda: {me: from_wire(take().reshape(-1).view(np.uint8), x).reshape(c.shape)},
+                             stamps)
 
     def post(x, seq):
         """`run` of a NumPy tile, posted (a Program's lean run): the started request's Work."""
         issued[counted] += 1
         if fill:
-            src[...] = x                # of the agreed shape and dtype (the lean run checked)
+            put(x)                      # of the agreed shape and dtype (the lean run checked)
         return start() if stamps is None else stamps.post(seq, start)
 
     def result():
         """The lean run's result once its Work is done, or None where this process gets none."""
         if stamps is not None:
             stamps.check()
-        return out.copy() if gets else None
+        return take() if gets else None
     run.lean = (post, result, prim, stamps is None or trail)
     return run
+
+
+def _trails(c) -> bool:
+    """Whether a persistent rooted call carries its run number in its own buffers
+    (`_trailed`): a broadcast; a gather or scatter of equal blocks of a typed dtype. Else
+    it travels beside the call (`Stamps`), which costs: BENCHMARKS 5."""
+    return c.what == "bcast" or (c.what in ("gatherv", "scatterv") and c.typed
+                                 and len(set(c.kw["counts"])) == 1)
+
+
+def _trailed(c, unit, dtype, ranks, rank, what):
+    """A persistent rooted call's buffers with 8 bytes behind each block for the run number
+    (a broadcast: behind the tile; a gather: behind every member's block; a scatter: behind
+    each of the root's blocks): (send buffer, receive buffer or None, put(x), take(), its
+    Trailer, the call's arguments)."""
+    t = -(-8 // unit.itemsize)              # units of the run number
+    us = unit.itemsize
+
+    def tail(a, n):                         # int64 view of the 8 bytes after n units of each row
+        return a.view(np.uint8).reshape(-1, (n + t) * us)[:, n * us:n * us + 8].view(np.int64)
+    if c.what == "bcast":               # in place: the root writes, the others compare
+        whole = np.empty(c.send + t, unit)
+        src, out = whole[:c.send].view(dtype).reshape(c.mine), whole[:c.send].view(dtype).reshape(c.shape)
+        mark = tail(whole, c.send)
+        tr = Trailer(mark if c.fill else None, None if c.fill else mark, (c.kw["root"],), rank, what)
+        return whole, None, lambda x: src.__setitem__(Ellipsis, x), out.copy, tr, c.kw
+    k, n = len(ranks), c.kw["counts"][0]
+    kw = dict(c.kw, counts=(n + t,) * k)
+    if c.what == "gatherv":             # every member writes, the root compares each block's
+        whole = np.empty(n + t, unit)
+        src = whole[:n].reshape(c.mine)
+        recv = np.empty(k * (n + t) if c.gets else 0, unit)
+        rows = recv.reshape(k, n + t)[:, :n] if c.gets else None
+        tr = Trailer(tail(whole, n), tail(recv, n) if c.gets else None, ranks, rank, what)
+        return whole, recv, lambda x: src.__setitem__(Ellipsis, x), lambda: rows.copy().reshape(c.shape), tr, kw
+    whole = np.empty(k * (n + t) if c.fill else 0, unit)          # scatterv: the root writes each
+    blocks = whole.reshape(k, n + t)[:, :n] if c.fill else None
+    recv = np.empty(n + t, unit)
+    out = recv[:n].reshape(c.shape)
+    tr = Trailer(tail(whole, n) if c.fill else None, tail(recv, n), (c.kw["root"],), rank, what)
+    return whole, recv, lambda x: blocks.__setitem__(Ellipsis, x.reshape(k, -1)), out.copy, tr, kw
 
 
 def _leaned(post, prim, me, counted, stamps=None):

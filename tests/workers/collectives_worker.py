@@ -874,10 +874,15 @@ def runs_apart(ctx, stats):
     def gather():           # the non-roots' part ends alone: process `last` swaps
         return mc.Program.gather(mesh, "x", shape=(1, 4), dtype="float32", root=0, backend="mpi")
 
+    def scatter():
+        return mc.Program.scatter(mesh, "x", shape=(ws, 4) if me == 0 else None, dtype="float32", root=0,
+                                  backend="mpi")
+
     def reshard():          # process 0 only sends
         return mc.Program.reshard(mc.Layout(one, (None,)), mc.Layout(rest, ("b",)), shape=(4 * (ws - 1),),
                                   dtype="float32", backend="mpi")
-    for name, make, swapper in (("broadcast", bcast, lone), ("gather", gather, last), ("reshard", reshard, lone)):
+    for name, make, swapper in (("broadcast", bcast, lone), ("gather", gather, last), ("scatter", scatter, lone),
+                                ("reshard", reshard, lone)):
         P = [make(), make()]
         raised_at = None
         for i in range(60):
@@ -886,7 +891,9 @@ def runs_apart(ctx, stats):
             try:
                 got = [None, None]
                 for k in ((1, 0) if (me == swapper and i == 1) else (0, 1)):
-                    x = vals[k] if name != "gather" else vals[k][None]
+                    x = {"gather": lambda: vals[k][None],      # noqa: B023
+                         "scatter": lambda: np.stack([vals[k] + r / 8 for r in range(ws)]) if me == 0 else None,  # noqa: B023
+                         }.get(name, lambda: vals[k])()                                    # noqa: B023
                     y = P[k](x if name != "reshard" or me == 0 else None)
                     got[k] = (y or {}).get(me) if isinstance(y, dict) else y        # a reshard of None
             except (RuntimeError, ValueError) as e:
@@ -901,6 +908,7 @@ def runs_apart(ctx, stats):
                 want = {"broadcast": lambda: np.full(4, 10 * i + k + 1, np.float32),    # noqa: B023
                         "gather": lambda: np.stack([np.full(4, 10 * i + k + 1 + r / 8, np.float32)  # noqa: B023
                                                     for r in range(ws)]) if me == 0 else None,
+                        "scatter": lambda: np.full((1, 4), 10 * i + k + 1 + me / 8, np.float32),     # noqa: B023
                         "reshard": lambda: np.full(4, 10 * i + k + 1, np.float32) if me else None}[name]()  # noqa: B023
                 assert (got[k] is None and want is None) or np.array_equal(got[k], want), \
                     (name, me, i, k, "a wrong value", got[k], want)
