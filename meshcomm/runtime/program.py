@@ -119,8 +119,9 @@ class Program:
     def _lean_run(self, shape, dtype, fns, unwrap=None):
         """The lean run (`__call__`) of a kernel's `lean` (native_call.py, backends/lean.py): a
         bare NumPy tile of `shape` and `dtype` (shape None: no tile; other input by `unwrap(x)`:
-        (tile or None, how the result goes back) or None); `fns`, per parity: (post, result,
-        primitive, whether the request is tested bare). Post, poll until about the wait's first look
+        (tile or None, how the result goes back) or None); `fns`, per run parity: (post(tile,
+        the run's place in the call sequence), result, primitive, whether the request is tested
+        bare). Post, poll until about the wait's first look
         at the control channel (`base.LOOK_S`), take the result; a run not done by then waits
         in the control context. Anything else (another tile, a peer's failure pending, this
         Program failed): GENERAL, the general run. All it reads is bound once (BENCHMARKS 3)."""
@@ -403,7 +404,7 @@ def seq_cell(ctx, ranks) -> list:
 
 def next_seq(ctx, ranks) -> int:
     """The next run's number among the group's Programs' runs (calling thread, call order):
-    its parity picks a half of the tags, so processes at different places never match."""
+    it picks the run's part of the tags (`part`) or, by its parity, its communicator."""
     c = seq_cell(ctx, ranks)
     c[0] = n = c[0] + 1
     return n
