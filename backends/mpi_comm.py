@@ -131,31 +131,35 @@ class Trailer:
     """`Stamps` for a persistent rooted call that carries the run number in its own buffers
     (runtime/native_call.py `_trailed`: 8 bytes behind a block): `write`, the int64 views
     this member sets before the call starts, `read`, those it compares once it completed
-    (row j sent by `senders[j]`, or by `senders[0]` alone); nothing travels beside the call
+    (row j sent by `senders[j]`, or by `senders[0]` alone; None: a member of a sum, the
+    numbers modulo `mod` summed over `scale` members); nothing travels beside the call
     (`post` gives the call's Work)."""
 
-    def __init__(self, write, read, senders, rank, what: str):
-        self.write, self.read, self.senders, self.rank, self.what, self.seq = write, read, senders, rank, what, 0
+    def __init__(self, write, read, senders, rank, what: str, mod: int = 0, scale: int = 1):
+        self.write, self.read, self.senders, self.rank, self.what = write, read, senders, rank, what
+        self.mod, self.scale, self.seq = mod, scale, 0
 
     def post(self, seq: int, call):
         self.seq = seq
         if self.write is not None:      # before the call starts: it sends these bytes
-            self.write[...] = seq
+            self.write[...] = seq % self.mod if self.mod else seq
         return call()
 
     def check(self) -> None:
         r = self.read
-        if r is not None and (r != self.seq).any():
-            j = int(np.flatnonzero(r != self.seq)[0])
+        want = self.scale * (self.seq % self.mod) if self.mod else self.seq
+        if r is not None and (r != want).any():
+            j = int(np.flatnonzero(r != want)[0])
             raise out_of_step(self.rank, self.seq, self.what, self.senders[min(j, len(self.senders) - 1)],
                               int(r.reshape(-1)[j]))
 
 
 def out_of_step(rank, seq, what, sender, got) -> PeerError:
-    e = PeerError(f"rank {rank} is at place {seq} of its group's call sequence in {what}, and rank "
-                  f"{sender} sent its part from place {got}: the processes are not in the same call "
-                  "(every process must construct and run the same Programs, and make the same eager "
-                  "calls, in the same order)", sender)
+    who = f"rank {sender} sent its part from place {got}" if sender is not None else \
+        f"a member sent its part from another place (the sum of their numbers: {got})"
+    e = PeerError(f"rank {rank} is at place {seq} of its group's call sequence in {what}, and {who}: "
+                  "the processes are not in the same call (every process must construct and run the "
+                  "same Programs, and make the same eager calls, in the same order)", sender)
     e.out_of_step = True        # every Program of the group fails (runtime/program.py)
     return e
 

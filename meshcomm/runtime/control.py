@@ -222,6 +222,9 @@ class Channel:
         group = self.group_of.get(call.program) if call is not None and call.what == "run" else None
         if not group or call.program in self.failed:       # unknown, or known here already
             return
+        mine = self.call
+        if mine is not None and mine.what == "run" and mine.seq == call.seq:
+            return      # this process is at that place too, in another call: the stalled waits pair up
         for entry in RECORDER.ring:
             c = entry[1]
             if c[0] != "run" or c[4] != call.seq or c[1] not in group:

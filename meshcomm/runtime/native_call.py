@@ -173,7 +173,7 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key, stamps=
     dtype = np.dtype(arrays.numpy_dtype(dt[0]))
     unit = dtype if c.typed else np.dtype(np.uint8)
     ranks = _ranks(ctx, g)
-    trail = stamps is not None and _trails(c)
+    trail = stamps is not None and _trails(c, unit)
     if trail:       # the run number in 8 bytes behind each block, in the call's own messages
         whole, recv, put, take, stamps, kw = _trailed(c, unit, dtype, ranks, ctx.rank,
                                                       f"{req.op} in group {list(ranks)}")
@@ -224,10 +224,13 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key, stamps=
     return run
 
 
-def _trails(c) -> bool:
+def _trails(c, unit) -> bool:
     """Whether a persistent rooted call carries its run number in its own buffers
-    (`_trailed`): a broadcast; a gather or scatter of equal blocks of a typed dtype. Else
-    it travels beside the call (`Stamps`), which costs: BENCHMARKS 5."""
+    (`_trailed`): a broadcast; a gather or scatter of equal blocks of a typed dtype; a sum
+    (or average) of 4- or 8-byte elements. Else it travels beside the call (`Stamps`),
+    which costs: BENCHMARKS 5."""
+    if c.what == "reduce":
+        return c.kw["op"] == "sum" and unit.itemsize >= 4
     return c.what == "bcast" or (c.what in ("gatherv", "scatterv") and c.typed
                                  and len(set(c.kw["counts"])) == 1)
 
@@ -242,6 +245,13 @@ def _trailed(c, unit, dtype, ranks, rank, what):
 
     def tail(a, n):                         # int64 view of the 8 bytes after n units of each row
         return a.view(np.uint8).reshape(-1, (n + t) * us)[:, n * us:n * us + 8].view(np.int64)
+    if c.what == "reduce":              # every member adds its number (modulo what sums exactly),
+        whole = np.empty(c.send + 1, unit)  # the root compares the sum
+        src, out = whole[:c.send].reshape(c.mine), whole[:c.send].reshape(c.shape)
+        bits = np.finfo(unit).nmant + 1 if unit.kind == "f" else 8 * unit.itemsize - (unit.kind == "i")
+        tr = Trailer(whole[c.send:], whole[c.send:] if c.gets else None, (None,), rank, what,
+                     mod=(1 << bits) // len(ranks), scale=len(ranks))
+        return whole, None, lambda x: src.__setitem__(Ellipsis, x), out.copy, tr, c.kw
     if c.what == "bcast":               # in place: the root writes, the others compare
         whole = np.empty(c.send + t, unit)
         src, out = whole[:c.send].view(dtype).reshape(c.mine), whole[:c.send].view(dtype).reshape(c.shape)
