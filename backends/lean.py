@@ -77,57 +77,55 @@ def lean(runner, src_dev, spec, fill_op, dtype, tags):
     counted, none = ("batch", b.name), np.empty(0, dtype)     # none: a process without a src tile
     first, span, slots = tags[0], tags[1] // base.SLOTS, base.SLOTS
 
-    def make():
-        state = [None, ()]      # this run's result tile, and its received buffers to unpack
+    state = [None, ()]      # this run's result tile, and its received buffers to unpack
 
-        def post(x, seq):
-            base.issued[counted] += 1
-            tag = first + (seq % slots) * span      # base.part(tags, seq)[0]
-            if x is not None and not x.flags.c_contiguous:
-                x = np.ascontiguousarray(x)
-            out = None if spec is None else alloc_like(none if x is None else x, spec[1], spec[2], fill_op)
-            reqs, later = [], []
-            try:
-                for peer, whole, n, into in rx:
+    def post(x, seq):
+        base.issued[counted] += 1
+        tag = first + (seq % slots) * span      # base.part(tags, seq)[0]
+        if x is not None and not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x)
+        out = None if spec is None else alloc_like(none if x is None else x, spec[1], spec[2], fill_op)
+        reqs, later = [], []
+        try:
+            for peer, whole, n, into in rx:
+                if whole is not None:
+                    buf = out[whole].reshape(-1).view(u8)
+                else:
+                    buf = buffers.empty(n)
+                    later.append((buf, into))
+                reqs.append(Irecv(buf, source=peer, tag=tag))
+            made = {}
+            for peer, key, n, parts, whole in tx:
+                buf = made.get(key)
+                if buf is None:
                     if whole is not None:
-                        buf = out[whole].reshape(-1).view(u8)
+                        buf = x[whole].reshape(-1).view(u8)
+                        _, _, slices, dsls = parts[0]
+                        for sl in dsls:
+                            out[sl[0]] = x[slices[0]]
                     else:
                         buf = buffers.empty(n)
-                        later.append((buf, into))
-                    reqs.append(Irecv(buf, source=peer, tag=tag))
-                made = {}
-                for peer, key, n, parts, whole in tx:
-                    buf = made.get(key)
-                    if buf is None:
-                        if whole is not None:
-                            buf = x[whole].reshape(-1).view(u8)
-                            _, _, slices, dsls = parts[0]
+                        for off, m, slices, dsls in parts:
+                            v = pack(x, slices, out=buf[off:off + m].view(x.dtype))
                             for sl in dsls:
-                                out[sl[0]] = x[slices[0]]
-                        else:
-                            buf = buffers.empty(n)
-                            for off, m, slices, dsls in parts:
-                                v = pack(x, slices, out=buf[off:off + m].view(x.dtype))
-                                for sl in dsls:
-                                    unpack(v, out, sl)
-                        made[key] = buf
-                    reqs.append(Isend(buf, dest=peer, tag=tag))
-            except BaseException:     # what was posted stays referenced until MPI is done with it
-                base.abandon(Posted(reqs, who, peers, rank).parts(), cancel=True)
-                raise
-            for ssl, dsl in copies:
-                out[dsl] = x[ssl]
-            state[0], state[1] = out, later
-            return Posted(reqs, who, peers, rank)
+                                unpack(v, out, sl)
+                    made[key] = buf
+                reqs.append(Isend(buf, dest=peer, tag=tag))
+        except BaseException:     # what was posted stays referenced until MPI is done with it
+            base.abandon(Posted(reqs, who, peers, rank).parts(), cancel=True)
+            raise
+        for ssl, dsl in copies:
+            out[dsl] = x[ssl]
+        state[0], state[1] = out, later
+        return Posted(reqs, who, peers, rank)
 
-        def result():
-            out, later = state
-            for buf, into in later:
-                for off, n, sl in into:
-                    unpack(buf[off:off + n].view(dtype), out, sl)
-            state[0], state[1] = None, ()
-            return out
-        return post, result, b, False
-    f = make()
-    return f, f
+    def result():
+        out, later = state
+        for buf, into in later:
+            for off, n, sl in into:
+                unpack(buf[off:off + n].view(dtype), out, sl)
+        state[0], state[1] = None, ()
+        return out
+    fns = (post, result, b, False)
+    return fns, fns           # the same for either parity: the tag comes from the run's place
 

@@ -181,7 +181,7 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key, stamps=
         whole = np.empty(c.send, unit)
         recv = None if c.recv is None else np.empty(c.recv, unit)
         put, take, kw = None, None, c.kw
-    send = whole[:c.send] if not (trail and c.what == "scatterv") else whole
+    send = whole[:c.send]
     res = send if recv is None else recv
     start = prim.bind(c.what, ranks, comm, bufs=(whole, recv), **kw)
     fill, gets = c.fill and c.send > 0, c.gets
