@@ -26,6 +26,11 @@ class PeerTimeoutError(TimeoutError, RuntimeError):
         self.op = op
 
 
+# what a PeerError says where processes are in different calls
+NOT_SAME_CALL = ("the processes are not in the same call (every process must construct and run the same "
+                 "Programs, and make the same eager calls, in the same order)")
+
+
 class PeerError(ValueError):
     """Another process failed in a call this one takes part in, or is in another call.
 

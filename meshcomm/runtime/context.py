@@ -146,14 +146,21 @@ def init(backend: str = "mpi", devices_per_process: int = 1, timeout: float | No
 
 
 def finalize() -> None:
-    """Wait for outstanding work, free communicators/process groups, clear the context."""
+    """Wait for outstanding work and for every other process to call finalize() too (at most
+    MESHCOMM_TIMEOUT; a process a timeout named is not waited for): a failure a peer reported
+    by then raises here, as MPI_Finalize is collective. Then free communicators and process
+    groups, and clear the context."""
+    _finalize(wait=True)
+
+
+def _finalize(wait: bool) -> None:
     global _LOCAL
     _LOCAL = False
     ctx = _CTX
     if ctx is None:
         return
     try:
-        ctx.close()
+        ctx.close(wait)
     finally:
         _set(None)
 
@@ -166,12 +173,14 @@ def _finalize_at_exit() -> None:
     the interpreter still runs: gloo's, torn down later with its work done, sometimes
     aborted the process with 'terminate called without an active exception' and a
     non-zero exit status). Not while asynchronous work is still running: that could wait
-    for a peer until the timeout; the process then exits as it would have before."""
+    for a peer until the timeout; the process then exits as it would have before. Nor does
+    it wait for the others to finalize (an exit is not a call): its BYE tells a peer stalled
+    on it that it is gone."""
     ctx = _CTX
     if ctx is None or (ctx._last is not None and not ctx._last.done()):
         return
     try:
-        finalize()
+        _finalize(wait=False)
     except Exception as e:      # noqa: BLE001 - exiting anyway: say so, do not raise
         import sys
         print(f"meshcomm: finalize at exit failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -279,10 +288,12 @@ class Context:
         fut.set_result(self.call(fn))
         return fut
 
-    def close(self):
+    def close(self, wait: bool = True):
         self.closed = True
         self._pool.shutdown(wait=True)
         try:
+            self.channel.goodbye(wait, {r: (self.seq.get(r, [0])[0], self.counters.get(r, 0))
+                                        for r in {*self.seq, *self.counters}})   # every peer's BYE, or a failure
             self.channel.raise_pending()     # a peer failed in a run this process finished
         finally:
             control.install(None)

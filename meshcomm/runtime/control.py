@@ -17,28 +17,24 @@ over torch.distributed). These travel:
   call is over, CLEAR (rank, call) takes the STATUS back: a peer that reads the channel
   only later (a long compressed run reads it when idle) must not take it for the present.
 * Timeouts stay local: a wait past its deadline raises `PeerTimeoutError` and sends ERROR.
+* BYE (rank, counts): it is in `finalize()` (or exits); a wait stalled on it in a call it
+  never made raises `PeerError`; `finalize()` waits for every BYE, so a failure raises there.
 
 Every backend wait polls `watch` (installed in backends.base.WATCH at init): at most every
 `POLL_S` seconds it reads the channel, so a healthy run pays one clock read per poll.
 
-The flight recorder (`RECORDER`) keeps the last 256 calls of this process (sequence number,
-call, state, peers awaited, time) in a ring; `dump()` writes it as JSON lines when a call
-fails (to MESHCOMM_LOG's folder, else a temporary folder named in the error), for
-`meshcomm log summary DIR` to say who waited for whom.
+The flight recorder (runtime/recorder.py) is written when a call fails.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
-import json
-import os
 import pickle
-import tempfile
 import time
 import typing
 
 from ..backends import base
-from ..errors import PeerError, PeerTimeoutError
+from ..errors import NOT_SAME_CALL, PeerError, PeerTimeoutError
+from .recorder import RECORDER, Recorder, dump
 
 __all__ = ["Call", "Channel", "RECORDER", "current", "entering", "dump"]
 
@@ -68,37 +64,6 @@ class Call(typing.NamedTuple):
         return f"run {self.run} of Program #{self.program} ({self.label})"
 
 
-class Recorder:
-    """The flight recorder: a ring of the last `size` calls (always on; a call costs one short
-    list, one append and two field updates: BENCHMARKS 5)."""
-
-    def __init__(self, size: int = 256):
-        self.ring: collections.deque = collections.deque(maxlen=size)
-        self.seq = 0
-
-    def start(self, call: Call) -> list:
-        self.seq += 1
-        e = [self.seq, call, "posted", (), time.time(), None]
-        self.ring.append(e)
-        return e
-
-    @staticmethod
-    def waiting(e: list, peers) -> None:
-        e[2], e[3] = "waiting", sorted(peers)
-
-    @staticmethod
-    def done(e: list, state: str = "done") -> None:
-        e[2], e[5] = state, time.time()
-        if state == "done":
-            e[3] = ()
-
-    def records(self):
-        """The ring as dicts (a Program's quick lean run keeps its Call as a plain tuple)."""
-        return [{"seq": seq, "what": c[0], "program": c[1], "label": c[2], "run": c[3], "state": st,
-                 "awaiting": list(aw), "t_start": t0, "t_end": t1} for seq, c, st, aw, t0, t1 in self.ring]
-
-
-RECORDER = Recorder()
 
 
 class Channel:
@@ -121,6 +86,9 @@ class Channel:
         self.handled: set = set()            # (rank, call): peers' failures raised for already
         self.mine: set = set()               # calls this process failed in (peers' errors in them: known)
         self.incident: set = set()           # Programs of its last failure, until a call of its succeeds
+        self.bye: dict = {}                  # rank -> its BYE's counts: it makes no more calls (`_skipped`)
+        self.where: dict = {}                # Program number -> (its processes, its count among their Programs)
+        self.gone: set = set()               # peers a timeout named: finalize() does not wait for them
         self._next = 0.0
         self._stall_sent: float | None = None
         self._stall_peers: set = set()       # the peers told this call's STATUS (CLEAR at its end)
@@ -143,6 +111,8 @@ class Channel:
         call = self.call
         if self.entry is not None:
             Recorder.done(self.entry, "failed")
+        if isinstance(err, PeerTimeoutError):
+            self.gone.update(err.peers)
         if getattr(err, "local_only", False):
             return                          # raised after a run that completed everywhere
         programs = getattr(err, "programs", None)
@@ -202,6 +172,10 @@ class Channel:
                 # whose part ended constructed no new one beside those that did: they waited out
                 # the timeout in every later call, or paired calls apart)
                 self.failed.update(msg[6])
+                if msg[4] == "timeout":
+                    self.gone.update(msg[5])
+            elif msg[0] == "BYE":
+                self.bye[msg[1]] = msg[2]
             elif msg[0] == "STATUS":
                 self.status[msg[1]] = (msg[2], tuple(msg[3]), time.monotonic())
                 if self.rank in msg[3]:
@@ -235,8 +209,7 @@ class Channel:
             self.failed.update(programs)
             self.seen.update(programs)
             text = (f"at place {call.seq} of their group's call sequence rank {self.rank} made {Call(*c)} "
-                    f"and rank {p} waits in {call}: the processes are not in the same call (every process "
-                    "must construct and run the same Programs, and make the same eager calls, in the same order)")
+                    f"and rank {p} waits in {call}: {NOT_SAME_CALL}")
             self.errors.append(("ERROR", p, call, text, "out of step", [p], programs, [], False))
             self._send(range(self.world), ("ERROR", self.rank, call, text, "out of step", [], programs, [], False))
             return
@@ -276,6 +249,31 @@ class Channel:
         e.relayed, e.origin, e.retracts = True, (who, text, kind, list(peers)), list(retracts)
         return e
 
+    def goodbye(self, wait: bool, counts: dict) -> None:
+        """BYE to every other process, with `counts` (its groups -> (runs, Programs)); with
+        `wait`, until each said BYE (not those a timeout named) or reported a failure."""
+        self._send(range(self.world), ("BYE", self.rank, counts))
+        deadline = time.monotonic() + self.timeout
+        while wait:
+            self.poll()
+            missing = set(range(self.world)) - self.bye.keys() - self.gone - {self.rank}
+            if self.errors or not missing:
+                return
+            if time.monotonic() > deadline:
+                raise PeerTimeoutError(f"finalize(): rank(s) {sorted(missing)} did not call finalize() "
+                                       f"within MESHCOMM_TIMEOUT ({self.timeout:g} s)", sorted(missing),
+                                       "finalize()")
+            time.sleep(POLL_S)
+
+    def _skipped(self, p, call) -> bool:
+        """Whether peer `p`, gone (its BYE), never made `call` (one that did may still have its
+        part on its way: a broadcast's tree)."""
+        w = self.where.get(call.program)
+        if w is None:
+            return False
+        runs, built = self.bye[p].get(w[0], (0, 0))
+        return runs < call.seq if call.what == "run" else built < w[1]
+
     def watch(self, pending, deadline) -> None:
         """Called by every backend wait between polls with its pending works (it acts at
         most every POLL_S seconds): raise a peer's error, detect two processes waiting for
@@ -301,6 +299,12 @@ class Channel:
             Recorder.waiting(self.entry, peers)     # the peers it still waits for, now
         if not stalled:
             return
+        left = [p for p in sorted(peers) if p in self.bye and self._skipped(p, call)]
+        if left:                            # it makes no more calls: its part here never comes
+            e = PeerError(f"rank {self.rank} is in {call} and waits for rank {left[0]}, which called "
+                          f"finalize() (or exited) without taking part in it: {NOT_SAME_CALL}", left[0])
+            e.programs = sorted(self.group_of.get(call.program, ())) or None
+            raise e
         for p in peers:
             st = self.status.get(p)
             if st is not None and st[2] >= self._wait_start and st[0].key != call.key and self.rank in st[1]:
@@ -318,9 +322,7 @@ class Channel:
                 self.failed.update(programs)
                 self.seen.update(programs)
                 e = PeerError(f"rank {self.rank} is in {call} and waits for rank {p}, which is in "
-                              f"{st[0]} and waits for rank {self.rank}: the processes are not in the "
-                              "same call (every process must construct and run the same Programs, "
-                              "and make the same eager calls, in the same order)", p)
+                              f"{st[0]} and waits for rank {self.rank}: {NOT_SAME_CALL}", p)
                 e.retracts, e.programs = retracts, sorted(programs)
                 raise e
         if self._stall_sent is None or now - self._stall_sent > 1.0:
@@ -400,19 +402,3 @@ def leave(ch: Channel | None, prev, ev=None) -> None:
                 ch.poll()                   # a peer's failure reported by now: raised at the next call
     finally:
         ch.call, ch.entry, ch._wait_start, ch._stall_sent, ch._stall_peers = prev
-
-
-def dump(rank: int) -> str | None:
-    """Write the flight recorder to `<dir>/flight_rank<r>.jsonl` (MESHCOMM_LOG's folder, else
-    a temporary one); the path, or None where it could not be written."""
-    from .. import settings
-    folder = settings.get("LOG") or os.path.join(tempfile.gettempdir(), f"meshcomm-flight-{os.getppid()}")
-    try:
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, f"flight_rank{rank}.jsonl")
-        with open(path, "w") as f:
-            for r in RECORDER.records():
-                f.write(json.dumps(dict(r, rank=rank)) + "\n")
-        return path
-    except OSError:
-        return None

@@ -324,6 +324,7 @@ def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable,
     group = ctx.group_programs.setdefault(ranks, set())
     if ch is not None:
         ch.group_of[pid] = group        # a mismatch found in this construction fails them all
+        ch.where[pid] = (ranks, counter)
     with control.entering(ch, control.Call("construct", pid, label, ctx.attempts)):
         deadline = time.monotonic() + ctx.timeout
         cell = seq_cell(ctx, ranks)
@@ -355,7 +356,7 @@ def construct(ctx, label: str, fields: tuple, err, extra: dict, build: Callable,
         group.add(prog.id)
         if ch is not None and prog.id != pid:
             ch.group_of.pop(pid, None)
-            ch.group_of[prog.id] = group
+            ch.group_of[prog.id], ch.where[prog.id] = group, ch.where.pop(pid)
         return prog
 
 
