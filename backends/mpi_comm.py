@@ -8,7 +8,7 @@ import zlib
 
 import numpy as np
 
-from meshcomm.errors import PeerError, PeerTimeoutError
+from meshcomm.errors import NOT_SAME_CALL, PeerError, PeerTimeoutError
 
 from .base import Work, wait_polling
 
@@ -128,20 +128,22 @@ class Stamps:
 
 
 class Trailer:
-    """`Stamps` for a persistent rooted call that carries the run number in its own buffers
-    (runtime/native_call.py `_trailed`: 8 bytes behind a block): `write`, the int64 views
+    """`Stamps` for a persistent call that carries the run number in its own buffers
+    (runtime/trailers.py: 8 bytes behind a block, or reduced elements): `write`, the views
     this member sets before the call starts, `read`, those it compares once it completed
-    (row j sent by `senders[j]`, or by `senders[0]` alone; None: a member of a sum, the
-    numbers modulo `mod` summed over `scale` members); nothing travels beside the call
-    (`post` gives the call's Work)."""
+    (row j sent by `senders[j]`, or by `senders[0]` alone; None: a member of a reduction,
+    the numbers modulo `mod` summed over `scale` members, or with `pair` each number v
+    beside `mod - 1 - v` for a max or min); nothing travels beside the call (`post` gives
+    the call's Work)."""
 
-    def __init__(self, write, read, senders, rank, what: str, mod: int = 0, scale: int = 1):
+    def __init__(self, write, read, senders, rank, what: str, mod: int = 0, scale: int = 1, pair: bool = False):
         self.write, self.read, self.senders, self.rank, self.what = write, read, senders, rank, what
-        self.mod, self.scale, self.seq = mod, scale, 0
-        # one number: set and compared as a scalar (a small array's ops cost microseconds, and
-        # each costs several at 8 processes on 2 cores: BENCHMARKS 5)
+        self.mod, self.scale, self.seq, self.pair = mod, scale, 0, pair
+        # set as a scalar where it is one, read as a list: a small array's ops cost microseconds,
+        # and each costs several at 8 processes on 2 cores (BENCHMARKS 5)
         self.w1 = write.reshape(-1) if write is not None and write.size == 1 else None
-        self.r1 = read.reshape(-1) if read is not None and read.size == 1 else None
+        self.halves = (write[..., 0], write[..., 1]) if pair and write is not None else None
+        self.flat = read.reshape(-1) if read is not None else None
 
     def post(self, seq: int, call):
         self.seq = seq
@@ -149,31 +151,34 @@ class Trailer:
             v = seq % self.mod if self.mod else seq
             if self.w1 is not None:
                 self.w1[0] = v
+            elif self.pair:
+                self.halves[0].fill(v)
+                self.halves[1].fill(self.mod - 1 - v)
             else:
-                self.write[...] = v
+                self.write.fill(v)
         return call()
 
     def check(self) -> None:
-        r = self.read
-        if r is None:
+        if self.flat is None:
             return
         want = self.scale * (self.seq % self.mod) if self.mod else self.seq
-        if self.r1 is not None:
-            if self.r1[0] == want:
+        got = self.flat.tolist()
+        if self.pair:                   # (max or min of v, of mod - 1 - v): both this run's
+            if got == [want, self.mod - 1 - want]:
                 return
-        elif not (r != want).any():
+            raise out_of_step(self.rank, self.seq, self.what, None,
+                              int(got[0] if got[0] != want else self.mod - 1 - got[1]))
+        if got.count(want) == len(got):
             return
-        j = int(np.flatnonzero(r != want)[0])
-        raise out_of_step(self.rank, self.seq, self.what, self.senders[min(j, len(self.senders) - 1)],
-                          int(r.reshape(-1)[j]))
+        j = next(i for i, v in enumerate(got) if v != want)
+        raise out_of_step(self.rank, self.seq, self.what, self.senders[min(j, len(self.senders) - 1)], int(got[j]))
 
 
 def out_of_step(rank, seq, what, sender, got) -> PeerError:
     who = f"rank {sender} sent its part from place {got}" if sender is not None else \
-        f"a member sent its part from another place (the sum of their numbers: {got})"
+        f"a member sent its part from another place (their numbers reduced: {got})"
     e = PeerError(f"rank {rank} is at place {seq} of its group's call sequence in {what}, and {who}: "
-                  "the processes are not in the same call (every process must construct and run the "
-                  "same Programs, and make the same eager calls, in the same order)", sender)
+                  f"{NOT_SAME_CALL}", sender)
     e.out_of_step = True        # every Program of the group fails (runtime/program.py)
     return e
 

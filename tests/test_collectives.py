@@ -252,6 +252,14 @@ def test_mpiexec_8_every_element_type_and_torch_tiles(tmp_path):
     # broadcast's or scatter's root, a gather's or reduce's non-root, a reshard's pure sender): a later run of it
     # completed the others' pending one, two places apart in the call sequence (a wrong value)
     pytest.param("runs-apart", "runs_apart_raised", 6, id="runs-apart"),
+    # fixed: a broadcast's root two places ahead (two lone runs): its symmetric run (all_reduce
+    # sum and max, all_gather, reduce_scatter, all_to_all) completed the others' pending one, a
+    # wrong value (the run number rides in their persistent buffers: runtime/trailers.py)
+    pytest.param("ahead-symmetric", "ahead_symmetric_raised", 5, id="ahead-symmetric"),
+    # fixed: a process whose part ended returned from finalize() before a peer failed, and a
+    # broadcast leaf constructing alone waited out the timeout while the others finalized
+    # (finalize() waits for every process: control.Channel.goodbye)
+    pytest.param("finalize-early", "finalize_early_ok", 1, id="finalize-early"),
     # fixed: a read-only out= (checked after the data moved) and an out= that is the input tile
     pytest.param("bad-out-buffer", "bad_out_ok", 1, id="bad-out-buffer"),
 ])
@@ -278,6 +286,11 @@ def test_processes_that_never_finalize_exit_cleanly():
         p = subprocess.run([MPIEXEC, "-n", "4", sys.executable, str(worker), "--plan"], capture_output=True,
                            text=True, timeout=300, env=env)
         assert p.returncode == 0 and p.stdout.count("ok") == 4, p.stdout[-2000:] + p.stderr[-2000:]
+    # a process that leaves (its exit says BYE) while the others run a Program on: they raise
+    # naming it within seconds, not MESHCOMM_TIMEOUT (exit_worker.py --early)
+    p = subprocess.run([MPIEXEC, "-n", "4", sys.executable, str(worker), "--early"], capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert p.returncode == 0 and p.stdout.count("ok") == 4, p.stdout[-2000:] + p.stderr[-2000:]
 
 
 def _launch(tmp_path, n, *args, env=None, timeout=400):

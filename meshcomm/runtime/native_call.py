@@ -23,10 +23,10 @@ import numpy as np
 from .. import arrays
 from ..backends import buffers
 from ..backends.base import empty_wire, exact_reduce, from_wire, issued, to_wire
-from ..backends.mpi_comm import Trailer
 from ..collectives.layouts import groups
 from .collective_input import REDUCING
 from .tiles import empty_like
+from .trailers import trailed, trails
 
 __all__ = ["Native", "choose", "posters", "run", "poster", "typed"]
 
@@ -122,7 +122,8 @@ def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> tuple:
     a communicator of the Program's own (`MPIBackend.communicator`), the odd runs on a
     second one, so a run never matches one a place apart in the call sequence. A rooted
     call's members whose part ends alone (a broadcast's root) can get further apart: the run's
-    number travels beside it and is compared (`MPIBackend.stamps`, backends/mpi_comm.py)."""
+    number travels in a persistent call's buffers (runtime/trailers.py), else beside a rooted
+    one (`MPIBackend.stamps`, backends/mpi_comm.py), and is compared."""
     prim = nat.prim
     rank_of = ctx.ownership.rank_of
     out = ([], [])
@@ -173,10 +174,10 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key, stamps=
     dtype = np.dtype(arrays.numpy_dtype(dt[0]))
     unit = dtype if c.typed else np.dtype(np.uint8)
     ranks = _ranks(ctx, g)
-    trail = stamps is not None and _trails(c, unit)
-    if trail:       # the run number in 8 bytes behind each block, in the call's own messages
-        whole, recv, put, take, stamps, kw = _trailed(c, unit, dtype, ranks, ctx.rank,
-                                                      f"{req.op} in group {list(ranks)}")
+    trail = (stamps is not None or req.op not in _ROOTED) and trails(c, unit)
+    if trail:       # the run number in the call's own messages (runtime/trailers.py)
+        whole, recv, put, take, stamps, kw = trailed(c, unit, dtype, ranks, ctx.rank,
+                                                     f"{req.op} in group {list(ranks)}")
     else:
         whole = np.empty(c.send, unit)
         recv = None if c.recv is None else np.empty(c.recv, unit)
@@ -222,57 +223,6 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key, stamps=
         return take() if gets else None
     run.lean = (post, result, prim, stamps is None or trail)
     return run
-
-
-def _trails(c, unit) -> bool:
-    """Whether a persistent rooted call carries its run number in its own buffers
-    (`_trailed`): a broadcast; a gather or scatter of equal blocks of a typed dtype; a sum
-    (or average) of 4- or 8-byte elements. Else it travels beside the call (`Stamps`),
-    which costs: BENCHMARKS 5."""
-    if c.what == "reduce":
-        return c.kw["op"] == "sum" and unit.itemsize >= 4
-    return c.what == "bcast" or (c.what in ("gatherv", "scatterv") and c.typed
-                                 and len(set(c.kw["counts"])) == 1)
-
-
-def _trailed(c, unit, dtype, ranks, rank, what):
-    """A persistent rooted call's buffers with 8 bytes behind each block for the run number
-    (a broadcast: behind the tile; a gather: behind every member's block; a scatter: behind
-    each of the root's blocks): (send buffer, receive buffer or None, put(x), take(), its
-    Trailer, the call's arguments)."""
-    t = -(-8 // unit.itemsize)              # units of the run number
-    us = unit.itemsize
-
-    def tail(a, n):                         # int64 view of the 8 bytes after n units of each row
-        return a.view(np.uint8).reshape(-1, (n + t) * us)[:, n * us:n * us + 8].view(np.int64)
-    if c.what == "reduce":              # every member adds its number (modulo what sums exactly),
-        whole = np.empty(c.send + 1, unit)  # the root compares the sum
-        src, out = whole[:c.send].reshape(c.mine), whole[:c.send].reshape(c.shape)
-        bits = np.finfo(unit).nmant + 1 if unit.kind == "f" else 8 * unit.itemsize - (unit.kind == "i")
-        tr = Trailer(whole[c.send:], whole[c.send:] if c.gets else None, (None,), rank, what,
-                     mod=(1 << bits) // len(ranks), scale=len(ranks))
-        return whole, None, lambda x: src.__setitem__(Ellipsis, x), out.copy, tr, c.kw
-    if c.what == "bcast":               # in place: the root writes, the others compare
-        whole = np.empty(c.send + t, unit)
-        src, out = whole[:c.send].view(dtype).reshape(c.mine), whole[:c.send].view(dtype).reshape(c.shape)
-        mark = tail(whole, c.send)
-        tr = Trailer(mark if c.fill else None, None if c.fill else mark, (c.kw["root"],), rank, what)
-        return whole, None, lambda x: src.__setitem__(Ellipsis, x), out.copy, tr, c.kw
-    k, n = len(ranks), c.kw["counts"][0]
-    kw = dict(c.kw, counts=(n + t,) * k)
-    if c.what == "gatherv":             # every member writes, the root compares each block's
-        whole = np.empty(n + t, unit)
-        src = whole[:n].reshape(c.mine)
-        recv = np.empty(k * (n + t) if c.gets else 0, unit)
-        rows = recv.reshape(k, n + t)[:, :n] if c.gets else None
-        tr = Trailer(tail(whole, n), tail(recv, n) if c.gets else None, ranks, rank, what)
-        return whole, recv, lambda x: src.__setitem__(Ellipsis, x), lambda: rows.copy().reshape(c.shape), tr, kw
-    whole = np.empty(k * (n + t) if c.fill else 0, unit)          # scatterv: the root writes each
-    blocks = whole.reshape(k, n + t)[:, :n] if c.fill else None
-    recv = np.empty(n + t, unit)
-    out = recv[:n].reshape(c.shape)
-    tr = Trailer(tail(whole, n) if c.fill else None, tail(recv, n), (c.kw["root"],), rank, what)
-    return whole, recv, lambda x: blocks.__setitem__(Ellipsis, x.reshape(k, -1)), out.copy, tr, kw
 
 
 def _leaned(post, prim, me, counted, stamps=None):

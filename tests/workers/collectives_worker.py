@@ -902,9 +902,9 @@ def runs_apart(ctx, stats):
             except (RuntimeError, ValueError) as e:
                 # before the swap only a peer's report (a slow process, its call begun after it)
                 assert i >= 1 or getattr(e, "relayed", False), (name, me, i, "raised before the swap", e)
-                if me != swapper:       # a sum's root knows only that a member is elsewhere
+                if me != swapper:       # a sum's or max's root knows only that a member is elsewhere
                     assert isinstance(e, PeerError) and (e.rank == swapper or f"rank {swapper}" in str(e) or (
-                        name == "sum" and "a member" in str(e))), (name, me, i, e)
+                        name in ("sum", "max") and "a member" in str(e))), (name, me, i, e)
                 raised_at = i
                 break
             for k in (0, 1):            # exact, or raised: never another run's values
@@ -926,7 +926,105 @@ def runs_apart(ctx, stats):
     stats["runs_apart_ok"] += 1
 
 
-KNOWN_BUGS = {"leaf-behind": leaf_behind, "runs-apart": runs_apart, "cached-bad-argument": cached_bad_argument, "none-after-tiles": none_after_tiles,
+def finalize_early(ctx, stats):
+    """finalize() waits for every process (as MPI_Finalize): (1) a broadcast's root and the
+    other leaves finalize while the last leaf's run fails on bad input a second later: they
+    raise at finalize() naming it (they returned normally before); (2) an eager broadcast
+    leaf passes a tile of another shape (it constructs alone) and the others finalize: it
+    raises within seconds, not the timeout, and they raise at finalize(). No wrong value; a
+    new context afterwards is exact."""
+    ws, me, bad = ctx.world_size, ctx.rank, ctx.world_size - 1
+    mesh = mc.Mesh(np.arange(ws), ("x",))
+    prog = mc.Program.broadcast(mesh, "x", shape=(4,), dtype="float32", root=0, backend="mpi")
+    assert prog(np.full(4, 7.0 + me, np.float32))[0] == 7.0
+    t0 = time.monotonic()
+    if me == bad:
+        time.sleep(1.0)
+        try:
+            prog(np.zeros(5, np.float32))
+            raise AssertionError("a tile of another shape ran")
+        except ValueError as e:
+            assert "shape (5,)" in str(e), e
+    try:
+        mc.finalize()
+        assert me == bad, f"rank {me}: finalize() returned after rank {bad} failed"
+    except PeerError as e:
+        assert me != bad and f"rank {bad} failed" in str(e) and "shape (5,)" in str(e), (me, str(e))
+    assert time.monotonic() - t0 < 10, (me, time.monotonic() - t0)
+    mc.init(backend=ctx.backend_name)
+    raised = 0
+    t0 = time.monotonic()
+    try:
+        for i in range(4):
+            x = np.full((8, 16), 100.0 * i + me)
+            y = mc.broadcast(np.zeros((16, 16)) if (me == bad and i == 3) else x, mesh, "x")
+            assert y[0, 0] == 100 * i, (me, i, y[0, 0])
+    except PeerError as e:
+        assert me == bad and "called finalize()" in str(e), (me, str(e))
+        raised += 1
+    try:
+        mc.finalize()
+    except PeerError as e:
+        assert me != bad and f"rank {bad} failed" in str(e), (me, str(e))
+        raised += 1
+    assert raised == 1 and time.monotonic() - t0 < 10, (me, raised, time.monotonic() - t0)
+    mc.init(backend=ctx.backend_name)
+    assert mc.all_reduce(np.full(3, 1.0 + me), mesh, "x")[0] == sum(range(1, ws + 1))
+    stats["finalize_early_ok"] += 1
+
+
+def ahead_symmetric(ctx, stats):
+    """Over MPI: a broadcast's root (its part ends alone) runs its broadcast Program twice
+    more than the others once, then every process runs a symmetric Program (all_reduce sum
+    and max, all_gather, reduce_scatter, all_to_all): the root is two places ahead in the
+    group's call sequence, where its symmetric run used to complete the others' pending one
+    (a wrong value: the run number rides in the persistent buffers now). No process may
+    return a wrong value; each raises within the loop or at its next call; an eager call
+    afterwards is exact."""
+    ws, me = ctx.world_size, ctx.rank
+    mesh = mc.Mesh(np.arange(ws), ("x",))
+    kw = dict(dtype="float32", backend="mpi")
+    makers = {"all_reduce": lambda: mc.Program.all_reduce(mesh, "x", shape=(4,), **kw),
+              "all_reduce_max": lambda: mc.Program.all_reduce(mesh, "x", shape=(4,), op="max", **kw),
+              "all_gather": lambda: mc.Program.all_gather(mesh, "x", shape=(2, 4), **kw),
+              "reduce_scatter": lambda: mc.Program.reduce_scatter(mesh, "x", shape=(2 * ws, 4), **kw),
+              "all_to_all": lambda: mc.Program.all_to_all(mesh, "x", shape=(ws, 4), **kw)}
+
+    def want(name, i, y):
+        v = [100.0 * i + r for r in range(ws)]
+        if name == "all_reduce":
+            return y.shape == (4,) and (y == sum(v)).all()
+        if name == "all_reduce_max":
+            return y.shape == (4,) and (y == max(v)).all()
+        if name == "all_gather":
+            return np.array_equal(y, np.repeat(np.array(v, np.float32), 2)[:, None] * np.ones((1, 4), np.float32))
+        if name == "reduce_scatter":
+            return y.shape == (2, 4) and (y == sum(v)).all()
+        return np.array_equal(y, np.array(v, np.float32)[:, None] * np.ones((1, 4), np.float32))
+    for name, make in makers.items():
+        bcast = mc.Program.broadcast(mesh, "x", shape=(4,), root=0, **kw)
+        prog = make()
+        raised = None
+        for i in range(8):
+            try:
+                for _ in range(3 if (me == 0 and i == 2) else 1):
+                    b = bcast(np.full(4, 10.0 * i + me, np.float32))
+                    assert (b == 10.0 * i).all(), ("a wrong value", name, me, i, b)
+                shape = {"all_reduce": (4,), "all_reduce_max": (4,), "all_gather": (2, 4),
+                         "reduce_scatter": (2 * ws, 4), "all_to_all": (ws, 4)}[name]
+                y = prog(np.full(shape, 100.0 * i + me, np.float32))
+                assert want(name, i, y), ("a wrong value", name, me, i, y)
+            except (PeerError, PeerTimeoutError, RuntimeError) as e:
+                raised = (i, str(e)[:200])
+                break
+        assert raised is not None and raised[0] >= 2, (name, me, raised)
+        if os.environ.get("SHOW"):
+            print(name, me, raised, flush=True)
+        assert mc.all_reduce(np.full(3, 1.0 + me), mesh, "x")[0] == sum(range(1, ws + 1)), (name, me)
+        stats["ahead_symmetric_raised"] += 1
+
+
+KNOWN_BUGS = {"ahead-symmetric": ahead_symmetric, "finalize-early": finalize_early, "leaf-behind": leaf_behind, "runs-apart": runs_apart, "cached-bad-argument": cached_bad_argument, "none-after-tiles": none_after_tiles,
               "gather-size-one": gather_size_one, "stale-broadcast": stale_broadcast,
               "relayed-error": relayed_error, "skipped-call": skipped_call, "bad-out-buffer": bad_out_buffer}
 
