@@ -134,12 +134,12 @@ def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> tuple:
         for posts in out:
             ranks = _ranks(ctx, g)
             comm = prim.communicator(ranks, deadline)
-            st = None if req.op not in _ROOTED else prim.stamps(
-                comm, ranks, rank_of(g[req.root]), req.op in ("broadcast", "scatter"), f"{req.op} in group {list(ranks)}")
-            post = poster(ctx, prim, req, g, me[0], dt, tile, shapes, kind, comm, st)
-            if kind == "numpy":
-                post = persistent(ctx, prim, req, g, me[0], dt, tile, shapes, comm, post, nat.key, st)
-            posts.append((g, me[0], post))
+
+            def stamps(comm=comm, ranks=ranks):     # made only where the number goes beside the call
+                return None if req.op not in _ROOTED else prim.stamps(
+                    comm, ranks, rank_of(g[req.root]), req.op in ("broadcast", "scatter"), f"{req.op} in group {list(ranks)}")
+            posts.append((g, me[0], persistent(ctx, prim, req, g, me[0], dt, tile, shapes, comm, nat.key, stamps)
+                          if kind == "numpy" else poster(ctx, prim, req, g, me[0], dt, tile, shapes, kind, comm, stamps())))
     return out
 
 
@@ -161,24 +161,28 @@ PERSISTENT_MAX = 64 << 10
 PERSISTENT_MAX_ALL_TO_ALL = 16 << 10
 
 
-def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, post, key, stamps=None):
-    """`post` as an MPI-4 persistent request over buffers of the Program's own
+def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, key, make_stamps):
+    """A NumPy Program's call as an MPI-4 persistent request over buffers of the Program's own
     (`Backend.bind(bufs=)`): a run copies the tile in, starts it, and copies the result out.
     Chosen from agreed facts only (every member must: a persistent collective matches no
-    non-blocking one); `post` where the buffers would be too large."""
+    non-blocking one); `poster`'s where the buffers would be too large. `make_stamps()`: the
+    run numbers beside the call (`Stamps`), made only where they do not travel in it."""
     c = _call(ctx, req, g, me, dt, tile, shapes, "numpy")
     cap = PERSISTENT_MAX_ALL_TO_ALL if req.op == "all_to_all" else PERSISTENT_MAX
     counted = (key, req.op)
     if c.whole > cap or not prim.persistent_calls:
-        return _leaned(post, prim, me, counted, stamps)
+        stamps = make_stamps()
+        return _leaned(poster(ctx, prim, req, g, me, dt, tile, shapes, "numpy", comm, stamps), prim, me, counted,
+                       stamps)
     dtype = np.dtype(arrays.numpy_dtype(dt[0]))
     unit = dtype if c.typed else np.dtype(np.uint8)
     ranks = _ranks(ctx, g)
-    trail = (stamps is not None or req.op not in _ROOTED) and trails(c, unit)
+    trail = trails(c, unit)
     if trail:       # the run number in the call's own messages (runtime/trailers.py)
         whole, recv, put, take, stamps, kw = trailed(c, unit, dtype, ranks, ctx.rank,
                                                      f"{req.op} in group {list(ranks)}")
     else:
+        stamps = make_stamps()
         whole = np.empty(c.send, unit)
         recv = None if c.recv is None else np.empty(c.recv, unit)
         put, take, kw = None, None, c.kw
