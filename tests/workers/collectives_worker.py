@@ -1018,8 +1018,6 @@ def ahead_symmetric(ctx, stats):
                 raised = (i, str(e)[:200])
                 break
         assert raised is not None and raised[0] >= 2, (name, me, raised)
-        if os.environ.get("SHOW"):
-            print(name, me, raised, flush=True)
         assert mc.all_reduce(np.full(3, 1.0 + me), mesh, "x")[0] == sum(range(1, ws + 1)), (name, me)
         stats["ahead_symmetric_raised"] += 1
 
