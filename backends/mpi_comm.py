@@ -137,7 +137,7 @@ class Trailer:
     the call's Work)."""
 
     def __init__(self, write, read, senders, rank, what: str, mod: int = 0, scale: int = 1, pair: bool = False):
-        self.write, self.read, self.senders, self.rank, self.what = write, read, senders, rank, what
+        self.write, self.senders, self.rank, self.what = write, senders, rank, what
         self.mod, self.scale, self.seq, self.pair = mod, scale, 0, pair
         # set as a scalar where it is one, read as a list: a small array's ops cost microseconds,
         # and each costs several at 8 processes on 2 cores (BENCHMARKS 5)

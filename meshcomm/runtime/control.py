@@ -253,17 +253,16 @@ class Channel:
         """BYE to every other process, with `counts` (its groups -> (runs, Programs)); with
         `wait`, until each said BYE (not those a timeout named) or reported a failure."""
         self._send(range(self.world), ("BYE", self.rank, counts))
-        deadline = time.monotonic() + self.timeout
-        while wait:
+        if not wait:
+            return
+
+        def take(pending):              # those heard from; every one once a failure is reported
             self.poll()
-            missing = set(range(self.world)) - self.bye.keys() - self.gone - {self.rank}
-            if self.errors or not missing:
-                return
-            if time.monotonic() > deadline:
-                raise PeerTimeoutError(f"finalize(): rank(s) {sorted(missing)} did not call finalize() "
-                                       f"within MESHCOMM_TIMEOUT ({self.timeout:g} s)", sorted(missing),
-                                       "finalize()")
-            time.sleep(POLL_S)
+            return set(pending) if self.errors else {r for r in pending if r in self.bye or r in self.gone}
+        base.poll_peers([r for r in range(self.world) if r != self.rank], take, time.monotonic() + self.timeout,
+                        lambda missing: PeerTimeoutError(
+                            f"finalize(): rank(s) {sorted(missing)} did not call finalize() within "
+                            f"MESHCOMM_TIMEOUT ({self.timeout:g} s)", sorted(missing), "finalize()"))
 
     def _skipped(self, p, call) -> bool:
         """Whether peer `p`, gone (its BYE), never made `call` (one that did may still have its
