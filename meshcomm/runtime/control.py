@@ -251,18 +251,23 @@ class Channel:
 
     def goodbye(self, wait: bool, counts: dict) -> None:
         """BYE to every other process, with `counts` (its groups -> (runs, Programs)); with
-        `wait`, until each said BYE (not those a timeout named) or reported a failure."""
+        `wait`, until each said BYE (not those a timeout named), a reported failure or not:
+        each peer's BYE is its last message, so the channel is drained (a later context's
+        channel may get this one's freed communicator again, and read what was left on it:
+        a stale BYE made a finalize() return before a peer's error). Not the wait of a call
+        (`watch`: this is no call, and a peer's error raises after, `raise_pending`)."""
         self._send(range(self.world), ("BYE", self.rank, counts))
-        if not wait:
-            return
-
-        def take(pending):              # those heard from; every one once a failure is reported
+        deadline = time.monotonic() + self.timeout
+        while wait:
             self.poll()
-            return set(pending) if self.errors else {r for r in pending if r in self.bye or r in self.gone}
-        base.poll_peers([r for r in range(self.world) if r != self.rank], take, time.monotonic() + self.timeout,
-                        lambda missing: PeerTimeoutError(
-                            f"finalize(): rank(s) {sorted(missing)} did not call finalize() within "
-                            f"MESHCOMM_TIMEOUT ({self.timeout:g} s)", sorted(missing), "finalize()"))
+            missing = set(range(self.world)) - self.bye.keys() - self.gone - {self.rank}
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise self.pending() or PeerTimeoutError(
+                    f"finalize(): rank(s) {sorted(missing)} did not call finalize() within MESHCOMM_TIMEOUT "
+                    f"({self.timeout:g} s)", sorted(missing), "finalize()")
+            time.sleep(POLL_S)
 
     def _skipped(self, p, call) -> bool:
         """Whether peer `p`, gone (its BYE), never made `call` (one that did may still have its
