@@ -37,7 +37,7 @@ from meshcomm.errors import PeerTimeoutError
 from . import base as _base, pacing
 from .base import TAG_MOD, Backend, poll_peers, wait_polling
 from .mpi_collectives import MPICollectives
-from .mpi_comm import MPIMultiWork, MPIWork, Stamps, errors_return, group_tag, mpi, timed_dup
+from .mpi_comm import Checked, MPIMultiWork, MPIWork, Stamps, errors_return, group_tag, mpi, timed_dup
 
 __all__ = ["MPIBackend"]
 
@@ -312,6 +312,13 @@ class MPIBackend(MPICollectives, Backend):
         s = Stamps(comm, tuple(ranks), self.rank, root, fan_out, what)
         self._persistent.extend(s.reqs)
         return s
+
+    def checked(self, comm, what) -> Checked:
+        """The run numbers beside a symmetric native call on `comm`: `Checked`, freed at close."""
+        c = Checked(comm, self.rank, what)
+        if c.req is not None:
+            self._persistent.append(c.req)
+        return c
 
     def _create(self, ranks, deadline):
         """Comm.Create_group of `ranks` (tagged `group_tag(ranks)`) on this thread, once every

@@ -136,10 +136,11 @@ def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> tuple:
             comm = prim.communicator(ranks, deadline)
 
             def stamps(comm=comm, ranks=ranks):     # made only where the number goes beside the call
-                return None if req.op not in _ROOTED else prim.stamps(
-                    comm, ranks, rank_of(g[req.root]), req.op in ("broadcast", "scatter"), f"{req.op} in group {list(ranks)}")
+                what = f"{req.op} in group {list(ranks)}"
+                return prim.checked(comm, what) if req.op not in _ROOTED else prim.stamps(
+                    comm, ranks, rank_of(g[req.root]), req.op in ("broadcast", "scatter"), what)
             posts.append((g, me[0], persistent(ctx, prim, req, g, me[0], dt, tile, shapes, comm, nat.key, stamps)
-                          if kind == "numpy" else poster(ctx, prim, req, g, me[0], dt, tile, shapes, kind, comm, stamps())))
+                          if kind == "numpy" else poster(ctx, prim, req, g, me[0], dt, tile, shapes, kind, comm, stamps)))
     return out
 
 
@@ -171,9 +172,7 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, key, make_stamps):
     cap = PERSISTENT_MAX_ALL_TO_ALL if req.op == "all_to_all" else PERSISTENT_MAX
     counted = (key, req.op)
     if c.whole > cap or not prim.persistent_calls:
-        stamps = make_stamps()
-        return _leaned(poster(ctx, prim, req, g, me, dt, tile, shapes, "numpy", comm, stamps), prim, me, counted,
-                       stamps)
+        return _leaned(poster(ctx, prim, req, g, me, dt, tile, shapes, "numpy", comm, make_stamps), prim, me, counted)
     dtype = np.dtype(arrays.numpy_dtype(dt[0]))
     unit = dtype if c.typed else np.dtype(np.uint8)
     ranks = _ranks(ctx, g)
@@ -229,13 +228,14 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, key, make_stamps):
     return run
 
 
-def _leaned(post, prim, me, counted, stamps=None):
+def _leaned(post, prim, me, counted):
     """`post` (a non-blocking call, a new one per run) with the lean form a Program's lean
     run takes (a NumPy tile of the agreed shape and dtype): post gives the call's Work (an
     MPI request, tested bare), result the tile once it is done. A call of typed buffers into
     a receive buffer takes the tile as it is, with nothing around it (each layer of Python
     costs: BENCHMARKS 5)."""
     c, f = post.call
+    stamps = post.stamps
     if c.typed and c.recv is not None:
         got = [None]
 
@@ -373,20 +373,33 @@ def _call(ctx, req, g, me, dt, tile, shapes, wire) -> _Call:
     return _Call("alltoall", {}, typ, n, n, True, True, tile, tile, n * u)      # along the leading dimension
 
 
-def poster(ctx, prim, req, g, me, dt, tile, shapes, kind, comm=None, stamps=None):
+def poster(ctx, prim, req, g, me, dt, tile, shapes, kind, comm=None, make_stamps=None):
     """A function of device `me`'s tile (None where this process has none) and the run's
     number giving (works, fin): its call bound once (`Backend.bind`: group, counts, op, root
-    checked; over MPI on `comm`, the Program's own communicator, with `stamps` beside it),
-    only buffers made per run."""
+    checked; over MPI on `comm`, the Program's own communicator), only buffers made per run.
+    The run's number: in buffers of the run's own for an all_reduce (runtime/trailers.py: its
+    tile is copied in place anyway), else beside the call (`make_stamps()`: `Stamps` of a
+    rooted call, `Checked` of a symmetric one: no copy of the tile)."""
     c = _call(ctx, req, g, me, dt, tile, shapes, prim.wire)
-    f = prim.bind(c.what, _ranks(ctx, g), comm, **c.kw)
     wire, t, itemsize = prim.wire, c.typed, dt[1]
+    ranks, unit = _ranks(ctx, g), np.dtype(arrays.numpy_dtype(dt[0]))
+    trail = wire == "numpy" and c.what == "allreduce" and trails(c, unit)
+    stamps = None if trail or make_stamps is None else make_stamps()
+    f = prim.bind(c.what, ranks, comm, **c.kw)
+    what = f"{req.op} in group {list(ranks)}"
 
     def empty(count, like):             # a buffer of `count` units
         return empty_wire(count * itemsize if t else count, wire, like, typed_elems=count if t else None)
 
     def post(x, seq=0):
         like = x if x is not None else empty_like(kind, dt[0], "cpu")
+        if trail:
+            whole, recv, put, take, tr, _ = trailed(c, unit, None, ranks, ctx.rank, what, fresh=True)
+            put(_flat(x, wire, t).reshape(c.mine))
+            w = tr.post(seq, lambda: f(whole) if recv is None else f(whole, recv))
+            if type(like) is np.ndarray:
+                return [w], _checked(lambda: {me: take()}, tr)
+            return [w], _checked(lambda: {me: from_wire(take().reshape(-1), like, typed=t).reshape(c.shape)}, tr)
         if c.recv is None:              # in place: a copy of the tile, or the root's
             res = _flat(_copy(x), wire, t) if c.fill else empty(c.send, like)
             args = (res,)
@@ -399,5 +412,6 @@ def poster(ctx, prim, req, g, me, dt, tile, shapes, kind, comm=None, stamps=None
         if type(like) is np.ndarray and type(res) is np.ndarray:
             return [w], _checked(lambda: {me: (res if t else res.view(like.dtype)).reshape(c.shape)}, stamps)
         return [w], _checked(lambda: {me: from_wire(res, like, typed=t).reshape(c.shape)}, stamps)
+    post.stamps = stamps
     post.call = (c, f)
     return post

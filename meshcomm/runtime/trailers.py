@@ -14,14 +14,19 @@ raising instead of returning another run's data:
   reader compares k times its own), or two, (v, M - v), for max and min (the reader
   compares both: any member's other number shows in one of them).
 
-Other calls (above native_call.PERSISTENT_MAX, 16-bit elements, products, unequal blocks):
-rooted ones send the number beside the call (`Stamps`); symmetric ones carry none (Known gaps
-in docs/runtime.md).
+An all_reduce that is not persistent (above native_call.PERSISTENT_MAX, or of torch tiles)
+carries it the same way, in buffers of the run's own (`trailed(fresh=True)`: its tile is
+copied into its in-place buffer anyway). Every other call sends it beside the call
+(backends/mpi_comm.py): rooted ones from the members whose part ends alone (`Stamps`),
+symmetric ones (the larger or torch all_gather, reduce_scatter and all_to_all; 16-bit
+elements, products, unequal blocks) as a small allreduce (max) behind the call (`Checked`):
+copying a large tile into blocks with numbers and out again ran at half the speed here.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from ..backends import buffers
 from ..backends.mpi_comm import Trailer
 
 __all__ = ["trails", "trailed"]
@@ -40,10 +45,20 @@ def trails(c, unit) -> bool:
     return c.what == "bcast" or (c.typed and c.what in _EQUAL + ("alltoall",))
 
 
-def trailed(c, unit, dtype, ranks, rank, what):
+def trailed(c, unit, dtype, ranks, rank, what, fresh=False):
     """Buffers for `c` with the run number in them: (send buffer, receive buffer or None,
-    put(x), take(), its Trailer, the call's arguments)."""
+    put(x), take(), its Trailer, the call's arguments). `fresh`: buffers of one run (take()
+    gives a view of them where the result is one contiguous run of them; from the pool of
+    result buffers, as a new call's are)."""
     k = len(ranks)
+    empty = buffers.empty if fresh else np.empty
+
+    def rows_out(rows):                     # the result's blocks, without their numbers
+        def take():
+            out = empty(rows.size, unit)
+            out.reshape(rows.shape)[...] = rows
+            return out.reshape(c.shape)
+        return take
 
     def put_into(dst):
         return lambda x: dst.__setitem__(Ellipsis, x)
@@ -55,43 +70,44 @@ def trailed(c, unit, dtype, ranks, rank, what):
         kw = dict(mod=mod, scale=k) if sums else dict(mod=mod, pair=True)
         if c.what == "reduce_scatterv":         # one more element (two) behind each block
             n = c.kw["counts"][0]
-            whole, recv = np.empty(k * (n + t), unit), np.empty(n + t, unit)
+            whole, recv = empty(k * (n + t), unit), empty(n + t, unit)
             blocks = whole.reshape(k, n + t)[:, :n]
             out = recv[:n].reshape(c.shape)
             tr = Trailer(whole.reshape(k, n + t)[:, n:], recv[n:], (None,), rank, what, **kw)
-            return (whole, recv, lambda x: blocks.__setitem__(Ellipsis, x.reshape(k, -1)), out.copy, tr,
-                    dict(c.kw, counts=(n + t,) * k))
-        whole = np.empty(c.send + t, unit)      # in place: every member adds its number
+            return (whole, recv, lambda x: blocks.__setitem__(Ellipsis, x.reshape(k, -1)),
+                    (lambda: out) if fresh else out.copy, tr, dict(c.kw, counts=(n + t,) * k))
+        whole = empty(c.send + t, unit)      # in place: every member adds its number
         tail = whole[c.send:]
         tr = Trailer(tail, tail if c.gets else None, (None,), rank, what, **kw)
-        return whole, None, put_into(whole[:c.send].reshape(c.mine)), whole[:c.send].reshape(c.shape).copy, tr, c.kw
+        out = whole[:c.send].reshape(c.shape)
+        return whole, None, put_into(whole[:c.send].reshape(c.mine)), (lambda: out) if fresh else out.copy, tr, c.kw
     t, us = -(-8 // unit.itemsize), unit.itemsize     # units of the number behind each block
 
     def tail(a, n):                         # int64 view of the 8 bytes after n units of each row
         return a.view(np.uint8).reshape(-1, (n + t) * us)[:, n * us:n * us + 8].view(np.int64)
     if c.what == "bcast":               # in place: the root writes, the others compare
-        whole = np.empty(c.send + t, unit)
+        whole = empty(c.send + t, unit)
         mark = tail(whole, c.send)
         tr = Trailer(mark if c.fill else None, None if c.fill else mark, (c.kw["root"],), rank, what)
         return (whole, None, put_into(whole[:c.send].view(dtype).reshape(c.mine)),
                 whole[:c.send].view(dtype).reshape(c.shape).copy, tr, c.kw)
     if c.what == "alltoall":            # every member writes each block, compares each
         n = c.send // k
-        whole, recv = np.empty(k * (n + t), unit), np.empty(k * (n + t), unit)
+        whole, recv = empty(k * (n + t), unit), empty(k * (n + t), unit)
         blocks, rows = whole.reshape(k, n + t)[:, :n], recv.reshape(k, n + t)[:, :n]
         tr = Trailer(tail(whole, n), tail(recv, n), ranks, rank, what)
         return (whole, recv, lambda x: blocks.__setitem__(Ellipsis, x.reshape(k, -1)),
-                lambda: rows.copy().reshape(c.shape), tr, c.kw)
+                rows_out(rows), tr, c.kw)
     n = c.kw["counts"][0]
     kw = dict(c.kw, counts=(n + t,) * k)
     if c.what in ("gatherv", "allgatherv"):     # every member writes, the receivers compare each block
-        whole = np.empty(n + t, unit)
-        recv = np.empty(k * (n + t) if c.gets else 0, unit)
+        whole = empty(n + t, unit)
+        recv = empty(k * (n + t) if c.gets else 0, unit)
         rows = recv.reshape(k, n + t)[:, :n] if c.gets else None
         tr = Trailer(tail(whole, n), tail(recv, n) if c.gets else None, ranks, rank, what)
-        return whole, recv, put_into(whole[:n].reshape(c.mine)), lambda: rows.copy().reshape(c.shape), tr, kw
-    whole = np.empty(k * (n + t) if c.fill else 0, unit)          # scatterv: the root writes each
+        return whole, recv, put_into(whole[:n].reshape(c.mine)), rows_out(rows), tr, kw
+    whole = empty(k * (n + t) if c.fill else 0, unit)          # scatterv: the root writes each
     blocks = whole.reshape(k, n + t)[:, :n] if c.fill else None
-    recv = np.empty(n + t, unit)
+    recv = empty(n + t, unit)
     tr = Trailer(tail(whole, n) if c.fill else None, tail(recv, n), (c.kw["root"],), rank, what)
     return whole, recv, lambda x: blocks.__setitem__(Ellipsis, x.reshape(k, -1)), recv[:n].reshape(c.shape).copy, tr, kw
