@@ -978,51 +978,48 @@ def ahead_symmetric(ctx, stats):
     more than the others once, then every process runs a symmetric Program (all_reduce sum
     and max, all_gather, reduce_scatter, all_to_all): the root is two places ahead in the
     group's call sequence, where its symmetric run used to complete the others' pending one
-    (a wrong value: the run number rides in the call's buffers now). Small NumPy tiles (a
-    persistent call), tiles of 128 KiB and more (a new call per run), torch tiles. No process
-    may return a wrong value; each raises within the loop or at its next call; an eager call
-    afterwards is exact."""
+    (a wrong value). Small NumPy tiles (a persistent call: the run number in its buffers),
+    tiles of 128 KiB and more (a new call per run: an all_reduce's number in its buffer, the
+    others' beside it), torch tiles, and float16 sums and int64 products (beside the call).
+    No process may return a wrong value; each raises within the loop or at its next call;
+    an eager call afterwards is exact."""
     import torch
     ws, me = ctx.world_size, ctx.rank
     mesh = mc.Mesh(np.arange(ws), ("x",))
-    kw = dict(dtype="float32", backend="mpi")
-    for cols, kind in ((4, "numpy"), (32768, "numpy"), (4, "torch")):
-        shapes = {"all_reduce": (cols,), "all_reduce_max": (cols,), "all_gather": (2, cols),
-                  "reduce_scatter": (2 * ws, cols), "all_to_all": (ws, cols)}
-        makers = {name: (lambda name=name: getattr(mc.Program, name.replace("_max", ""))(
-            mesh, "x", shape=shapes[name], **dict(kw, op="max") if name.endswith("_max") else kw))
-            for name in shapes}
+    cases = [(name, cols, kind, "float32") for cols, kind in ((4, "numpy"), (32768, "numpy"), (4, "torch"))
+             for name in ("all_reduce", "all_reduce_max", "all_gather", "reduce_scatter", "all_to_all")]
+    cases += [("all_reduce", 4, "numpy", "float16"), ("all_reduce_prod", 4, "numpy", "int64")]
+    for name, cols, kind, dtype in cases:
+        shape = {"all_gather": (2, cols), "reduce_scatter": (2 * ws, cols), "all_to_all": (ws, cols)}.get(name, (cols,))
+        op = name.split("_")[-1] if name.startswith("all_reduce_") else "sum"
+        bcast = mc.Program.broadcast(mesh, "x", shape=(4,), dtype="float32", root=0, backend="mpi")
+        kw = dict(op=op) if name.startswith("all_reduce") else {}
+        prog = getattr(mc.Program, "all_reduce" if name.startswith("all_reduce") else name)(
+            mesh, "x", shape=shape, dtype=dtype, backend="mpi", **kw)
 
-        def want(name, i, y):
-            y = y.numpy() if kind == "torch" else y
-            v = [100.0 * i + r for r in range(ws)]
-            if name == "all_reduce":
-                return y.shape == (cols,) and (y == sum(v)).all()
-            if name == "all_reduce_max":
-                return y.shape == (cols,) and (y == max(v)).all()
-            if name == "all_gather":
-                return np.array_equal(y, np.repeat(np.array(v, np.float32), 2)[:, None] * np.ones((1, cols), np.float32))
+        def want(i):
+            v = np.array([100 * i + r for r in range(ws)], dtype)
+            if name.startswith("all_reduce"):
+                return np.full(shape, {"sum": v.sum(), "max": v.max(), "prod": v.prod()}[op], dtype)
             if name == "reduce_scatter":
-                return y.shape == (2, cols) and (y == sum(v)).all()
-            return np.array_equal(y, np.array(v, np.float32)[:, None] * np.ones((1, cols), np.float32))
-        for name, make in makers.items():
-            bcast = mc.Program.broadcast(mesh, "x", shape=(4,), root=0, **kw)
-            prog = make()
-            raised = None
-            for i in range(8):
-                try:
-                    for _ in range(3 if (me == 0 and i == 2) else 1):
-                        b = bcast(np.full(4, 10.0 * i + me, np.float32))
-                        assert (b == 10.0 * i).all(), ("a wrong value", name, cols, kind, me, i, b)
-                    x = np.full(shapes[name], 100.0 * i + me, np.float32)
-                    y = prog(torch.from_numpy(x) if kind == "torch" else x)
-                    assert want(name, i, y), ("a wrong value", name, cols, kind, me, i, y)
-                except (PeerError, PeerTimeoutError, RuntimeError) as e:
-                    raised = (i, str(e)[:200])
-                    break
-            assert raised is not None and raised[0] >= 2, (name, cols, kind, me, raised)
-            assert mc.all_reduce(np.full(3, 1.0 + me), mesh, "x")[0] == sum(range(1, ws + 1)), (name, me)
-            stats["ahead_symmetric_raised"] += 1
+                return np.full((2, cols), v.sum(), dtype)
+            return np.repeat(v, shape[0] // ws if name == "all_to_all" else 2)[:, None] * np.ones((1, cols), dtype)
+        raised = None
+        for i in range(8):
+            try:
+                for _ in range(3 if (me == 0 and i == 2) else 1):
+                    b = bcast(np.full(4, 10.0 * i + me, np.float32))
+                    assert (b == 10.0 * i).all(), ("a wrong value", name, cols, kind, me, i, b)
+                x = np.full(shape, 100 * i + me, dtype)
+                y = prog(torch.from_numpy(x) if kind == "torch" else x)
+                y = y.numpy() if kind == "torch" else y
+                assert y.dtype == dtype and np.array_equal(y, want(i)), ("a wrong value", name, cols, kind, me, i, y)
+            except (PeerError, PeerTimeoutError, RuntimeError) as e:
+                raised = (i, str(e)[:200])
+                break
+        assert raised is not None and raised[0] >= 2, (name, cols, kind, me, raised)
+        assert mc.all_reduce(np.full(3, 1.0 + me), mesh, "x")[0] == sum(range(1, ws + 1)), (name, me)
+        stats["ahead_symmetric_raised"] += 1
 
 
 KNOWN_BUGS = {"ahead-symmetric": ahead_symmetric, "finalize-early": finalize_early, "leaf-behind": leaf_behind, "runs-apart": runs_apart, "cached-bad-argument": cached_bad_argument, "none-after-tiles": none_after_tiles,
