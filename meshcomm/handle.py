@@ -56,8 +56,8 @@ class Handle:
         f = self._future
         if self._done:
             _called(fn, self)
-        elif f is None:
-            self._callbacks.append(fn)
+        elif f is None or not hasattr(f, "add_done_callback"):     # nothing runs it (an asynchronous
+            self._callbacks.append(fn)                              # send once posted): at wait()
         else:
             f.add_done_callback(lambda _: _called(fn, self))
 

@@ -8,9 +8,12 @@ nothing and takes no message number: the pair's next send is the receiver's next
 Messages between two devices arrive in the order they were sent: the k-th message of a pair
 goes on tags of its own (`_tags`), so a receive given up (timed out) leaves no header or data
 that a later receive of the pair could take for its own. Sends and receives run in call order
-on the context's queue, asynchronous ones too (as every call does): a receive waits there
-until its message comes, so two processes exchanging both ways order the calls (one sends
-first), as with blocking MPI calls; `all_to_all_v` or a reshard moves data both ways at once.
+on the context's queue, asynchronous ones too (as every call does). An asynchronous send is
+posted there and the queue goes on (its Handle waits for it), so two processes may exchange
+both ways as with torch's `isend` then `recv`: each `send(..., async_op=True)`, then
+`recv`, then the send's `wait()`. A receive waits in the queue until its message comes, so
+of two asynchronous receives posted before the sends, nothing completes until the timeout;
+`all_to_all_v` or a reshard moves data both ways at once.
 Without a launcher both devices live in this process: `send` leaves a copy in a mailbox that
 `recv` takes.
 """
@@ -121,14 +124,34 @@ def send(x, to_device: int, *, from_device: int | None = None, backend=None, asy
 
     stamp = log.stamp(async_op) if log.ON else None
 
-    def go():
-        deadline = time.monotonic() + ctx.timeout
-        prim_h.wait_all([prim_h.isend(hdr, peer, t_hdr)], deadline)
-        prim.wait_all([prim.isend(data, peer, t_data)], deadline)
+    def post():
+        return prim_h.isend(hdr, peer, t_hdr), prim.isend(data, peer, t_data)
+
+    def wait(posted):
+        deadline, (wh, wd) = time.monotonic() + ctx.timeout, posted
+        prim_h.wait_all([wh], deadline)
+        prim.wait_all([wd], deadline)
         if stamp is not None:
             _record(stamp, "send", ctx.rank, peer, prim, x, sent=True)
-    fut = ctx.run(go, async_op)
-    return Handle(lambda: (fut.result(), None)[1], future=fut) if async_op else None
+    if not async_op:
+        ctx.run(lambda: wait(post()), False)
+        return None
+    # posted in call order; the queue goes on at once, so a receive issued after it (the peer
+    # sending its own tile back) is not held behind this send's completion
+    fut = ctx.run(post, True)
+    return Handle(lambda: ctx.run(lambda: wait(fut.result()), False).result(), future=_Sent(fut))
+
+
+class _Sent:
+    """An asynchronous send's completion for `Handle.is_completed`: posted, and its messages
+    are done."""
+
+    def __init__(self, fut):
+        self.fut = fut
+
+    def done(self) -> bool:
+        return self.fut.done() and (self.fut.exception() is not None or
+                                    all(w.test() for w in self.fut.result()))
 
 
 def recv(from_device: int, like, *, to_device: int | None = None, backend=None, async_op: bool = False):

@@ -442,6 +442,16 @@ def p2p(ctx, backends, stats):
                 mc.send(x, peer, backend=b)
             assert np.array_equal(y, np.arange(n, dtype=np.float32) + peer), (b, n)
             stats["p2p_ok"] += 1
+        # both ways at once, as torch's isend then recv: an asynchronous send does not hold the
+        # receive issued after it (1.2 MB: MPI's rendezvous waits for the receive)
+        x = np.arange(300_000, dtype=np.float32) + me
+        h = mc.send(x, peer, backend=b, async_op=True)
+        done = []
+        h.add_done_callback(lambda hh: done.append(hh.is_completed()))
+        y = mc.recv(peer, np.empty(300_000, np.float32), backend=b)
+        assert h.wait() is None and h.is_completed() and done == [True], (b, done)
+        assert np.array_equal(y, np.arange(300_000, dtype=np.float32) + peer), b
+        stats["p2p_both_ways_ok"] += 1
         if me % 2 == 0:
             mc.send(np.zeros(3, np.float64), peer, backend=b)
         else:
