@@ -61,18 +61,18 @@ def forms(ctx, prog, x):
                 and (ctx._last is None or ctx._last.done()))
 
     def request():
-        poll(post(x).req)
+        poll(post(x, 0).req)
         return result()
 
     def checks():
         if ok(x):
-            poll(post(x).req)
+            poll(post(x, 0).req)
             return result()
 
     def locked():
         if ok(x):
             with lock:
-                poll(post(x).req)
+                poll(post(x, 0).req)
                 return result()
 
     def sequence():
@@ -80,7 +80,7 @@ def forms(ctx, prog, x):
             with lock:
                 cell[0] = seq = cell[0] + 1
                 p, r = fns[seq & 1]
-                poll(p(x).req)
+                poll(p(x, seq).req)
                 return r()
 
     def record():
@@ -90,7 +90,7 @@ def forms(ctx, prog, x):
                 p, r = fns[seq & 1]
                 prog.runs = runs = prog.runs + 1
                 t0 = now()
-                poll(p(x).req)
+                poll(p(x, seq).req)
                 rec.seq += 1
                 rec.ring.append((rec.seq, ("run", pid, prog.label, runs, seq), "done", (), t0, now()))
                 return r()
