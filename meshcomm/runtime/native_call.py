@@ -156,10 +156,11 @@ def _checked(fin, stamps):
 
 
 # largest buffer (bytes) of a native MPI call run as a persistent request: below it, copying
-# the tile in and the result out costs less than posting a new request; MPICH's persistent
-# all_to_all is slower than its non-blocking one sooner (BENCHMARKS 5)
-PERSISTENT_MAX = 64 << 10
-PERSISTENT_MAX_ALL_TO_ALL = 16 << 10
+# the tile in and the result out (the run number in the buffers) costs less than posting a
+# new request with the number beside it (`Checked`: a small allreduce more); all_to_all's
+# copies cost more sooner (BENCHMARKS 5)
+PERSISTENT_MAX = 256 << 10
+PERSISTENT_MAX_ALL_TO_ALL = 128 << 10
 
 
 def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, key, make_stamps):

@@ -989,14 +989,14 @@ def ahead_symmetric(ctx, stats):
     and max, all_gather, reduce_scatter, all_to_all): the root is two places ahead in the
     group's call sequence, where its symmetric run used to complete the others' pending one
     (a wrong value). Small NumPy tiles (a persistent call: the run number in its buffers),
-    tiles of 128 KiB and more (a new call per run: an all_reduce's number in its buffer, the
+    tiles of 512 KiB and more (a new call per run: an all_reduce's number in its buffer, the
     others' beside it), torch tiles, and float16 sums and int64 products (beside the call).
     No process may return a wrong value; each raises within the loop or at its next call;
     an eager call afterwards is exact."""
     import torch
     ws, me = ctx.world_size, ctx.rank
     mesh = mc.Mesh(np.arange(ws), ("x",))
-    cases = [(name, cols, kind, "float32") for cols, kind in ((4, "numpy"), (32768, "numpy"), (4, "torch"))
+    cases = [(name, cols, kind, "float32") for cols, kind in ((4, "numpy"), (131072, "numpy"), (4, "torch"))
              for name in ("all_reduce", "all_reduce_max", "all_gather", "reduce_scatter", "all_to_all")]
     cases += [("all_reduce", 4, "numpy", "float16"), ("all_reduce_prod", 4, "numpy", "int64")]
     for name, cols, kind, dtype in cases:
