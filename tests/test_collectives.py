@@ -255,9 +255,9 @@ def test_mpiexec_8_every_element_type_and_torch_tiles(tmp_path):
     pytest.param("runs-apart", "runs_apart_raised", 6, id="runs-apart"),
     # fixed: a broadcast's root two places ahead (two lone runs): its symmetric run (all_reduce
     # sum and max, all_gather, reduce_scatter, all_to_all; small, 512 KiB and torch tiles;
-    # float16 sums, int64 products) completed the others' pending one, a wrong value (the run
-    # number rides in the call's buffers or beside it: runtime/trailers.py)
-    pytest.param("ahead-symmetric", "ahead_symmetric_raised", 17, id="ahead-symmetric"),
+    # float16 sums, int64 products, unequal tiles) completed the others' pending one, a wrong
+    # value (the run number rides in the call's buffers or beside it: runtime/trailers.py)
+    pytest.param("ahead-symmetric", "ahead_symmetric_raised", 18, id="ahead-symmetric"),
     # fixed: a process whose part ended returned from finalize() before a peer failed, and a
     # broadcast leaf constructing alone waited out the timeout while the others finalized
     # (finalize() waits for every process: control.Channel.goodbye)

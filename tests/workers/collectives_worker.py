@@ -990,7 +990,8 @@ def ahead_symmetric(ctx, stats):
     group's call sequence, where its symmetric run used to complete the others' pending one
     (a wrong value). Small NumPy tiles (a persistent call: the run number in its buffers),
     tiles of 512 KiB and more (a new call per run: an all_reduce's number in its buffer, the
-    others' beside it), torch tiles, and float16 sums and int64 products (beside the call).
+    others' beside it), torch tiles, float16 sums, int64 products and an all_gather of
+    unequal tiles (beside the call).
     No process may return a wrong value; each raises within the loop or at its next call;
     an eager call afterwards is exact."""
     import torch
@@ -998,17 +999,21 @@ def ahead_symmetric(ctx, stats):
     mesh = mc.Mesh(np.arange(ws), ("x",))
     cases = [(name, cols, kind, "float32") for cols, kind in ((4, "numpy"), (131072, "numpy"), (4, "torch"))
              for name in ("all_reduce", "all_reduce_max", "all_gather", "reduce_scatter", "all_to_all")]
-    cases += [("all_reduce", 4, "numpy", "float16"), ("all_reduce_prod", 4, "numpy", "int64")]
+    cases += [("all_reduce", 4, "numpy", "float16"), ("all_reduce_prod", 4, "numpy", "int64"),
+              ("all_gather_uneven", 4, "numpy", "float32")]
     for name, cols, kind, dtype in cases:
-        shape = {"all_gather": (2, cols), "reduce_scatter": (2 * ws, cols), "all_to_all": (ws, cols)}.get(name, (cols,))
+        shape = {"all_gather": (2, cols), "reduce_scatter": (2 * ws, cols), "all_to_all": (ws, cols),
+                 "all_gather_uneven": (1 + me % 2, cols)}.get(name, (cols,))
         op = name.split("_")[-1] if name.startswith("all_reduce_") else "sum"
         bcast = mc.Program.broadcast(mesh, "x", shape=(4,), dtype="float32", root=0, backend="mpi")
         kw = dict(op=op) if name.startswith("all_reduce") else {}
-        prog = getattr(mc.Program, "all_reduce" if name.startswith("all_reduce") else name)(
+        prog = getattr(mc.Program, "all_reduce" if name.startswith("all_reduce") else name.replace("_uneven", ""))(
             mesh, "x", shape=shape, dtype=dtype, backend="mpi", **kw)
 
         def want(i):
             v = np.array([100 * i + r for r in range(ws)], dtype)
+            if name == "all_gather_uneven":
+                return np.concatenate([np.full((1 + r % 2, cols), v[r], dtype) for r in range(ws)])
             if name.startswith("all_reduce"):
                 return np.full(shape, {"sum": v.sum(), "max": v.max(), "prod": v.prod()}[op], dtype)
             if name == "reduce_scatter":
