@@ -117,7 +117,12 @@ def agree(ctx, ranks, counter, nonce: int, meta: Meta, own_error: BaseException 
             # the others gave this attempt up (they saw it beside a run of theirs, failed, and
             # went on): the Metas it took are of their next attempt, so they go back for it
             ctx.backend.unread(got, (g,) + counter, tuple(ranks))
-            ch.raise_pending()
+            pending = ch.pending()          # their report of it, taken
+            if isinstance(own_error, (ValueError, TypeError)):
+                own_error.shared = True     # its own bad input is why it is here (they name it)
+                raise own_error
+            if pending is not None:
+                raise pending
             e = PeerError(f"rank {ctx.rank}: the others gave this construction up (they were in "
                           "another call)", next(r for r in ranks if r != ctx.rank))
             # they know (their report of it retracted this attempt, to every process): told
