@@ -36,7 +36,7 @@ from ..handle import Handle
 from .plan_run import PlanRun
 from .eager import eager, lookup
 from .program import Program, checking, construct, new, outside, tags_of
-from .tiles import consume, empty_like, fences_of, host_dtype
+from .tiles import consume, empty_like, fences_of, host_dtype, torch_unwrap
 
 __all__ = ["Request", "run", "program", "tiles_of", "coded_dims", "build", "finish_tiles"]
 
@@ -108,7 +108,7 @@ class CollectiveKernel:
         # the common run: a bare NumPy tile of this process's one device, of the agreed shape
         # and a native byte order (checked in prepare without the general validation)
         self._bare = None
-        if len(self.owned) == 1 and a.kind in (None, "numpy") and a.devtype == "cpu":
+        if len(self.owned) == 1 and a.kind in (None, "numpy", "torch") and a.devtype == "cpu":
             mine = a.tile if a.shapes is None else a.shapes.get(self.owned[0])
             dt = host_dtype(a.dtype[0])
             if mine is not None and dt is not None:
@@ -128,7 +128,7 @@ class CollectiveKernel:
         self.lean = None
         if self._one is not None and self._bare is not None and prob.scale == 1 and \
                 all(hasattr(post, "lean") for _, post in self._one):
-            self.lean = (self._bare[1], self._bare[2], tuple(post.lean for _, post in self._one))
+            self.lean = (self._bare[1], self._bare[2], tuple(post.lean for _, post in self._one), torch_unwrap)
         else:
             self.plan = plan(prob.shape, a.dtype[0], prob.src, prob.dst)
             comp = None if req.compression is None else codec_cost.resolve(

@@ -139,8 +139,8 @@ def posters(ctx, nat: Native, req, dt, tile, shapes, kind, deadline) -> tuple:
                 what = f"{req.op} in group {list(ranks)}"
                 return prim.checked(comm, what) if req.op not in _ROOTED else prim.stamps(
                     comm, ranks, rank_of(g[req.root]), req.op in ("broadcast", "scatter"), what)
-            posts.append((g, me[0], persistent(ctx, prim, req, g, me[0], dt, tile, shapes, comm, nat.key, stamps)
-                          if kind == "numpy" else poster(ctx, prim, req, g, me[0], dt, tile, shapes, kind, comm, stamps)))
+            posts.append((g, me[0], persistent(ctx, prim, req, g, me[0], dt, tile, shapes, comm, nat.key, stamps,
+                                               kind)))
     return out
 
 
@@ -163,9 +163,10 @@ PERSISTENT_MAX = 256 << 10
 PERSISTENT_MAX_ALL_TO_ALL = 128 << 10
 
 
-def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, key, make_stamps):
-    """A NumPy Program's call as an MPI-4 persistent request over buffers of the Program's own
-    (`Backend.bind(bufs=)`): a run copies the tile in, starts it, and copies the result out.
+def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, key, make_stamps, kind="numpy"):
+    """A Program's call as an MPI-4 persistent request over buffers of the Program's own
+    (`Backend.bind(bufs=)`): a run copies the tile in, starts it, and copies the result out
+    (a torch tile as bytes; a process without a tile gets one of the Program's `kind`).
     Chosen from agreed facts only (every member must: a persistent collective matches no
     non-blocking one); `poster`'s where the buffers would be too large. `make_stamps()`: the
     run numbers beside the call (`Stamps`), made only where they do not travel in it."""
@@ -173,7 +174,7 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, key, make_stamps):
     cap = PERSISTENT_MAX_ALL_TO_ALL if req.op == "all_to_all" else PERSISTENT_MAX
     counted = (key, req.op)
     if c.whole > cap or not prim.persistent_calls:
-        return _leaned(poster(ctx, prim, req, g, me, dt, tile, shapes, "numpy", comm, make_stamps), prim, me, counted)
+        return _leaned(poster(ctx, prim, req, g, me, dt, tile, shapes, kind, comm, make_stamps), prim, me, counted)
     dtype = np.dtype(arrays.numpy_dtype(dt[0]))
     unit = dtype if c.typed else np.dtype(np.uint8)
     ranks = _ranks(ctx, g)
@@ -208,9 +209,10 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, key, make_stamps):
         w = start() if stamps is None else stamps.post(seq, start)
         if not gets:
             return [w], _checked(dict, stamps)
-        if x is None or type(x) is np.ndarray:
+        like = x if x is not None or kind != "torch" else empty_like(kind, dt[0], "cpu")
+        if like is None or type(like) is np.ndarray:
             return [w], _checked(lambda: {me: take()}, stamps)
-        return [w], _checked(lambda: {me: from_wire(take().reshape(-1).view(np.uint8), x).reshape(c.shape)},
+        return [w], _checked(lambda: {me: from_wire(take().reshape(-1).view(np.uint8), like).reshape(c.shape)},
                              stamps)
 
     def post(x, seq):

@@ -123,3 +123,21 @@ def consume(out, done):
     for v in out.values():
         done.wait_on(streams.current_stream(streams.device_of(v)))
         break
+
+
+def torch_unwrap(x):
+    """A lean run's other input (program.Program._lean_run): a plain CPU torch tensor, as a
+    NumPy view of its memory and how its result goes back (a torch tensor over the result),
+    else None (the general run takes it)."""
+    torch = sys.modules.get("torch")
+    if torch is None or type(x) is not torch.Tensor or x.device.type != "cpu" or not x.is_contiguous():
+        return None
+    try:
+        v = x.detach().numpy()
+    except (TypeError, RuntimeError):           # bfloat16, a conjugate or negative view
+        return None
+    return v, _from_numpy
+
+
+def _from_numpy(y):
+    return None if y is None else sys.modules["torch"].from_numpy(y)
