@@ -27,7 +27,8 @@ case $what in collectives|all) run collectives_8 $MPI -n 8 $PY benchmarks/collec
   run collectives_8_loop $MPI -n 8 $PY benchmarks/collectives.py --sizes 1K,16K,64K,4M --reps 5 --calls 50 \
     --impls "mpi4py,program[mpi],eager[mpi]"
   run persistent_2 $MPI -n 2 $PY benchmarks/persistent.py --sizes 1K,16K,64K
-  run bcast_p2p_8 $MPI -n 8 $PY benchmarks/bcast_p2p.py ;; esac
+  run bcast_p2p_8 $MPI -n 8 $PY benchmarks/bcast_p2p.py
+  run torch_tiles_8 $MPI -n 8 $PY benchmarks/torch_tiles.py ;; esac
 case $what in cpu|all) run program_cpu_2 $MPI -n 2 $PY benchmarks/program_cpu.py
   run eager_cpu_2 $MPI -n 2 $PY benchmarks/eager_cpu.py
   run run_path_cost_8 $MPI -n 8 $PY benchmarks/run_path_cost.py
