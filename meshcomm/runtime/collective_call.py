@@ -36,7 +36,7 @@ from ..handle import Handle
 from .plan_run import PlanRun
 from .eager import eager, lookup
 from .program import Program, checking, construct, new, outside, tags_of
-from .tiles import consume, empty_like, fences_of, host_dtype, torch_unwrap
+from .tiles import consume, empty_like, fences_of, host_dtype, plain_torch, torch_unwrap
 
 __all__ = ["Request", "run", "program", "tiles_of", "coded_dims", "build", "finish_tiles"]
 
@@ -278,9 +278,11 @@ def run(ctx, call: tuple, x, *, backend=None, async_op=False, out=None):
     """An eager collective under a launcher, `call` its (op, mesh, axes, {parameter: value}) as
     passed: its cached Program (SPMD: every process calls)."""
     op, mesh, axes, kw = call
-    bare_np = type(x) is np.ndarray and (backend is None or type(backend) is str)
-    # a bare NumPy tile's call seen before, found by its own arguments where their equality
-    # means equal values (not 0.0 == 0 or True == 1: those go through the checks)
+    kind = "numpy" if type(x) is np.ndarray else "torch" if plain_torch(x) else None
+    bare_np = kind is not None and (backend is None or type(backend) is str)
+    # a bare NumPy tile's (or plain CPU torch tensor's) call seen before, found by its own
+    # arguments where their equality means equal values (not 0.0 == 0 or True == 1: those go
+    # through the checks)
     quick = bare_np and type(mesh) is Mesh and not _log.ON and (type(axes) is str or type(axes) is tuple and all(
         type(a) is str for a in axes)) and _PLAIN.issuperset(map(type, kw.values()))
     key = (op, mesh, axes, *kw.values(), backend, x.dtype, x.shape) if quick else None
@@ -296,7 +298,7 @@ def run(ctx, call: tuple, x, *, backend=None, async_op=False, out=None):
     owned = ctx.ownership.owned(req.mesh)
     if bare_np and len(owned) == 1 and err is None:
         # a bare NumPy tile: its Program is found by its own facts (the run checks the rest)
-        hit = ("collective", req, be.name), (arrays.dtype_of(x), "numpy", "cpu", ((owned[0], x.shape),))
+        hit = ("collective", req, be.name), (arrays.dtype_of(x), kind, "cpu", ((owned[0], tuple(x.shape)),))
         prog = ctx.call(lookup, ctx, *hit)
         if prog is not None:            # the lean run where it applies (Program.__call__)
             if key is not None:

@@ -125,12 +125,17 @@ def consume(out, done):
         break
 
 
+def plain_torch(x) -> bool:
+    """Whether `x` is a plain (not a subclass) contiguous CPU torch tensor."""
+    torch = sys.modules.get("torch")
+    return torch is not None and type(x) is torch.Tensor and x.device.type == "cpu" and x.is_contiguous()
+
+
 def torch_unwrap(x):
     """A lean run's other input (program.Program._lean_run): a plain CPU torch tensor, as a
     NumPy view of its memory and how its result goes back (a torch tensor over the result),
     else None (the general run takes it)."""
-    torch = sys.modules.get("torch")
-    if torch is None or type(x) is not torch.Tensor or x.device.type != "cpu" or not x.is_contiguous():
+    if not plain_torch(x):
         return None
     try:
         v = x.detach().numpy()
