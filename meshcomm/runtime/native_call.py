@@ -397,9 +397,9 @@ def poster(ctx, prim, req, g, me, dt, tile, shapes, kind, comm=None, make_stamps
     def post(x, seq=0):
         like = x if x is not None else empty_like(kind, dt[0], "cpu")
         if trail:
-            whole, recv, put, take, tr, _ = trailed(c, unit, None, ranks, ctx.rank, what, fresh=True)
+            whole, _, put, take, tr, _ = trailed(c, unit, None, ranks, ctx.rank, what, fresh=True)
             put(_flat(x, wire, t).reshape(c.mine))
-            w = tr.post(seq, lambda: f(whole) if recv is None else f(whole, recv))
+            w = tr.post(seq, lambda: f(whole))           # in place
             if type(like) is np.ndarray:
                 return [w], _checked(lambda: {me: take()}, tr)
             return [w], _checked(lambda: {me: from_wire(take().reshape(-1), like, typed=t).reshape(c.shape)}, tr)

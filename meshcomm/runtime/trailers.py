@@ -47,18 +47,9 @@ def trails(c, unit) -> bool:
 
 def trailed(c, unit, dtype, ranks, rank, what, fresh=False):
     """Buffers for `c` with the run number in them: (send buffer, receive buffer or None,
-    put(x), take(), its Trailer, the call's arguments). `fresh`: buffers of one run (take()
-    gives a view of them where the result is one contiguous run of them; from the pool of
-    result buffers, as a new call's are)."""
+    put(x), take(), its Trailer, the call's arguments). `fresh`: one run's buffers, from the
+    pool of result buffers (an all_reduce that is not persistent: take() gives a view)."""
     k = len(ranks)
-    empty = buffers.empty if fresh else np.empty
-
-    def rows_out(rows):                     # the result's blocks, without their numbers
-        def take():
-            out = empty(rows.size, unit)
-            out.reshape(rows.shape)[...] = rows
-            return out.reshape(c.shape)
-        return take
 
     def put_into(dst):
         return lambda x: dst.__setitem__(Ellipsis, x)
@@ -70,13 +61,13 @@ def trailed(c, unit, dtype, ranks, rank, what, fresh=False):
         kw = dict(mod=mod, scale=k) if sums else dict(mod=mod, pair=True)
         if c.what == "reduce_scatterv":         # one more element (two) behind each block
             n = c.kw["counts"][0]
-            whole, recv = empty(k * (n + t), unit), empty(n + t, unit)
+            whole, recv = np.empty(k * (n + t), unit), np.empty(n + t, unit)
             blocks = whole.reshape(k, n + t)[:, :n]
             out = recv[:n].reshape(c.shape)
             tr = Trailer(whole.reshape(k, n + t)[:, n:], recv[n:], (None,), rank, what, **kw)
-            return (whole, recv, lambda x: blocks.__setitem__(Ellipsis, x.reshape(k, -1)),
-                    (lambda: out) if fresh else out.copy, tr, dict(c.kw, counts=(n + t,) * k))
-        whole = empty(c.send + t, unit)      # in place: every member adds its number
+            return (whole, recv, lambda x: blocks.__setitem__(Ellipsis, x.reshape(k, -1)), out.copy, tr,
+                    dict(c.kw, counts=(n + t,) * k))
+        whole = (buffers.empty if fresh else np.empty)(c.send + t, unit)   # in place: each adds its number
         tail = whole[c.send:]
         tr = Trailer(tail, tail if c.gets else None, (None,), rank, what, **kw)
         out = whole[:c.send].reshape(c.shape)
@@ -86,28 +77,28 @@ def trailed(c, unit, dtype, ranks, rank, what, fresh=False):
     def tail(a, n):                         # int64 view of the 8 bytes after n units of each row
         return a.view(np.uint8).reshape(-1, (n + t) * us)[:, n * us:n * us + 8].view(np.int64)
     if c.what == "bcast":               # in place: the root writes, the others compare
-        whole = empty(c.send + t, unit)
+        whole = np.empty(c.send + t, unit)
         mark = tail(whole, c.send)
         tr = Trailer(mark if c.fill else None, None if c.fill else mark, (c.kw["root"],), rank, what)
         return (whole, None, put_into(whole[:c.send].view(dtype).reshape(c.mine)),
                 whole[:c.send].view(dtype).reshape(c.shape).copy, tr, c.kw)
     if c.what == "alltoall":            # every member writes each block, compares each
         n = c.send // k
-        whole, recv = empty(k * (n + t), unit), empty(k * (n + t), unit)
+        whole, recv = np.empty(k * (n + t), unit), np.empty(k * (n + t), unit)
         blocks, rows = whole.reshape(k, n + t)[:, :n], recv.reshape(k, n + t)[:, :n]
         tr = Trailer(tail(whole, n), tail(recv, n), ranks, rank, what)
         return (whole, recv, lambda x: blocks.__setitem__(Ellipsis, x.reshape(k, -1)),
-                rows_out(rows), tr, c.kw)
+                lambda: rows.copy().reshape(c.shape), tr, c.kw)
     n = c.kw["counts"][0]
     kw = dict(c.kw, counts=(n + t,) * k)
     if c.what in ("gatherv", "allgatherv"):     # every member writes, the receivers compare each block
-        whole = empty(n + t, unit)
-        recv = empty(k * (n + t) if c.gets else 0, unit)
+        whole = np.empty(n + t, unit)
+        recv = np.empty(k * (n + t) if c.gets else 0, unit)
         rows = recv.reshape(k, n + t)[:, :n] if c.gets else None
         tr = Trailer(tail(whole, n), tail(recv, n) if c.gets else None, ranks, rank, what)
-        return whole, recv, put_into(whole[:n].reshape(c.mine)), rows_out(rows), tr, kw
-    whole = empty(k * (n + t) if c.fill else 0, unit)          # scatterv: the root writes each
+        return whole, recv, put_into(whole[:n].reshape(c.mine)), lambda: rows.copy().reshape(c.shape), tr, kw
+    whole = np.empty(k * (n + t) if c.fill else 0, unit)          # scatterv: the root writes each
     blocks = whole.reshape(k, n + t)[:, :n] if c.fill else None
-    recv = empty(n + t, unit)
+    recv = np.empty(n + t, unit)
     tr = Trailer(tail(whole, n) if c.fill else None, tail(recv, n), (c.kw["root"],), rank, what)
     return whole, recv, lambda x: blocks.__setitem__(Ellipsis, x.reshape(k, -1)), recv[:n].reshape(c.shape).copy, tr, kw
