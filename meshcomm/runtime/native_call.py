@@ -163,13 +163,14 @@ PERSISTENT_MAX = 256 << 10
 PERSISTENT_MAX_ALL_TO_ALL = 128 << 10
 
 
-def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, key, make_stamps, kind="numpy"):
+def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, key, make_stamps, kind):
     """A Program's call as an MPI-4 persistent request over buffers of the Program's own
     (`Backend.bind(bufs=)`): a run copies the tile in, starts it, and copies the result out
     (a torch tile as bytes; a process without a tile gets one of the Program's `kind`).
     Chosen from agreed facts only (every member must: a persistent collective matches no
     non-blocking one); `poster`'s where the buffers would be too large. `make_stamps()`: the
-    run numbers beside the call (`Stamps`), made only where they do not travel in it."""
+    run numbers beside the call (`Stamps` of a rooted call, `Checked` of a symmetric one),
+    made only where they do not travel in it."""
     c = _call(ctx, req, g, me, dt, tile, shapes, "numpy")
     cap = PERSISTENT_MAX_ALL_TO_ALL if req.op == "all_to_all" else PERSISTENT_MAX
     counted = (key, req.op)
