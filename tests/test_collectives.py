@@ -264,6 +264,9 @@ def test_mpiexec_8_every_element_type_and_torch_tiles(tmp_path):
     pytest.param("finalize-early", "finalize_early_ok", 1, id="finalize-early"),
     # fixed: a read-only out= (checked after the data moved) and an out= that is the input tile
     pytest.param("bad-out-buffer", "bad_out_ok", 1, id="bad-out-buffer"),
+    # fixed: a ring of waits (each process in its own pair Program, waiting for the next) was
+    # found only by the timeout; every process raises within seconds, every pair runs on exact
+    pytest.param("ring-of-waits", "ring_next_ok", 3, id="ring-of-waits"),
 ])
 def test_mismatch_and_fault_cases(tmp_path, case, stat, count):
     """4 processes, one case each (collectives_worker.py KNOWN_BUGS): what the semantics say

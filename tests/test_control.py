@@ -93,6 +93,43 @@ def test_two_ranks_waiting_for_each_other_in_different_calls_raise():
     assert time.monotonic() - t0 < 1.0
 
 
+def test_a_ring_of_three_waiting_in_different_calls_raises_on_each():
+    # rank 0 waits for 1, 1 for 2, 2 for 0, each in a call of its own: a cycle none leaves.
+    # The first to see it raises naming the ring; its report reaches the others (its ERROR
+    # fails their runs' Programs), so every rank raises within about a second
+    cs = channels(3, timeout=0.8)                           # stall after 0.1 s
+    prev = [control.enter(c, control.Call("run", 10 + r, "all_reduce", 1, 4)) for r, c in enumerate(cs)]
+    raised, t0 = {}, time.monotonic()
+    while len(raised) < 3 and time.monotonic() - t0 < 5:
+        for r, c in enumerate(cs):
+            if r not in raised:
+                try:
+                    c.watch([W((r + 1) % 3)], None)
+                except PeerError as e:
+                    raised[r] = e
+                    control.leave(c, prev[r], e)            # as a run's error path does
+        time.sleep(0.003)
+    assert sorted(raised) == [0, 1, 2] and time.monotonic() - t0 < 2.0
+    assert "rank 2 is in run 1 of Program #12 (all_reduce) and waits for rank 0, which is in run 1 of " \
+           "Program #10 (all_reduce) and waits for rank 1, which is in run 1 of Program #11 (all_reduce) " \
+           "and waits for rank 2: " in str(raised[2]) and "not in the same call" in str(raised[2])
+    assert raised[2].rank == 0 and all(f"rank 2 failed in run 1 of Program #12" in str(raised[r]) for r in (0, 1))
+    assert all({10, 11, 12} <= c.failed for c in cs)         # every call of the ring runs no more
+
+
+def test_a_ring_with_a_wait_inside_one_call_is_no_mismatch():
+    # ranks 0 and 1 in one call (0 waits for 1: its part may be on its way), 1 waits for 2 in
+    # another call, 2 for 0: not every link crosses calls, so nobody raises before the timeout
+    cs = channels(3, timeout=0.8)
+    cs[0].call = cs[1].call = control.Call("run", 10, "reshard", 1, 4)
+    cs[2].call = control.Call("run", 12, "reshard", 1, 4)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.5:
+        for r, c in enumerate(cs):
+            c.watch([W((r + 1) % 3)], None)
+        time.sleep(0.003)
+
+
 def test_slow_peers_in_the_same_call_are_not_a_mismatch():
     c0, c1 = channels(timeout=0.8)
     c0.call = c1.call = control.Call("run", 4, "reshard", 2)

@@ -11,9 +11,10 @@ over torch.distributed). These travel:
   (or `PeerTimeoutError` when the sender timed out); a process not in a call raises at its
   next meshcomm call or at `finalize()`.
 * STATUS (rank, call, peers it waits for): a wait that made no progress for `stall_after()`
-  seconds tells the peers it waits for what it is in. A process that waits for a peer which
-  waits for it in another call (another Program, another run of it, or a construction)
-  raises `PeerError`: the two are not in the same call, and neither can go on. When that
+  seconds tells every process what it is in. A process at one end of a cycle of waits in
+  which each waits for the next, and the next is in another call (another Program, another
+  run of it, or a construction), raises `PeerError`: they are not in the same call, and none
+  can go on (two processes waiting for each other, or three or more in a ring). When that
   call is over, CLEAR (rank, call) takes the STATUS back: a peer that reads the channel
   only later (a long compressed run reads it when idle) must not take it for the present.
 * Timeouts stay local: a wait past its deadline raises `PeerTimeoutError` and sends ERROR.
@@ -293,10 +294,11 @@ class Channel:
             self._wait_start = now
         stalled = now - self._wait_start >= stall_after(self.timeout)
         # a peer's failure in this very call raises at once; in another call, once this wait
-        # stalls on that peer (it may have done its part here before it failed), else at the
-        # next call
+        # stalls on that peer (it may have done its part here before it failed) or the failure
+        # failed this run's Program (a ring of waits: it runs nowhere again), else at the next call
         self.raise_pending(lambda m: (m[2] is not None and call is not None and m[2].key == call.key)
-                           or (stalled and m[1] in peers))
+                           or (stalled and (m[1] in peers or (call is not None and call.what == "run"
+                                                                 and call.program in m[6]))))
         if call is None:
             return
         if self.entry is not None:
@@ -309,30 +311,56 @@ class Channel:
                           f"finalize() (or exited) without taking part in it: {NOT_SAME_CALL}", left[0])
             e.programs = sorted(self.group_of.get(call.program, ())) or None
             raise e
-        for p in peers:
-            st = self.status.get(p)
-            if st is not None and st[2] >= self._wait_start and st[0].key != call.key and self.rank in st[1]:
-                self.handled.add((p, st[0].key))
-                retracts = []
-                if st[0].what == "construct":       # its Meta answers no later agreement
-                    self.retracted.add((p, st[0].run))
-                    retracts.append((p, st[0].run))
-                # every Program of both calls' groups is done for: a call that one process
-                # made alone (its part ended at once) may have left messages of any of them
-                # in flight, and its peers do not know which
-                programs = {c.program for c in (call, st[0]) if c.what == "run"}
-                for c in (call, st[0]):
-                    programs.update(self.group_of.get(c.program, ()))
-                self.failed.update(programs)
-                self.seen.update(programs)
-                e = PeerError(f"rank {self.rank} is in {call} and waits for rank {p}, which is in "
-                              f"{st[0]} and waits for rank {self.rank}: {NOT_SAME_CALL}", p)
-                e.retracts, e.programs = retracts, sorted(programs)
-                raise e
+        cycle = self._cycle(call, peers)
+        if cycle:
+            links = [(r, self.status[r][0]) for r in cycle]
+            # every Program of the calls' groups is done for: a call that one process made
+            # alone (its part ended at once) may have left messages of any of them in
+            # flight, and its peers do not know which
+            programs = {c.program for _, c in links if c.what == "run"}
+            if call.what == "run":
+                programs.add(call.program)
+            for c in [call] + [c for _, c in links]:
+                programs.update(self.group_of.get(c.program, ()))
+            self.failed.update(programs)
+            self.seen.update(programs)
+            self.handled.update((r, c.key) for r, c in links)
+            retracts = [(r, c.run) for r, c in links if c.what == "construct"]   # answer no later agreement
+            self.retracted.update(retracts)
+            text = "".join(f" and waits for rank {r}, which is in {c}" for r, c in links)
+            e = PeerError(f"rank {self.rank} is in {call}{text} and waits for rank {self.rank}: {NOT_SAME_CALL}",
+                          cycle[0])
+            e.retracts, e.programs = retracts, sorted(programs)
+            raise e
         if self._stall_sent is None or now - self._stall_sent > 1.0:
             self._stall_sent = now
-            self._stall_peers.update(peers)
-            self._send(peers, ("STATUS", self.rank, call, list(peers)))
+            self._stall_peers = set(range(self.world))     # every process: a cycle's links
+            self._send(self._stall_peers, ("STATUS", self.rank, call, list(peers)))
+
+    def _cycle(self, call, peers) -> list:
+        """The shortest cycle of waits from this process back to it in which each process waits
+        for the next and the next is in another call (the STATUS every other one sent since
+        this wait began): its ranks after this one, else []. Neither can go on. A wait for a
+        peer in the same call is no link: that peer's part may be on its way."""
+        now = {p: st[:2] for p, st in self.status.items() if st[2] >= self._wait_start}
+        now[self.rank] = (call, tuple(peers))
+        parent, frontier = {self.rank: None}, [self.rank]
+        while frontier:
+            later = []
+            for u in frontier:
+                for v in sorted(now[u][1]):
+                    if v not in now or now[v][0].key == now[u][0].key:
+                        continue
+                    if v == self.rank:
+                        path = [u]
+                        while parent[path[-1]] is not None:
+                            path.append(parent[path[-1]])
+                        return path[-2::-1]
+                    if v not in parent:
+                        parent[v] = u
+                        later.append(v)
+            frontier = later
+        return []
 
 
 def stall_after(timeout: float) -> float:

@@ -1037,9 +1037,47 @@ def ahead_symmetric(ctx, stats):
         stats["ahead_symmetric_raised"] += 1
 
 
+def ring_of_waits(ctx, stats):
+    """Over MPI: every process in a call of its own, each waiting for the next (rank r runs
+    its pair Program with rank r+1, which runs its pair with r+2, ...: a ring of all of them),
+    with reshards of bare NumPy tiles too, and three rounds. Every process must raise 'not in
+    the same call' within seconds (a ring of three or more was found only by the timeout);
+    then every pair runs exact again, and so does a call of every process."""
+    ws, me = ctx.world_size, ctx.rank
+    pairs = [mc.Mesh([r, (r + 1) % ws], ("x",)) for r in range(ws)]
+    mine = [r for r in range(ws) if me in (r, (r + 1) % ws)]
+
+    def call(kind, r, v):
+        x = np.full(3, v + me, np.int64)
+        if kind == "all_reduce":
+            return mc.all_reduce(x, pairs[r], "x", backend="mpi").tolist(), [2 * v + r + (r + 1) % ws] * 3
+        y = mc.reshard({me: x[:2]}, mc.Layout(pairs[r], ("x",)), mc.Layout(pairs[r], (None,)), backend="mpi")
+        return y[me].tolist(), [v + r] * 2 + [v + (r + 1) % ws] * 2
+    for rnd, kind in enumerate(("all_reduce", "reshard", "all_reduce")):
+        for r in mine:                      # every pair in one order: a chain, no ring
+            got, want = call(kind, r, 10 * rnd)
+            assert got == want, (me, rnd, kind, r, got, want)
+        t0 = time.monotonic()
+        try:
+            call(kind, me, 10 * rnd + 5)    # the ring
+        except (RuntimeError, ValueError) as e:
+            assert isinstance(e, PeerError) and "not in the same call" in str(e), (me, rnd, e)
+            assert time.monotonic() - t0 < 10, (me, rnd, "raised after", time.monotonic() - t0)
+            stats["ring_raised"] += 1
+        else:
+            raise AssertionError(f"rank {me}: the ring of round {rnd} raised nothing")
+        for r in mine:                      # every pair again, fresh values: exact
+            got, want = call(kind, r, 10 * rnd + 7)
+            assert got == want, (me, rnd, kind, "after", r, got, want)
+        y = mc.all_reduce(np.full(2, me, np.int64), mc.Mesh(np.arange(ws), ("x",)), "x", backend="mpi")
+        assert y.tolist() == [sum(range(ws))] * 2, (me, rnd, y)
+        stats["ring_next_ok"] += 1
+
+
 KNOWN_BUGS = {"ahead-symmetric": ahead_symmetric, "finalize-early": finalize_early, "leaf-behind": leaf_behind, "runs-apart": runs_apart, "cached-bad-argument": cached_bad_argument, "none-after-tiles": none_after_tiles,
               "gather-size-one": gather_size_one, "stale-broadcast": stale_broadcast,
-              "relayed-error": relayed_error, "skipped-call": skipped_call, "bad-out-buffer": bad_out_buffer}
+              "relayed-error": relayed_error, "skipped-call": skipped_call, "bad-out-buffer": bad_out_buffer,
+              "ring-of-waits": ring_of_waits}
 
 
 def repeated_ops(ctx, backends, stats):
