@@ -8,12 +8,13 @@ nothing and takes no message number: the pair's next send is the receiver's next
 Messages between two devices arrive in the order they were sent: the k-th message of a pair
 goes on tags of its own (`_tags`), so a receive given up (timed out) leaves no header or data
 that a later receive of the pair could take for its own. Sends and receives run in call order
-on the context's queue, asynchronous ones too (as every call does). An asynchronous send is
-posted there and the queue goes on (its Handle waits for it), so two processes may exchange
-both ways as with torch's `isend` then `recv`: each `send(..., async_op=True)`, then
-`recv`, then the send's `wait()`. A receive waits in the queue until its message comes, so
-of two asynchronous receives posted before the sends, nothing completes until the timeout;
-`all_to_all_v` or a reshard moves data both ways at once.
+on the context's queue, asynchronous ones too (as every call does). An asynchronous call is
+only posted there and the queue goes on (its Handle waits for it; a receive's data buffer is
+sized by `like`, as torch's `irecv`), so two processes may exchange both ways in any order
+of posting and waiting, as with torch's `isend`/`irecv`. An asynchronous receive whose
+message has another size than `like` raises as a synchronous one does: over MPI the posted
+receive is cancelled and the data taken and dropped; over torch.distributed, which cancels
+nothing, the data is left (its sender may wait out the timeout) and the receive is given up.
 Without a launcher both devices live in this process: `send` leaves a copy in a mailbox that
 `recv` takes.
 """
@@ -58,6 +59,11 @@ def _tags(ctx, way: str, frm: int, to: int) -> tuple[int, int]:
     ctx.p2p[(way, frm, to)] = k + 1
     t = _TAG0 + 2 * (k % _SPAN)
     return t, t + 1
+
+
+def _nbytes(h) -> int:
+    """The data's bytes a header announces."""
+    return int(np.prod(h[4:4 + int(h[3])], dtype=np.int64)) * int(h[2])
 
 
 def _describe(h) -> str:
@@ -139,19 +145,43 @@ def send(x, to_device: int, *, from_device: int | None = None, backend=None, asy
     # posted in call order; the queue goes on at once, so a receive issued after it (the peer
     # sending its own tile back) is not held behind this send's completion
     fut = ctx.run(post, True)
-    return Handle(lambda: ctx.run(lambda: wait(fut.result()), False).result(), future=_Sent(fut))
+    return Handle(lambda: ctx.run(lambda: wait(fut.result()), False).result(), future=_Posted(fut))
 
 
-class _Sent:
-    """An asynchronous send's completion for `Handle.is_completed`: posted, and its messages
-    are done."""
+class _Posted:
+    """An asynchronous send's or receive's completion for `Handle.is_completed`: posted, and
+    its messages (item `at` of what the post returned) are done."""
 
-    def __init__(self, fut):
-        self.fut = fut
+    def __init__(self, fut, at=None):
+        self.fut, self.at = fut, at
 
     def done(self) -> bool:
-        return self.fut.done() and (self.fut.exception() is not None or
-                                    all(w.test() for w in self.fut.result()))
+        if not self.fut.done():
+            return False
+        if self.fut.exception() is not None:
+            return True
+        works = self.fut.result() if self.at is None else self.fut.result()[self.at]
+        return all(w.test() for w in works)
+
+
+def _cancelled(w) -> bool:
+    """Cancel a posted receive of the data that its header says is of another size: True if it
+    took no message (MPI cancelled it), False if it took one (completed or truncated). A torch
+    receive cannot be cancelled: it is given up (backends.base.abandon, which lists it as a
+    work that may still match a later call), False."""
+    from meshcomm.backends import base
+    req = getattr(w, "req", None)
+    if req is None:
+        base.abandon([w])
+        return False
+    from mpi4py import MPI
+    req.Cancel()
+    st = MPI.Status()
+    try:
+        req.Wait(st)
+    except MPI.Exception:
+        return False                    # matched the data, and too small for it: taken
+    return st.Is_cancelled()
 
 
 def recv(from_device: int, like, *, to_device: int | None = None, backend=None, async_op: bool = False):
@@ -192,23 +222,61 @@ def recv(from_device: int, like, *, to_device: int | None = None, backend=None, 
     t_hdr, t_data = _tags(ctx, "recv", from_device, to)
     stamp = log.stamp(async_op) if log.ON else None
 
-    def go():
-        deadline = time.monotonic() + ctx.timeout
-        hbuf = empty_wire(_HDR_LEN * 8, prim_h.wire, np.empty(0, np.int64))
-        prim_h.wait_all([prim_h.irecv(hbuf, peer, t_hdr)], deadline)
-        h = from_wire(hbuf, np.empty(0, np.int64))
-        got = int(np.prod(h[4:4 + int(h[3])], dtype=np.int64)) * int(h[2])
-        prim = be.choose("send", got, 2, "cpu")
-        buf = empty_wire(got, prim.wire, like_np)
-        prim.wait_all([prim.irecv(buf, peer, t_data)], deadline)    # drained even on a mismatch
+    def take(prim, buf, h):
         check(h, "; the data was received and dropped")
         y = from_wire(buf, like_np).reshape(tuple(like.shape))
         if stamp is not None:
             _record(stamp, "recv", ctx.rank, peer, prim, y, sent=False)
         return y
-    fut = ctx.run(go, async_op)
+
+    def data(h, deadline):
+        """Receive the data `h` announces, sized by it (on a mismatch it is dropped: the pair's
+        next message is the next one sent)."""
+        got = _nbytes(h)
+        prim = be.choose("send", got, 2, "cpu")
+        buf = empty_wire(got, prim.wire, like_np)
+        prim.wait_all([prim.irecv(buf, peer, t_data)], deadline)
+        return prim, buf
+
+    def header():
+        hbuf = empty_wire(_HDR_LEN * 8, prim_h.wire, np.empty(0, np.int64))
+        return hbuf, prim_h.irecv(hbuf, peer, t_hdr)
+
+    def go():
+        deadline = time.monotonic() + ctx.timeout
+        hbuf, wh = header()
+        prim_h.wait_all([wh], deadline)
+        h = from_wire(hbuf, np.empty(0, np.int64))
+        return take(*data(h, deadline), h)
+    if async_op:
+        # both messages posted in call order, the data's sized by `like` (as torch's irecv), and
+        # the queue goes on: two processes may post their receives first, then their sends
+        want_bytes = _nbytes(want)
+        prim = be.choose("send", want_bytes, 2, "cpu")
+
+        def post():
+            hbuf, wh = header()
+            buf = empty_wire(want_bytes, prim.wire, like_np)
+            return hbuf, buf, (wh, prim.irecv(buf, peer, t_data))
+
+        def finish(posted):
+            deadline, (hbuf, buf, (wh, wd)) = time.monotonic() + ctx.timeout, posted
+            prim_h.wait_all([wh], deadline)
+            h = from_wire(hbuf, np.empty(0, np.int64))
+            if np.array_equal(h, want) or _nbytes(h) == want_bytes:
+                prim.wait_all([wd], deadline)     # its data (or another tile's of its size: dropped)
+                return take(prim, buf, h)
+            if _cancelled(wd):                    # sized for another tile: taken anew and dropped
+                return take(*data(h, deadline), h)
+            check(h, "; its data was not taken" if getattr(wd, "req", None) is None else "")
+        posted = ctx.run(post, True)
+        fut = _Posted(posted, 2)
+        get = lambda: ctx.run(lambda: finish(posted.result()), False).result()    # noqa: E731
+    else:
+        fut = ctx.run(go, False)
+        get = fut.result
     if arrays.is_jax(like):
         import jax
-        return Handle(lambda: jax.device_put(fut.result(), arrays.jax_device(to)), future=fut) if async_op else \
-            jax.device_put(fut.result(), arrays.jax_device(to))
-    return Handle(fut.result, future=fut) if async_op else fut.result()
+        put = lambda: jax.device_put(get(), arrays.jax_device(to))               # noqa: E731
+        return Handle(put, future=fut) if async_op else put()
+    return Handle(get, future=fut) if async_op else get()

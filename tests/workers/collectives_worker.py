@@ -452,6 +452,30 @@ def p2p(ctx, backends, stats):
         assert h.wait() is None and h.is_completed() and done == [True], (b, done)
         assert np.array_equal(y, np.arange(300_000, dtype=np.float32) + peer), b
         stats["p2p_both_ways_ok"] += 1
+        # both receives posted before both sends (the even rank waits for its send first, the
+        # odd one for its receive): torch's irecv, isend, then wait, in either order
+        rh = mc.recv(peer, np.empty(300_000, np.float32), backend=b, async_op=True)
+        sh = mc.send(x + 1, peer, backend=b, async_op=True)
+        if me % 2 == 0:
+            sh.wait()
+        y = rh.wait()
+        assert rh.is_completed() and np.array_equal(y, np.arange(300_000, dtype=np.float32) + peer + 1), b
+        sh.wait()
+        stats["p2p_both_ways_ok"] += 1
+        if b == "mpi":
+            # an asynchronous receive sized for another tile (the data's receive is cancelled,
+            # the data taken and dropped), small and large: raises, and the pair goes on
+            for n in (5, 300_000):
+                if me % 2 == 0:
+                    mc.send(np.zeros(n, np.float64), peer, backend=b)
+                else:
+                    try:
+                        mc.recv(peer, np.zeros(3, np.float32), backend=b, async_op=True).wait()
+                    except ValueError as e:
+                        assert f"device {peer} sent float64 ({n},) to device {me}" in str(e), str(e)
+                        stats["p2p_mismatch_ok"] += 1
+                    else:
+                        raise AssertionError("an asynchronous recv accepted another tile")
         if me % 2 == 0:
             mc.send(np.zeros(3, np.float64), peer, backend=b)
         else:
