@@ -76,9 +76,6 @@ class Work:
     def test(self) -> bool:
         raise NotImplementedError
 
-    def wait(self, deadline: float | None = None) -> None:
-        wait_polling([self], deadline, rank=None)
-
     def parts(self) -> list:
         """The works a stalled wait tests one by one (naming the peers it still awaits)."""
         return [self]
@@ -348,7 +345,6 @@ class Backend:
     tag_ub = 1 << 29            # the largest tag a message may carry (MPI: the communicator's TAG_UB)
     gather_reduces = False      # a reduce over 3+ ranks gathers to the root (MPI inside one host)
     hosts: list | None = None   # each rank's host, where the backend knows them (MPI)
-    persistent_calls = False    # native calls as MPI-4 persistent requests (`bind(bufs=)`)
 
     @property
     def signature(self) -> str:
@@ -407,18 +403,17 @@ class Backend:
         """A barrier over the group, non-blocking: completes once every member entered it."""
         raise NotImplementedError
 
-    def bind(self, what, ranks, comm=None, counts=None, op=None, root=None):
-        """A function (send, recv=None) -> Work posting the native collective `what` with
-        fixed group, counts, op and root (a Program keeps it; MPI checks once and posts on
-        `comm`, the Program's own communicator). Here: the method of that name, per call."""
-        return {"allreduce": lambda s, r=None: self.allreduce(s, op, ranks),
-                "allgatherv": lambda s, r=None: self.allgatherv(s, r, counts, ranks),
-                "reduce_scatterv": lambda s, r=None: self.reduce_scatterv(s, r, counts, op, ranks),
-                "alltoall": lambda s, r=None: self.alltoall(s, r, ranks),
-                "gatherv": lambda s, r=None: self.gatherv(s, r, counts, root, ranks),
-                "scatterv": lambda s, r=None: self.scatterv(s, r, counts, root, ranks),
-                "bcast": lambda s, r=None: self.bcast(s, root, ranks),
-                "reduce": lambda s, r=None: self.reduce(s, root, ranks, op)}[what]
+    world_group = None          # the whole world's group (MPI: its communicator; torch: None)
+
+    def _group(self, ranks):
+        """The group of `ranks` (sorted world ranks) that `prepare_groups` made, or the world's."""
+        if len(ranks) == self.world_size:
+            return self.world_group
+        try:
+            return self._groups[ranks]
+        except KeyError:
+            raise RuntimeError(f"rank {self.rank}: no {self.name} group for ranks {ranks}; "
+                               "prepare_groups was not called for this plan") from None
 
     def barrier(self, deadline: float | None) -> None:
         self.allgather_obj(None, deadline)

@@ -32,19 +32,12 @@ def check_op(op) -> str:
 
 def check_group(rank: int, ranks: Sequence[int], what: str) -> tuple[int, ...]:
     """`ranks` as a tuple after checking it is sorted, distinct and holds `rank`."""
-    if type(ranks) is tuple and (rank, ranks) in _CHECKED:
-        return ranks
     ranks = tuple(int(r) for r in ranks)
     if not ranks or list(ranks) != sorted(set(ranks)):
         raise ValueError(f"{what}: ranks must be a sorted tuple of distinct world ranks, got {ranks}")
     if rank not in ranks:
         raise ValueError(f"{what}: rank {rank} is not in the group {list(ranks)} (only members call it)")
-    if len(_CHECKED) < 4096:
-        _CHECKED.add((rank, ranks))
     return ranks
-
-
-_CHECKED: set = set()       # (rank, ranks) groups that passed check_group
 
 
 def member(ranks: tuple[int, ...], root: int, what: str) -> int:
@@ -57,19 +50,11 @@ def member(ranks: tuple[int, ...], root: int, what: str) -> int:
 
 def check_counts(counts: Sequence[int], ranks: tuple[int, ...], what: str) -> tuple[int, ...]:
     """`counts` as a tuple of non-negative ints, one per member of `ranks`."""
-    if type(counts) is tuple and (counts, len(ranks)) in _COUNTED:
-        return counts                   # (a repeated call passes the same tuple)
     out = tuple(int(c) for c in counts)
     if len(out) != len(ranks) or any(c < 0 for c in out):
         raise ValueError(f"{what}: counts must be {len(ranks)} non-negative ints (one per rank of "
                          f"group {list(ranks)}), got {list(counts)}")
-    if len(_COUNTED) < 4096:
-        _COUNTED.add((out, len(ranks)))
     return out
-
-
-_COUNTED: set = set()       # (counts, group size) that passed check_counts
-_DISPLS: dict = {}
 
 
 def check_len(buf, n: int, what: str, name: str) -> None:
@@ -98,13 +83,7 @@ def check_v(what: str, rank: int, sendbuf, recvbuf, counts, ranks, root=None) ->
 
 def displs(counts: Sequence[int]) -> tuple[int, ...]:
     """Offsets of the blocks of `counts` laid end to end."""
-    key = tuple(counts)
-    out = _DISPLS.get(key)
-    if out is None:
-        out = tuple(itertools.accumulate(key, initial=0))[:-1]
-        if len(_DISPLS) < 4096:
-            _DISPLS[key] = out
-    return out
+    return tuple(itertools.accumulate(counts, initial=0))[:-1]
 
 
 def others(ranks: Sequence[int], rank: int) -> tuple[int, ...]:

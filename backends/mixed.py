@@ -7,26 +7,24 @@ collective, issues a round's works on both, then waits for them together (`wait_
 Metadata exchanges go through MPI. `meshcomm.backends.base.issued` counts the operations
 each backend issued.
 
-Native collectives (allreduce, allgatherv, ...; backends/base.py) go to the backend the
-table names for (op, nccl-tests size, group size). Both backends may have work in flight
-at once, which is safe under one rule, found by running it: a process must never
-block on one backend's work (nor poll only that backend's) while it holds unfinished work
-of the other that a peer may wait for before issuing its own part. MPI's non-blocking
-collectives progress only inside MPI calls of every member (an Iallreduce of 1 KiB too): a
-rank blocked in torch's `wait` starves them, and if a peer waits for that MPI work before
-issuing the torch operation, both sit until the timeout. Deadlock-free ways: a fence
-(one backend in flight at a time); or issue everything on every rank first, then wait
-in any order; or wait with `MixedBackend.wait_all`, which polls every work of both backends
-together. (gloo's `reduce_scatter` work never reports completion to polling, so torch's
-reduce_scatterv is an all-reduce; see backends/torch_collectives.py.)
+Both backends may have work in flight at once, which is safe under one rule, found by
+running it: a process must never block on one backend's work (nor poll only that backend's)
+while it holds unfinished work of the other that a peer may wait for before issuing its own
+part. MPI's non-blocking calls progress only inside MPI calls of every member (an Iallreduce
+of 1 KiB too): a rank blocked in torch's `wait` starves them, and if a peer waits for that
+MPI work before issuing its torch operation, both sit until the timeout. Deadlock-free ways:
+a fence (one backend in flight at a time); or issue everything on every rank first, then
+wait in any order; or wait with `MixedBackend.wait_all`, which polls every work of both
+backends together. (Each caller asks `choose` for the member to issue on: the executor per
+message and step, a native collective's Program at construction.)
 """
 from __future__ import annotations
 
 import hashlib
 import json
 
-from . import tuning
-from .base import Backend, finish_all, torch_of, wait_polling, wait_threads
+from . import pacing, tuning
+from .base import Backend, wait_polling
 
 __all__ = ["MixedBackend"]
 
@@ -67,64 +65,23 @@ class MixedBackend(Backend):
     def signature(self) -> str:
         return self._signature
 
-    # -- native collectives: each goes to the backend the table names for (op, bytes, group) --
-    # The size is nccl-tests' (the same on every member, so they all choose alike): the
-    # buffer (allreduce, bcast, reduce, alltoall's send buffer) or the whole concatenation
-    # (allgather, reduce_scatter, gather, scatter). CPU buffers are viewed, not copied, as
-    # the chosen backend's kind; the result lands in the caller's buffers.
-    def _pick(self, op, nbytes, ranks, *bufs):
-        b = self.choose(op, nbytes, len(ranks), _device(bufs))
-        return b, [_as_wire(x, b) for x in bufs]
-
-    def allreduce(self, buf, op, ranks):
-        b, (x,) = self._pick("allreduce", _nbytes(buf), ranks, buf)
-        return b.allreduce(x, op, ranks)
-
-    def bcast(self, buf, root, ranks):
-        b, (x,) = self._pick("bcast", _nbytes(buf), ranks, buf)
-        return b.bcast(x, root, ranks)
-
-    def reduce(self, buf, root, ranks, op="sum"):
-        b, (x,) = self._pick("reduce", _nbytes(buf), ranks, buf)
-        return b.reduce(x, root, ranks, op)
-
-    def allgatherv(self, sendbuf, recvbuf, counts, ranks):
-        b, (s, r) = self._pick("allgather", _total(counts, sendbuf), ranks, sendbuf, recvbuf)
-        return b.allgatherv(s, r, counts, ranks)
-
-    def reduce_scatterv(self, sendbuf, recvbuf, counts, op, ranks):
-        b, (s, r) = self._pick("reduce_scatter", _total(counts, sendbuf), ranks, sendbuf, recvbuf)
-        return b.reduce_scatterv(s, r, counts, op, ranks)
-
-    def alltoall(self, sendbuf, recvbuf, ranks):
-        b, (s, r) = self._pick("alltoall", _nbytes(sendbuf), ranks, sendbuf, recvbuf)
-        return b.alltoall(s, r, ranks)
-
-    def gatherv(self, sendbuf, recvbuf, counts, root, ranks):
-        b, (s, r) = self._pick("gather", _total(counts, sendbuf), ranks, sendbuf, recvbuf)
-        return b.gatherv(s, r, counts, root, ranks)
-
-    def scatterv(self, sendbuf, recvbuf, counts, root, ranks):
-        b, (s, r) = self._pick("scatter", _total(counts, recvbuf), ranks, sendbuf, recvbuf)
-        return b.scatterv(s, r, counts, root, ranks)
-
-    def ibarrier(self, ranks):
-        return self.mpi.ibarrier(ranks)
-
     def flush(self):
         self.torch.flush()
 
     def wait_all(self, works, deadline):
-        """Polls the MPI works (MPI progresses only inside MPI calls, so a blocking torch wait
-        would stall MPI work a peer may be waiting for) while torch's block on its waiter
-        thread (backends/torch_dist.py), then raises the first error of either."""
+        """Torch's works block on waiter threads while this thread polls the MPI works (MPI
+        progresses only inside MPI calls, so a blocking torch wait would stall MPI work a peer
+        may be waiting for); the first error of either raises. A paced send is issued first
+        (`force`): then it is the one or the other."""
         self.flush()
-        tw = [w for w in works if hasattr(w, "work")]
-        mw = [w for w in works if not hasattr(w, "work")]
+        for w in works:
+            if isinstance(w, pacing.Paced):
+                w.force()
+        tw = [w for w in works if hasattr(w, "work") and not (isinstance(w, pacing.Paced) and w.work is None)]
+        mw = [w for w in works if w not in tw]
         if not tw:
             return wait_polling(mw, deadline, self.rank, self.timeout)
-        wait_threads(self, mw, self.torch.wait_async(tw, deadline), deadline)
-        finish_all(tw)
+        self.torch.wait_all(tw, deadline, polled=mw)
 
     def allgather_obj(self, obj, deadline, tag=None, accept=None, ranks=None):
         return self.mpi.allgather_obj(obj, deadline, tag, accept, ranks)
@@ -144,39 +101,3 @@ class MixedBackend(Backend):
     def close(self):
         pass            # the context closes the two members
 
-
-def _is_torch(x) -> bool:
-    return type(x).__module__.startswith("torch")
-
-
-def _device(bufs) -> str:
-    return "cuda" if any(_is_torch(x) and x.device.type == "cuda" for x in bufs) else "cpu"
-
-
-def _itemsize(x) -> int:
-    return x.element_size() if _is_torch(x) else x.itemsize
-
-
-def _nbytes(x) -> int:
-    return x.numel() * x.element_size() if _is_torch(x) else x.nbytes
-
-
-def _total(counts, like) -> int:
-    return sum(int(c) for c in counts) * _itemsize(like)
-
-
-def _as_wire(x, b):
-    """`x` viewed (no copy) as the kind backend `b` takes: a NumPy array for MPI, a torch
-    tensor for torch. None stays None."""
-    if x is None or _is_torch(x) == (b.wire == "torch"):
-        return x
-    if b.wire == "torch":
-        return torch_of(x)
-    if x.device.type != "cpu":
-        raise TypeError(f"mixed chose {b.name} for a {x.device.type} tensor, which it cannot "
-                        "take without a copy; the tuning table should route device tensors to torch")
-    try:
-        return x.numpy()
-    except TypeError as e:
-        raise TypeError(f"mixed chose {b.name} for a {x.dtype} tensor, which NumPy (and MPI) "
-                        f"cannot represent; route it to torch in the tuning table: {e}") from None

@@ -152,7 +152,6 @@ class MPIBackend(MPICollectives, Backend):
     name = "mpi"
     wire = "numpy"
     work_cls = MPIWork
-    persistent_calls = True
 
     def __init__(self, comm=None, timeout: float | None = None):
         MPI = mpi()
@@ -172,7 +171,7 @@ class MPIBackend(MPICollectives, Backend):
         self.gather_reduces = len(set(self.hosts)) == 1
         self.reduce_dtypes = mpi_reduce_dtypes(MPI.Get_library_version())
         _base.set_local_processes(self.hosts.count(self.hosts[self.rank]))
-        self.comm = timed_dup(base, deadline)
+        self.comm = self.world_group = timed_dup(base, deadline)
         self.meta = timed_dup(base, deadline)
         self.ctl = timed_dup(base, deadline)        # the control channel (meshcomm.runtime.control)
         self.arrive = timed_dup(base, deadline)     # "here" before a blocking creation (_create)
@@ -224,15 +223,6 @@ class MPIBackend(MPICollectives, Backend):
         wait_polling(works, deadline, self.rank, self.timeout, test_all=test_all)
 
     # -- collectives on sub-communicators ----------------------------------------------
-    def _group(self, ranks):
-        if len(ranks) == self.world_size:
-            return self.comm
-        try:
-            return self._groups[ranks]
-        except KeyError:
-            raise RuntimeError(f"rank {self.rank}: no communicator for ranks {ranks}; "
-                               "prepare_groups was not called for this plan") from None
-
     def bcast_p2p(self, ranks) -> bool:
         """Whether a broadcast over `ranks` goes as point-to-point sends (same answer on
         every member: each sees the same hosts; always under MESHCOMM_EMULATE_GBPS)."""
@@ -255,11 +245,7 @@ class MPIBackend(MPICollectives, Backend):
                 reqs = [comm.Isend(buf, dest=r, tag=tag) for r in ranks if r != root]
                 return MPIMultiWork(reqs, buf, what, tuple(r for r in ranks if r != root), self.rank)
             return MPIWork(comm.Irecv(buf, source=root, tag=tag), buf, what, (root,), self.rank)
-        sub = self._group(ranks)
-        req = sub.Ibcast(buf, root=ranks.index(root))
-        # in a collective any member may be the one missing: name them all
-        others = tuple(r for r in ranks if r != self.rank)
-        return MPIWork(req, buf, what, others, self.rank)
+        return self.bind("bcast", ranks, root=root)(buf)
 
     def _paced_bcast(self, pace, comm, buf, root, ranks, what, tag):
         works = []
@@ -271,16 +257,7 @@ class MPIBackend(MPICollectives, Backend):
         return pacing.AllOf(works, what, tuple(r for r in ranks if r != root))
 
     def reduce(self, buf, root, ranks, op="sum"):
-        MPI = mpi()
-        sub = self._group(ranks)
-        mop = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}[op]
-        i = ranks.index(root)
-        if self.rank == root:
-            req = sub.Ireduce(MPI.IN_PLACE, buf, op=mop, root=i)
-        else:
-            req = sub.Ireduce(buf, None, op=mop, root=i)
-        others = tuple(r for r in ranks if r != self.rank)
-        return MPIWork(req, buf, f"reduce in group {list(ranks)}", others, self.rank)
+        return self.bind("reduce", ranks, op=op, root=root)(buf)
 
     def prepare_groups(self, groups: Sequence[tuple[int, ...]], deadline):
         new = [g for g in groups if g not in self._groups and len(g) < self.world_size]

@@ -91,12 +91,6 @@ class Fence:
         if self.event is not None and stream is not None:
             stream.wait_event(self.event)
 
-    def synchronize(self) -> None:
-        """Block the host until the fenced work is done."""
-        stats["synchronize"] += 1
-        if self.event is not None:
-            self.event.synchronize()
-
 
 def record(stream) -> Fence:
     """A fence after everything issued so far on `stream`."""

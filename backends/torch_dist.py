@@ -227,15 +227,6 @@ class TorchBackend(TorchCollectives, Backend):
         self._batch.clear()
 
     # -- collectives -------------------------------------------------------------------
-    def _group(self, ranks):
-        if len(ranks) == self.world_size:
-            return None
-        try:
-            return self._groups[ranks]
-        except KeyError:
-            raise RuntimeError(f"rank {self.rank}: no process group for ranks {ranks}; "
-                               "prepare_groups was not called for this plan") from None
-
     # gloo (host tensors): a plan's broadcasts (the executor passes their tag) go point to
     # point from the root, and integer reduces gather to the root (collective_reduce_ok), so
     # a plan needs no process group: a Program of some processes is constructed by those
@@ -285,23 +276,22 @@ class TorchBackend(TorchCollectives, Backend):
                 kw["timeout"] = _td(max(deadline - time.monotonic(), 1e-3))
             self._groups[g] = self.dist.new_group(list(g), **kw)
 
-    def wait_all(self, works, deadline):
+    def wait_all(self, works, deadline, polled=()):
         """Blocking waits (gloo's point-to-point works say they are done only once waited
-        for), one waiter thread per work, while this thread polls the control channel
+        for), one waiter thread per work, while this thread tests the `polled` works (mixed:
+        MPI's, which progress only inside MPI calls) and polls the control channel
         (backends.base.WATCH) with the works still pending: a peer's error raises here
         within milliseconds, and a stalled wait names exactly the peers it still waits for."""
         self.flush()
         for w in works:
-            if w.work is None and isinstance(w, pacing.Paced):
+            if isinstance(w, pacing.Paced):
                 w.force()                       # a paced send not issued yet: wait for its slot
         live = [w for w in works if w.work is not None]
-        if not live:
-            return
-        if _base.WATCH is None:
+        if _base.WATCH is None and not polled:
             for w in live:
                 self._wait_one(w, deadline)
-        else:
-            _base.wait_threads(self, [], self.wait_async(live, deadline), deadline)
+        elif live or polled:
+            _base.wait_threads(self, list(polled), self.wait_async(live, deadline), deadline)
         _base.finish_all(live)
 
     def wait_async(self, works, deadline):

@@ -104,9 +104,6 @@ class TuningTable:
         return {"format": FORMAT, "rules": [r.to_dict() for r in self.rules],
                 "measurements": list(self.measurements)}
 
-    def backends(self) -> set[str]:
-        return {r.backend for r in self.rules} | {FALLBACK}
-
 
 @memo(maxsize=4096)
 def _lookup(table: TuningTable, op: str, nbytes: int, group_size: int, device) -> str:

@@ -241,7 +241,7 @@ def test_mpiexec_8_every_element_type_and_torch_tiles(tmp_path):
     pytest.param("none-after-tiles", "none_after_tiles_ok", 6, id="none-after-tiles"),
     # fixed: every call of an uneven gather agrees first (eager.eager(agree_always=))
     pytest.param("gather-size-one", "gather_size_one_ok", 5, id="gather-size-one"),
-    # fixed: a native call posts on its Program's own communicator (Backend.bind)
+    # fixed: a native call posts on its Program's own communicator (MPIBackend.bind)
     pytest.param("stale-broadcast", "stale_broadcast_ok", 2, id="stale-broadcast"),
     # fixed: a relayed run error is passed on to the processes waiting in that call
     pytest.param("relayed-error", "relayed_error_ok", 1, id="relayed-error"),

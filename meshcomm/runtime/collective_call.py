@@ -19,7 +19,6 @@ import numpy as np
 from .. import arrays, settings
 from .. import log as _log
 from ..backends import codec_cost
-from ..backends.base import issued
 
 from ..collectives.layouts import gather_sizes, groups, problem
 from ..layout import normalize_shape
@@ -191,12 +190,6 @@ class CollectiveKernel:
 
     def run(self, st, deadline, stamp=None):
         tiles, bare, kind, fences, out = st
-        if self._one is not None and stamp is None:      # one native call: post, wait
-            me, post = self._one[self.seq & 1]
-            works, fin = post(tiles.get(me), self.seq)
-            issued[self.native.key, self.req.op] += 1
-            self.native.prim.wait_all(works, deadline)
-            return fin(), None, kind, bare, out
         if self.native is not None:
             res = native_call.run(self.ctx, self.native, self.posts[self.seq & 1], self.req, self.prob, tiles,
                                   self.a.dtype, self.a.tile, deadline, stamp, self.seq)

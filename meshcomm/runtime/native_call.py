@@ -165,16 +165,16 @@ PERSISTENT_MAX_ALL_TO_ALL = 128 << 10
 
 def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, key, make_stamps, kind):
     """A Program's call as an MPI-4 persistent request over buffers of the Program's own
-    (`Backend.bind(bufs=)`): a run copies the tile in, starts it, and copies the result out
+    (`MPIBackend.bind(bufs=)`): a run copies the tile in, starts it, and copies the result out
     (a torch tile as bytes; a process without a tile gets one of the Program's `kind`).
     Chosen from agreed facts only (every member must: a persistent collective matches no
     non-blocking one); `poster`'s where the buffers would be too large. `make_stamps()`: the
     run numbers beside the call (`Stamps` of a rooted call, `Checked` of a symmetric one),
     made only where they do not travel in it."""
-    c = _call(ctx, req, g, me, dt, tile, shapes, "numpy")
+    c = _call(ctx, req, g, me, dt, tile, shapes)
     cap = PERSISTENT_MAX_ALL_TO_ALL if req.op == "all_to_all" else PERSISTENT_MAX
     counted = (key, req.op)
-    if c.whole > cap or not prim.persistent_calls:
+    if c.whole > cap:
         return _leaned(poster(ctx, prim, req, g, me, dt, tile, shapes, kind, comm, make_stamps), prim, me, counted)
     dtype = np.dtype(arrays.numpy_dtype(dt[0]))
     unit = dtype if c.typed else np.dtype(np.uint8)
@@ -306,12 +306,12 @@ def typed(dtype: np.dtype) -> bool:
     return dtype.kind in "iu" or dtype in (np.float32, np.float64)
 
 
-def _flat(v, wire, typed):
-    if wire == "numpy" and type(v) is np.ndarray:       # the common case, without conversions
+def _flat(v, typed):
+    if type(v) is np.ndarray:           # the common case, without conversions
         v = v.reshape(-1)
         return v if typed or v.dtype == np.uint8 else v.view(np.uint8)
     return to_wire(v.reshape(-1).contiguous() if arrays.is_torch(v) else np.ascontiguousarray(v).reshape(-1),
-                   wire, typed=typed)
+                   "numpy", typed=typed)
 
 
 def _copy(x):
@@ -322,7 +322,7 @@ def _copy(x):
 
 @dataclasses.dataclass(frozen=True)
 class _Call:
-    """One member's native call of a collective Program: `Backend.bind`'s `what` and
+    """One member's native call of a collective Program: `MPIBackend.bind`'s `what` and
     arguments, its buffers in units (elements of the dtype where `typed`, else bytes), what
     goes in and comes out."""
 
@@ -342,9 +342,9 @@ def _ranks(ctx, g) -> tuple:
     return tuple(sorted(ctx.ownership.rank_of(d) for d in g))
 
 
-def _call(ctx, req, g, me, dt, tile, shapes, wire) -> _Call:
+def _call(ctx, req, g, me, dt, tile, shapes) -> _Call:
     dtype = np.dtype(arrays.numpy_dtype(dt[0]))
-    typ = req.op in REDUCING or (wire == "numpy" and typed(dtype))
+    typ = req.op in REDUCING or typed(dtype)
     per = 1 if typ else dtype.itemsize          # units per tile element
     u = dtype.itemsize // per                   # bytes per unit
     k, i, tile = len(g), g.index(me), tuple(tile)
@@ -379,37 +379,37 @@ def _call(ctx, req, g, me, dt, tile, shapes, wire) -> _Call:
 
 def poster(ctx, prim, req, g, me, dt, tile, shapes, kind, comm=None, make_stamps=None):
     """A function of device `me`'s tile (None where this process has none) and the run's
-    number giving (works, fin): its call bound once (`Backend.bind`: group, counts, op, root
+    number giving (works, fin): its call bound once (`MPIBackend.bind`: group, counts, op, root
     checked; over MPI on `comm`, the Program's own communicator), only buffers made per run.
     The run's number: in buffers of the run's own for an all_reduce (runtime/trailers.py: its
     tile is copied in place anyway), else beside the call (`make_stamps()`: `Stamps` of a
     rooted call, `Checked` of a symmetric one: no copy of the tile)."""
-    c = _call(ctx, req, g, me, dt, tile, shapes, prim.wire)
-    wire, t, itemsize = prim.wire, c.typed, dt[1]
+    c = _call(ctx, req, g, me, dt, tile, shapes)
+    t, itemsize = c.typed, dt[1]
     ranks, unit = _ranks(ctx, g), np.dtype(arrays.numpy_dtype(dt[0]))
-    trail = wire == "numpy" and c.what == "allreduce" and trails(c, unit)
+    trail = c.what == "allreduce" and trails(c, unit)
     stamps = None if trail or make_stamps is None else make_stamps()
     f = prim.bind(c.what, ranks, comm, **c.kw)
     what = f"{req.op} in group {list(ranks)}"
 
     def empty(count, like):             # a buffer of `count` units
-        return empty_wire(count * itemsize if t else count, wire, like, typed_elems=count if t else None)
+        return empty_wire(count * itemsize if t else count, "numpy", like, typed_elems=count if t else None)
 
     def post(x, seq=0):
         like = x if x is not None else empty_like(kind, dt[0], "cpu")
         if trail:
             whole, _, put, take, tr, _ = trailed(c, unit, None, ranks, ctx.rank, what, fresh=True)
-            put(_flat(x, wire, t).reshape(c.mine))
+            put(_flat(x, t).reshape(c.mine))
             w = tr.post(seq, lambda: f(whole))           # in place
             if type(like) is np.ndarray:
                 return [w], _checked(lambda: {me: take()}, tr)
             return [w], _checked(lambda: {me: from_wire(take().reshape(-1), like, typed=t).reshape(c.shape)}, tr)
         if c.recv is None:              # in place: a copy of the tile, or the root's
-            res = _flat(_copy(x), wire, t) if c.fill else empty(c.send, like)
+            res = _flat(_copy(x), t) if c.fill else empty(c.send, like)
             args = (res,)
         else:
             res = empty(c.recv, like) if c.gets else None
-            args = (_flat(x, wire, t) if c.fill else None, res)
+            args = (_flat(x, t) if c.fill else None, res)
         w = f(*args) if stamps is None else stamps.post(seq, lambda: f(*args))
         if not c.gets:
             return [w], _checked(dict, stamps)

@@ -103,6 +103,10 @@ def alternating() -> tuning.TuningTable:
     return tuning.TuningTable(tuple(rules))
 
 
+TABLE_OP = {"allreduce": "allreduce", "reduce": "reduce", "bcast": "bcast", "allgatherv": "allgather",
+            "reduce_scatterv": "reduce_scatter", "alltoall": "alltoall", "gatherv": "gather", "scatterv": "scatter"}
+
+
 def interleave(ctx, rank, world, seed, stats, nops=32):
     mixed = MixedBackend(ctx.get_backend("mpi"), ctx.get_backend("torch"), alternating())
     rng = np.random.default_rng([seed, 99])
@@ -116,7 +120,10 @@ def interleave(ctx, rank, world, seed, stats, nops=32):
         cases.append(make_case(rng, prim, group, dtype, counts, "sum", k))
     for rnd, how in enumerate(("mixed", "per-backend")):
         mine = [c for c in cases if rank in c.group]
-        issued = [(c, *c.issue(mixed, rank, "numpy")) for c in mine]
+        issued = []
+        for c in mine:          # each on the member the table names (as a Program chooses at construction)
+            member = mixed.choose(TABLE_OP[c.prim], sum(c.counts) * np.dtype(c.dtype).itemsize, len(c.group), "cpu")
+            issued.append((c, *c.issue(member, rank, member.wire)))
         works = [w for _, w, _ in issued]
         if how == "mixed":
             mixed.wait_all(works, time.monotonic() + LONG)
