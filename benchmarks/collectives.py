@@ -10,7 +10,8 @@ implementations are timed interleaved within each round (same machine load for a
 `mc.Program.all_reduce(mesh, "x", shape=, dtype=, backend=)` and the others, constructed once
 per op and size before the timed calls, then run with nothing but data) and
 `eager[mpi|torch|mixed]` (the eager call, `mc.all_reduce(x, mesh, "x", backend=)`: its cached
-Program, constructed by the warm-up). `--calls N`: each measurement is N calls back to back
+Program, constructed by the warm-up), `program_out[mpi]` (the Program into a result buffer
+made once: `prog(x, out=buf)`; not in the default set). `--calls N`: each measurement is N calls back to back
 (the time per call; with 1, one call between barriers, where each process starts together).
 The geomean is printed over every op given and over the five the runtime's goal names
 (all_reduce, all_gather, reduce_scatter, broadcast, all_to_all). The MPI-based and the gloo-based implementations are
@@ -42,10 +43,10 @@ from meshcomm.tools.spmd import time_once              # noqa: E402
 # and slowed whatever ran right after it by up to 7x (measured: the eager meshcomm all_gather over MPI of
 # 4 MiB 6.8 ms alone, 45 ms right after gloo), which would charge one implementation for
 # another's leftovers.
-PHASES = (("mpi4py", "program[mpi]", "eager[mpi]", "program[mixed]", "eager[mixed]"),
+PHASES = (("mpi4py", "program[mpi]", "eager[mpi]", "program[mixed]", "eager[mixed]", "program_out[mpi]"),
           ("gloo", "program[torch]", "eager[torch]"))
-IMPLS = PHASES[0] + PHASES[1]
-MESHCOMM = tuple(k for k in IMPLS if k not in ("mpi4py", "gloo"))
+IMPLS = tuple(k for k in PHASES[0] + PHASES[1] if k != "program_out[mpi]")
+MESHCOMM = tuple(k for k in PHASES[0] + PHASES[1] if k not in ("mpi4py", "gloo"))
 ROOTED = ("broadcast", "reduce", "gather", "scatter")
 GOAL_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather", "scatter")
@@ -113,6 +114,10 @@ def impls(op, comm, x, n, rank, mesh, chosen):
         if f"program[{b}]" in chosen:
             prog = getattr(mc.Program, op)(mesh, "x", shape=x.shape, dtype=x.dtype, backend=b, **kw)
             out[f"program[{b}]"] = (lambda prog=prog: prog(x))
+        if f"program_out[{b}]" in chosen:      # into a buffer of the caller's, made once (out=)
+            prog = getattr(mc.Program, op)(mesh, "x", shape=x.shape, dtype=x.dtype, backend=b, **kw)
+            y = prog(x)
+            out[f"program_out[{b}]"] = (lambda prog=prog, o=None if y is None else np.empty_like(y): prog(x, out=o))
         out[f"eager[{b}]"] = (lambda b=b: fn(x, mesh, "x", backend=b, **kw))
     return out
 

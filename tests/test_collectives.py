@@ -194,6 +194,8 @@ def test_mpiexec_4_every_backend_async_mix_and_faults(tmp_path):
         assert r["repeat_ok"] == 7 * 3 and r["repeated_ops_ok"] == 3, r
         # Programs of every op and all_to_all_v, run many times, out= buffers used
         assert r["program_ok"] == 15 * 3 and r["program_out_used"] == r["program_out_tried"] == 2 * 3, r
+        # a bare out= (the lean run receives into it or copies in): every op with a result here
+        assert r["program_out_bare"] == 3 * (11 + {0: 2, 1: 1}.get(r["rank"], 0)), r
         assert r["eager_out_used"] == 8 * 2 * 3, r      # eager collectives' out= (8 cases, twice, 3 backends)
         # over MPI: errors in runs raise on every process (a part that completed at once: at
         # the process's next call), the context works afterwards

@@ -127,7 +127,8 @@ class CollectiveKernel:
         self.lean = None
         if self._one is not None and self._bare is not None and prob.scale == 1 and \
                 all(hasattr(post, "lean") for _, post in self._one):
-            self.lean = (self._bare[1], self._bare[2], tuple(post.lean for _, post in self._one), torch_unwrap)
+            self.lean = (self._bare[1], self._bare[2], tuple(post.lean for _, post in self._one), torch_unwrap,
+                         dict(prob.out_shapes).get(self.owned[0]))
         else:
             self.plan = plan(prob.shape, a.dtype[0], prob.src, prob.dst)
             comp = None if req.compression is None else codec_cost.resolve(

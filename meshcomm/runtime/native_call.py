@@ -216,8 +216,9 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, key, make_stamps, 
         return [w], _checked(lambda: {me: from_wire(take().reshape(-1).view(np.uint8), like).reshape(c.shape)},
                              stamps)
 
-    def post(x, seq):
-        """`run` of a NumPy tile, posted (a Program's lean run): the started request's Work."""
+    def post(x, seq, into=None):
+        """`run` of a NumPy tile, posted (a Program's lean run): the started request's Work
+        (an out= buffer `into` takes a copy of the result)."""
         issued[counted] += 1
         if fill:
             put(x)                      # of the agreed shape and dtype (the lean run checked)
@@ -237,28 +238,30 @@ def _leaned(post, prim, me, counted):
     run takes (a NumPy tile of the agreed shape and dtype): post gives the call's Work (an
     MPI request, tested bare), result the tile once it is done. A call of typed buffers into
     a receive buffer takes the tile as it is, with nothing around it (each layer of Python
-    costs: BENCHMARKS 5)."""
+    costs: BENCHMARKS 5), and receives into the caller's out= buffer where one is given
+    (`post(x, seq, into)`; the lean run checked it)."""
     c, f = post.call
     stamps = post.stamps
     if c.typed and c.recv is not None:
-        got = [None]
+        got = [None, None]              # the result's buffer, and out= where it is the caller's
 
-        def posted_plain(x, seq):
+        def posted_plain(x, seq, into=None):
             issued[counted] += 1
-            r = got[0] = np.empty(c.recv, x.dtype) if c.gets else None
+            r = got[0] = (np.empty(c.recv, x.dtype) if into is None else into.reshape(-1)) if c.gets else None
+            got[1] = into
             a = x.reshape(-1) if c.fill else None
             return f(a, r) if stamps is None else stamps.post(seq, lambda: f(a, r))
 
         def result_plain():
             if stamps is not None:
                 stamps.check()
-            r = got[0]
-            return None if r is None else r.reshape(c.shape)
+            r, into = got
+            return into if into is not None else None if r is None else r.reshape(c.shape)
         post.lean = (posted_plain, result_plain, prim, stamps is None)
         return post
     fin = [dict]
 
-    def posted(x, seq):
+    def posted(x, seq, into=None):
         issued[counted] += 1
         works, fin[0] = post(x, seq)
         return works[0]

@@ -42,6 +42,13 @@ __all__ = ["Program", "checking", "construct", "fail_together", "tags_of", "part
 GENERAL = object()        # the lean run declines: the general run takes it
 
 
+def _into(r, into):
+    """A lean run's result in the caller's out= buffer (received there, or copied in)."""
+    if r is not into:
+        into[...] = r
+    return into
+
+
 def _nothing():
     return None
 
@@ -78,8 +85,8 @@ class Program:
     def __call__(self, x=None, *more, async_op: bool = False, out=None, recv_counts=None):
         """Run it on this process's input `x` (all_to_all_v: `prog(x, send_counts, recv_counts=None)`)."""
         lean = self._lean
-        if lean is not None and out is None and not (more or async_op or _log.ON):
-            r = lean(x)
+        if lean is not None and not (more or async_op or _log.ON):
+            r = lean(x) if out is None else lean(x, into=out)
             if r is not GENERAL:
                 return r
         if more or recv_counts is not None:
@@ -116,15 +123,18 @@ class Program:
             r = self._go(ch, call, st, stamp)
         return k.finish(r)
 
-    def _lean_run(self, shape, dtype, fns, unwrap=None):
+    def _lean_run(self, shape, dtype, fns, unwrap=None, out_shape=None):
         """The lean run (`__call__`) of a kernel's `lean` (native_call.py, backends/lean.py): a
         bare NumPy tile of `shape` and `dtype` (shape None: no tile; other input by `unwrap(x)`:
         (tile or None, how the result goes back) or None); `fns`, per run parity: (post(tile,
         the run's place in the call sequence), result, primitive, whether the request is tested
         bare). Post, poll until about the wait's first look
         at the control channel (`base.LOOK_S`), take the result; a run not done by then waits
-        in the control context. Anything else (another tile, a peer's failure pending, this
-        Program failed): GENERAL, the general run. All it reads is bound once (BENCHMARKS 3)."""
+        in the control context. `into`: an out= buffer, taken where it is a NumPy array of
+        `out_shape` and `dtype` that can be written in place (C order, writable, apart from the
+        tile): the call receives into it, or the result is copied in. Anything else (another
+        tile, another out=, a peer's failure pending, this Program failed): GENERAL, the general
+        run, which checks and names what is wrong. All it reads is bound once (BENCHMARKS 3)."""
         ctx, pid, label, rec = self.ctx, self.id, self.label, control.RECORDER
         lock, ring, now, look = ctx._lock, rec.ring, time.time, base.LOOK_S
         acquire, release = lock.acquire, lock.release
@@ -139,10 +149,15 @@ class Program:
             r = run(x) if x is not None else run(None, True) if shape is None else GENERAL
             return r if r is GENERAL or wrap is None else wrap(r)
 
-        def run(x, tileless=False):
+        def run(x, tileless=False, into=None):
             # every step here is paid on each process of every run, and on a shared core
             # each is paid several times over in wall time (BENCHMARKS 5): one function, the
             # lock taken by hand, the run counter a cell, the record a tuple
+            if into is not None and (type(into) is not np.ndarray or into.shape != out_shape or
+                                     into.dtype != dtype or not into.flags.c_contiguous or
+                                     not into.flags.writeable or type(x) is not np.ndarray or
+                                     np.may_share_memory(into, x)):
+                return GENERAL
             if not tileless:
                 if type(x) is not np.ndarray:
                     return other(x)
@@ -165,7 +180,7 @@ class Program:
                 t0 = now()
                 failed = None
                 try:
-                    w = post(x, seq)
+                    w = post(x, seq) if into is None else post(x, seq, into)
                 except Exception as e:          # noqa: BLE001 - raised below, in the call's context
                     failed = e
                 else:                           # base.quick's loop, inline
@@ -187,7 +202,7 @@ class Program:
                                 ch.incident = set()
                             if ch.cheap and not runs & POLL_EVERY:
                                 ch.poll()       # a peer's report, raised at a later call
-                            return result()
+                            return result() if into is None else _into(result(), into)
                     except Exception as e:      # noqa: BLE001 - raised in the wait, named by the Work's test
                         try:
                             w.test()            # a failed request may be inactive now: keep MPI's error then
@@ -199,7 +214,7 @@ class Program:
                     if failed is not None:
                         raise failed
                     prim.wait_all(w.parts(), time.monotonic() + ctx.timeout)
-                    return result()
+                    return result() if into is None else _into(result(), into)
                 return self._in_call(ch, control.Call("run", pid, label, runs, seq), wait, check=False)
             finally:
                 release()

@@ -1348,6 +1348,15 @@ def program_api(ctx, backends, stats):
                 check_run(got, t, "out=")
                 stats["program_out_tried"] += 1
                 stats["program_out_used"] += all(got[d] is bufs[d] for d in owned)
+            # a bare out= buffer (the lean run receives into it, or copies in) where this process
+            # gets a result; two more runs on every process
+            want9 = getattr(mc, op)(tiles(9), m, axes, backend="local", **kw)
+            buf = np.full_like(want9[owned[0]], 7) if len(owned) == 1 and owned[0] in want9 else None
+            for it in (9, 10):
+                got = prog(mine(tiles(it)), out=buf) if buf is not None else prog(mine(tiles(it)))
+                want = getattr(mc, op)(tiles(it), m, axes, backend="local", **kw)
+                assert buf is None or (got is buf and exact(buf, want[owned[0]])), (what, "bare out=", it)
+            stats["program_out_bare"] += buf is not None
             assert ctx.programs == k + 1, (what, "runs constructed", ctx.programs - k - 1)
             if op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all") and owned:   # eager out=
                 t = tiles(8)
