@@ -192,9 +192,10 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, key, make_stamps, 
     res = send if recv is None else recv
     start = prim.bind(c.what, ranks, comm, bufs=(whole, recv), **kw)
     fill, gets = c.fill and c.send > 0, c.gets
+    view = None                         # the result in the request's buffer (no trailer)
     if put is None:
         src = send.view(dtype).reshape(c.mine) if fill else None
-        out = res.view(dtype).reshape(c.shape) if gets else None
+        out = view = res.view(dtype).reshape(c.shape) if gets else None
 
         def put(x):
             src[...] = x
@@ -224,10 +225,14 @@ def persistent(ctx, prim, req, g, me, dt, tile, shapes, comm, key, make_stamps, 
             put(x)                      # of the agreed shape and dtype (the lean run checked)
         return start() if stamps is None else stamps.post(seq, start)
 
-    def result():
-        """The lean run's result once its Work is done, or None where this process gets none."""
+    def result(into=None):
+        """The lean run's result once its Work is done (copied into out= `into` where given),
+        or None where this process gets none."""
         if stamps is not None:
             stamps.check()
+        if into is not None and view is not None:
+            into[...] = view
+            return into
         return take() if gets else None
     run.lean = (post, result, prim, stamps is None or trail)
     return run
@@ -252,7 +257,7 @@ def _leaned(post, prim, me, counted):
             a = x.reshape(-1) if c.fill else None
             return f(a, r) if stamps is None else stamps.post(seq, lambda: f(a, r))
 
-        def result_plain():
+        def result_plain(into=None):
             if stamps is not None:
                 stamps.check()
             r, into = got
@@ -266,7 +271,7 @@ def _leaned(post, prim, me, counted):
         works, fin[0] = post(x, seq)
         return works[0]
 
-    def result():
+    def result(into=None):
         return fin[0]().get(me)
     post.lean = (posted, result, prim, stamps is None)
     return post

@@ -202,7 +202,7 @@ class Program:
                                 ch.incident = set()
                             if ch.cheap and not runs & POLL_EVERY:
                                 ch.poll()       # a peer's report, raised at a later call
-                            return result() if into is None else _into(result(), into)
+                            return result() if into is None else _into(result(into), into)
                     except Exception as e:      # noqa: BLE001 - raised in the wait, named by the Work's test
                         try:
                             w.test()            # a failed request may be inactive now: keep MPI's error then
@@ -214,7 +214,7 @@ class Program:
                     if failed is not None:
                         raise failed
                     prim.wait_all(w.parts(), time.monotonic() + ctx.timeout)
-                    return result() if into is None else _into(result(), into)
+                    return result() if into is None else _into(result(into), into)
                 return self._in_call(ch, control.Call("run", pid, label, runs, seq), wait, check=False)
             finally:
                 release()
