@@ -261,6 +261,7 @@ def _leaned(post, prim, me, counted):
             if stamps is not None:
                 stamps.check()
             r, into = got
+            got[0] = got[1] = None      # held no longer than the caller holds it (its memory then serves the next run)
             return into if into is not None else None if r is None else r.reshape(c.shape)
         post.lean = (posted_plain, result_plain, prim, stamps is None)
         return post
@@ -272,7 +273,8 @@ def _leaned(post, prim, me, counted):
         return works[0]
 
     def result(into=None):
-        return fin[0]().get(me)
+        f, fin[0] = fin[0], dict        # the result held no longer than the caller holds it
+        return f().get(me)
     post.lean = (posted, result, prim, stamps is None)
     return post
 
