@@ -77,8 +77,9 @@ class MixedBackend(Backend):
         for w in works:
             if isinstance(w, pacing.Paced):
                 w.force()
-        tw = [w for w in works if hasattr(w, "work") and not (isinstance(w, pacing.Paced) and w.work is None)]
-        mw = [w for w in works if w not in tw]
+        tw, mw = [], []
+        for w in works:
+            (tw if hasattr(w, "work") and not (isinstance(w, pacing.Paced) and w.work is None) else mw).append(w)
         if not tw:
             return wait_polling(mw, deadline, self.rank, self.timeout)
         self.torch.wait_all(tw, deadline, polled=mw)

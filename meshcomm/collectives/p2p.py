@@ -164,11 +164,11 @@ class _Posted:
         return all(w.test() for w in works)
 
 
-def _cancelled(w) -> bool:
+def _cancelled(w, deadline) -> bool:
     """Cancel a posted receive of the data that its header says is of another size: True if it
-    took no message (MPI cancelled it), False if it took one (completed or truncated). A torch
-    receive cannot be cancelled: it is given up (backends.base.abandon, which lists it as a
-    work that may still match a later call), False."""
+    took no message (MPI cancelled it), False if it took one (completed or truncated; waited
+    for until `deadline`). A torch receive cannot be cancelled: it is given up
+    (backends.base.abandon, which lists it as a work that may still match a later call), False."""
     from meshcomm.backends import base
     req = getattr(w, "req", None)
     if req is None:
@@ -178,7 +178,11 @@ def _cancelled(w) -> bool:
     req.Cancel()
     st = MPI.Status()
     try:
-        req.Wait(st)
+        while not req.Test(st):
+            if time.monotonic() > deadline:
+                base.abandon([w])
+                return False
+            time.sleep(1e-4)
     except MPI.Exception:
         return False                    # matched the data, and too small for it: taken
     return st.Is_cancelled()
@@ -266,7 +270,7 @@ def recv(from_device: int, like, *, to_device: int | None = None, backend=None, 
             if np.array_equal(h, want) or _nbytes(h) == want_bytes:
                 prim.wait_all([wd], deadline)     # its data (or another tile's of its size: dropped)
                 return take(prim, buf, h)
-            if _cancelled(wd):                    # sized for another tile: taken anew and dropped
+            if _cancelled(wd, deadline):                    # sized for another tile: taken anew and dropped
                 return take(*data(h, deadline), h)
             check(h, "; its data was not taken" if getattr(wd, "req", None) is None else "")
         posted = ctx.run(post, True)
