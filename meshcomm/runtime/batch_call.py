@@ -19,7 +19,7 @@ from .. import log as _log
 from ..backends import batch as batch_exec
 from ..layout import Layout, normalize_shape
 from ..planning import plan_many
-from ..validate import check_layouts, check_out_buffer, check_tile_shapes, infer_shape, resolve_shape_dtype
+from ..validate import check_layouts, check_out_buffer, check_tile_shapes, resolve_shape_dtype
 from .agreement import layouts_fp, value
 from ..handle import Handle
 from .context import current, no_context
@@ -27,7 +27,7 @@ from .local_program import LocalKernel, fill_out, one_process
 from .eager import eager, lookup
 from .program import Program, checking, construct, new, outside, part, tags_of
 from .tiles import check_device, common_run, empty_like, facts_of, fit_of, numpy_views, torch_results
-from .reshard_call import local_input
+from .reshard_call import agreed_shape, local_input
 
 __all__ = ["program", "reshard_many", "normalize_batch"]
 
@@ -225,17 +225,7 @@ def _build(ctx, be, names, srcs, dsts, bucket_mb):
     def make(pid, metas, deadline):
         tensors = []
         for n in names:
-            shape = value(metas, f"shape:{n}")
-            if shape is None:
-                tiles = {}
-                for m in metas:
-                    tiles.update(m.extra.get("tiles", {}).get(n, {}))
-                shape = infer_shape(srcs[n], tiles, owner=lambda d: d // ctx.devices_per_process)
-                if shape is None:
-                    raise ValueError(f"tensor {n!r}: cannot infer the global shape from the src tiles of all "
-                                     "processes; pass shapes=")
-                for r, m in enumerate(metas):
-                    check_tile_shapes(m.extra.get("tiles", {}).get(n, {}), srcs[n].tiles(tuple(shape)), "src", rank=r)
+            shape = agreed_shape(metas, srcs[n], ctx.devices_per_process, n)
             dt = value(metas, f"dtype:{n}")
             if dt is None:
                 raise ValueError(f"tensor {n!r}: no process holds a src tile, so its dtype is unknown; pass dtypes=")

@@ -224,19 +224,31 @@ def _fields(src, dst, be, shp, dt, kind, devtype, compression) -> tuple:
             ("codec", codec_cost.agreement_key(compression)))
 
 
+def agreed_shape(metas, src, dpp, name=None) -> tuple:
+    """The global shape every process agreed on (field "shape", or "shape:<name>" of a batch's
+    tensor `name`), else inferred from every process's src tiles, which are checked against it
+    (a process without tiles learns it)."""
+    shape = value(metas, "shape" if name is None else f"shape:{name}")
+    if shape is not None:
+        return tuple(shape)
+    tiles_of = (lambda m: m.extra.get("tiles", {})) if name is None else \
+        (lambda m: m.extra.get("tiles", {}).get(name, {}))
+    tiles = {}
+    for m in metas:
+        tiles.update(tiles_of(m))
+    shape = infer_shape(src, tiles, owner=lambda d: d // dpp)
+    if shape is None:
+        raise ValueError(("" if name is None else f"tensor {name!r}: ") + "cannot infer the global shape from the "
+                         f"src tiles of all processes (devices {sorted(tiles)[:8]}); pass "
+                         + ("shape= to reshard" if name is None else "shapes="))
+    for r, m in enumerate(metas):
+        check_tile_shapes(tiles_of(m), src.tiles(tuple(shape)), "src", rank=r)
+    return tuple(shape)
+
+
 def _agreed(metas, src, dpp) -> Agreed:
     """Shape and dtype from every process's facts (a process without tiles learns them)."""
-    shape = value(metas, "shape")
-    if shape is None:
-        tiles = {}
-        for m in metas:
-            tiles.update(m.extra.get("tiles", {}))
-        shape = infer_shape(src, tiles, owner=lambda d: d // dpp)
-        if shape is None:
-            raise ValueError("cannot infer the global shape from the src tiles of all processes "
-                             f"(devices {sorted(tiles)[:8]}); pass shape= to reshard")
-        for r, m in enumerate(metas):
-            check_tile_shapes(m.extra.get("tiles", {}), src.tiles(tuple(shape)), "src", rank=r)
+    shape = agreed_shape(metas, src, dpp)
     dt = value(metas, "dtype")
     if dt is None:
         raise ValueError("no process holds a src tile, so the dtype is unknown; pass dtype=")
