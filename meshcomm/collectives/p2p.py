@@ -10,11 +10,13 @@ goes on tags of its own (`_tags`), so a receive given up (timed out) leaves no h
 that a later receive of the pair could take for its own. Sends and receives run in call order
 on the context's queue, asynchronous ones too (as every call does). An asynchronous call is
 only posted there and the queue goes on (its Handle waits for it; a receive's data buffer is
-sized by `like`, as torch's `irecv`), so two processes may exchange both ways in any order
-of posting and waiting, as with torch's `isend`/`irecv`. An asynchronous receive whose
-message has another size than `like` raises as a synchronous one does: over MPI the posted
-receive is cancelled and the data taken and dropped; over torch.distributed, which cancels
-nothing, the data is left (its sender may wait out the timeout) and the receive is given up.
+sized by `like`, as torch's `irecv`, where the data goes over MPI), so two processes may
+exchange both ways in any order of posting and waiting, as with torch's `isend`/`irecv`. An
+asynchronous receive whose message has another size than `like` raises as a synchronous one
+does (the posted receive is cancelled, the data taken and dropped). Over torch.distributed
+(gloo aborts the process on a message larger than its posted receive) a receive waits in the
+queue for its header, which gives the size: there, post the sends first, or send
+asynchronously first on both sides.
 Without a launcher both devices live in this process: `send` leaves a copy in a mailbox that
 `recv` takes.
 """
@@ -165,16 +167,12 @@ class _Posted:
 
 
 def _cancelled(w, deadline) -> bool:
-    """Cancel a posted receive of the data that its header says is of another size: True if it
-    took no message (MPI cancelled it), False if it took one (completed or truncated; waited
-    for until `deadline`). A torch receive cannot be cancelled: it is given up
-    (backends.base.abandon, which lists it as a work that may still match a later call), False."""
+    """Cancel a posted MPI receive of the data that its header says is of another size: True
+    if it took no message (cancelled), False if it took one (completed or truncated; waited for
+    until `deadline`, then given up: backends.base.abandon)."""
     from meshcomm.backends import base
-    req = getattr(w, "req", None)
-    if req is None:
-        base.abandon([w])
-        return False
     from mpi4py import MPI
+    req = w.req
     req.Cancel()
     st = MPI.Status()
     try:
@@ -252,12 +250,14 @@ def recv(from_device: int, like, *, to_device: int | None = None, backend=None, 
         prim_h.wait_all([wh], deadline)
         h = from_wire(hbuf, np.empty(0, np.int64))
         return take(*data(h, deadline), h)
-    if async_op:
+    want_bytes = _nbytes(want)
+    prim = be.choose("send", want_bytes, 2, "cpu")
+    if async_op and prim.name == "mpi":
         # both messages posted in call order, the data's sized by `like` (as torch's irecv), and
-        # the queue goes on: two processes may post their receives first, then their sends
-        want_bytes = _nbytes(want)
-        prim = be.choose("send", want_bytes, 2, "cpu")
-
+        # the queue goes on: two processes may post their receives first, then their sends. Not
+        # over gloo: a message larger than its posted receive aborts the process (pair.cc:
+        # "Received data size doesn't match expected size"), so there the receive waits in the
+        # queue for its header, which gives the size
         def post():
             hbuf, wh = header()
             buf = empty_wire(want_bytes, prim.wire, like_np)
@@ -272,12 +272,12 @@ def recv(from_device: int, like, *, to_device: int | None = None, backend=None, 
                 return take(prim, buf, h)
             if _cancelled(wd, deadline):                    # sized for another tile: taken anew and dropped
                 return take(*data(h, deadline), h)
-            check(h, "; its data was not taken" if getattr(wd, "req", None) is None else "")
+            check(h, "")
         posted = ctx.run(post, True)
         fut = _Posted(posted, 2)
         get = lambda: ctx.run(lambda: finish(posted.result()), False).result()    # noqa: E731
     else:
-        fut = ctx.run(go, False)
+        fut = ctx.run(go, async_op)
         get = fut.result
     if arrays.is_jax(like):
         import jax
