@@ -343,6 +343,10 @@ class Backend:
     world_size = 1
     timeout: float | None = None
     tag_ub = 1 << 29            # the largest tag a message may carry (MPI: the communicator's TAG_UB)
+    # a receive posted ahead for a message of another size can be taken back (MPI: cancelled,
+    # or truncated with an error); gloo aborts the process on a message larger than its receive
+    # ("Received data size doesn't match expected size", pair.cc), so it cannot
+    cancels_recv = False
     gather_reduces = False      # a reduce over 3+ ranks gathers to the root (MPI inside one host)
     hosts: list | None = None   # each rank's host, where the backend knows them (MPI)
 

@@ -151,6 +151,7 @@ def mpi_reduce_dtypes(library_version: str) -> tuple:
 class MPIBackend(MPICollectives, Backend):
     name = "mpi"
     wire = "numpy"
+    cancels_recv = True
     work_cls = MPIWork
 
     def __init__(self, comm=None, timeout: float | None = None):

@@ -251,13 +251,12 @@ def recv(from_device: int, like, *, to_device: int | None = None, backend=None, 
         h = from_wire(hbuf, np.empty(0, np.int64))
         return take(*data(h, deadline), h)
     want_bytes = _nbytes(want)
-    prim = be.choose("send", want_bytes, 2, "cpu")
-    if async_op and prim.name == "mpi":
+    prim = be.choose("send", want_bytes, 2, "cpu") if async_op else None
+    if prim is not None and prim.cancels_recv:
         # both messages posted in call order, the data's sized by `like` (as torch's irecv), and
-        # the queue goes on: two processes may post their receives first, then their sends. Not
-        # over gloo: a message larger than its posted receive aborts the process (pair.cc:
-        # "Received data size doesn't match expected size"), so there the receive waits in the
-        # queue for its header, which gives the size
+        # the queue goes on: two processes may post their receives first, then their sends. Only
+        # where a receive of another size can be taken back (Backend.cancels_recv: MPI); over
+        # gloo the receive waits in the queue for its header, which gives the size
         def post():
             hbuf, wh = header()
             buf = empty_wire(want_bytes, prim.wire, like_np)

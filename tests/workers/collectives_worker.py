@@ -455,7 +455,7 @@ def p2p(ctx, backends, stats):
         # both receives posted before both sends (the even rank waits for its send first, the
         # odd one for its receive): torch's irecv, isend, then wait, in either order. Where the
         # data goes over MPI (not gloo: a receive waits for its header there, p2p.py)
-        if ctx.backend_of(b).choose("send", 1_200_000, 2, "cpu").name == "mpi":
+        if ctx.backend_of(b).choose("send", 1_200_000, 2, "cpu").cancels_recv:
             rh = mc.recv(peer, np.empty(300_000, np.float32), backend=b, async_op=True)
             sh = mc.send(x + 1, peer, backend=b, async_op=True)
             if me % 2 == 0:
